@@ -1,0 +1,46 @@
+# The two commands of the README:
+#   make demo   sets everything up, then runs the SSD example on embedded data
+#   make test   sets everything up, then runs the test suite
+# PYTHON selects the interpreter; each interpreter gets its own venv, e.g.
+#   make test PYTHON=python3.12   (uses .venv-python3.12, NumPy 2)
+
+PYTHON ?= python3
+ifeq ($(PYTHON),python3)
+VENV ?= .venv
+else
+VENV ?= .venv-$(notdir $(PYTHON))
+endif
+PY := $(VENV)/bin/python
+WHEELS := build/wheels
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-all clean
+
+setup: $(STAMP)
+
+$(STAMP): setup.py Makefile tools/build_frozen_wheels.py tools/chainercv_patch/_nms_gpu_post.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade 'pip>=23' 'setuptools<70' wheel
+	$(PY) tools/build_frozen_wheels.py --wheel-dir $(WHEELS) --sdist-dir build/sdists
+	$(PY) -m pip install -q --find-links $(WHEELS) --only-binary chainer,chainercv \
+		--no-build-isolation -e '.[test]'
+	@# mpi4py needs an MPI library (Debian: openmpi-bin libopenmpi-dev); the
+	@# MPI tests are skipped without it.
+	-$(PY) -m pip install -q 'mpi4py>=3.1' || echo 'mpi4py not installed: MPI tests will be skipped'
+	$(PY) -c "import gradient_scaling, chainer, chainercv; print('chainer', chainer.__version__, 'chainercv', chainercv.__version__)"
+	touch $(STAMP)
+
+demo: setup
+	$(PY) scripts/demo.py
+
+# pytest's exit code 5 ("no tests collected") is a failure, not a pass.
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS); s=$$?; \
+	if [ $$s = 5 ]; then echo 'pytest collected no tests' >&2; exit 1; fi; exit $$s
+
+test-all: setup
+	$(MAKE) test PYTEST_ARGS='--run-slow $(PYTEST_ARGS)'
+
+clean:
+	rm -rf build .venv .venv-* *.egg-info

@@ -1,0 +1,49 @@
+"""gradient-scaling: per-tensor gradient scaling for mixed precision training.
+
+Chainer/CuPy implementation of Zhao et al., "Reducing Underflow in Mixed
+Precision Training by Gradient Scaling" (IJCAI 2020), with the S2FP8 format
+(Cambier et al., ICLR 2020) as a second low-precision method.
+
+chainer 7.8.1 and chainercv 0.13.1 are installed from wheels built by
+``tools/build_frozen_wheels.py`` (``make setup`` does it): their sdists do not
+build on current Pythons as they are.
+"""
+
+from setuptools import find_packages
+from setuptools import setup
+
+install_requires = [
+    'chainer==7.8.1',
+    'chainercv==0.13.1',
+    # Python 3.11 is tested with NumPy 1.26, Python 3.12 with NumPy 2.
+    'numpy>=1.24,<2; python_version < "3.12"',
+    'numpy>=2; python_version >= "3.12"',
+    'scipy>=1.10',
+    'matplotlib>=3.7',
+    'opencv-python-headless>=4.8,<4.12; python_version < "3.12"',
+    'opencv-python-headless>=4.10; python_version >= "3.12"',
+    'Pillow>=9',
+]
+
+extras_require = {
+    'test': [
+        'pytest>=7',
+        'ml_dtypes>=0.5.4',
+        'scikit-learn>=1.3',
+    ],
+    'mpi': ['mpi4py>=3.1'],
+    'gpu': ['cupy-cuda13x>=13'],
+}
+
+setup(
+    name='gradient-scaling',
+    version='0.1.0',
+    description='Gradient scaling for mixed precision training (Chainer)',
+    long_description=__doc__,
+    license='MIT',
+    python_requires='>=3.9',
+    packages=find_packages(include=['gradient_scaling', 'gradient_scaling.*',
+                                    'chainer_links', 'chainer_links.*']),
+    install_requires=install_requires,
+    extras_require=extras_require,
+)

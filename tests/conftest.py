@@ -1,0 +1,17 @@
+import gradient_scaling.compat  # NOQA: must precede any chainer import
+
+import pytest
+
+
+def pytest_addoption(parser):
+    parser.addoption('--run-slow', action='store_true',
+                     help='also run tests marked slow')
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption('--run-slow'):
+        return
+    skip_slow = pytest.mark.skip(reason='slow: pass --run-slow to run')
+    for item in items:
+        if 'slow' in item.keywords:
+            item.add_marker(skip_slow)
