@@ -1,0 +1,424 @@
+"""Tensor statistics for scale selection, on NumPy and CuPy.
+
+The scale rules of the paper need, per tensor, the standard deviation and
+largest magnitude of its values (GEMM rule, Theorem 1) and the mean and
+standard deviation of ``ln|x|`` over its non-zero values (softmax-cast rule,
+Theorem 2). :func:`tensor_statistics` computes all of them in one sweep and
+returns plain Python numbers:
+
+* on NumPy, chunk by chunk with float64 accumulators, so memory stays bounded
+  whatever the tensor's size, merging chunks with Chan et al.'s parallel
+  variance formula; ``ln|x|`` is taken in float32 for float16 and float32
+  inputs (as exact as the input, and ten times faster than float64);
+* on CuPy, with one CUDA kernel (declared once below) that reads the tensor
+  once and writes one row of partial sums per block, followed by a single
+  device-to-host transfer of those rows.
+
+.. admonition:: Example
+
+    >>> import numpy as np
+    >>> from gradient_scaling import statistics
+    >>> s = statistics.tensor_statistics(np.array([0, 1e-3, -1e-3, 4e-3]))
+    >>> s.count, s.nonzero, s.max_abs, round(s.std, 6)
+    (4, 3, 0.004, 0.001871)
+
+"""
+
+import collections
+import dataclasses
+import functools
+import math
+import typing
+
+import numpy
+
+
+# Elements per NumPy chunk: several float64 temporaries of this size stay in
+# the CPU caches, and per-chunk Python overhead stays under 1 ns per element.
+_CHUNK_SIZE = 2 ** 16
+
+
+def get_array_module(x):
+    """Returns :mod:`cupy` for CuPy arrays and :mod:`numpy` otherwise.
+
+    Unlike ``cupy.get_array_module`` this works, and imports nothing, when
+    CuPy is not installed.
+
+    Args:
+        x: Array or any object.
+
+    Returns:
+        module: :mod:`numpy` or :mod:`cupy`.
+
+    """
+    if type(x).__module__.split('.')[0] == 'cupy':
+        import cupy
+        return cupy
+    return numpy
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorStatistics(object):
+
+    """Summary statistics of one tensor.
+
+    Attributes:
+        count (int): Number of elements.
+        mean (float): Mean of the finite elements (0.0 if there are none).
+        std (float): Population standard deviation (``ddof=0``) of the
+            finite elements (0.0 if there are none).
+        max_abs (float): Largest magnitude among the finite elements (0.0 if
+            there are none).
+        nonzero (int): Number of finite non-zero elements.
+        log_mean (float or None): Mean of ``ln|x|`` over the finite non-zero
+            elements, 0.0 if there are none, ``None`` if not computed.
+            For float16 and float32 inputs the logarithms are single
+            precision (relative error ~1e-7), their sums double.
+        log_std (float or None): Population standard deviation of ``ln|x|``
+            over the same elements, 0.0 if there are none, ``None`` if not
+            computed.
+        n_nonfinite (int): Number of NaN and infinite elements. They are
+            excluded from every other statistic; scale rules refuse tensors
+            that have any.
+
+    """
+
+    count: int
+    mean: float
+    std: float
+    max_abs: float
+    nonzero: int
+    log_mean: typing.Optional[float]
+    log_std: typing.Optional[float]
+    n_nonfinite: int
+
+
+def tensor_statistics(x, log=True):
+    """Computes :class:`TensorStatistics` of an array in one sweep.
+
+    Integer and boolean arrays are converted to float64. On the GPU the
+    result comes back with a single device-to-host transfer.
+
+    Args:
+        x (numpy.ndarray or cupy.ndarray): Array of any shape.
+        log (bool): Whether to compute ``log_mean`` and ``log_std``, which
+            only the softmax-cast rule needs; they are ``None`` otherwise.
+
+    Returns:
+        TensorStatistics: The statistics as Python numbers.
+
+    """
+    xp = get_array_module(x)
+    x = xp.asarray(x)
+    if x.dtype.kind in 'biu':
+        x = x.astype(numpy.float64)
+    elif x.dtype.kind != 'f':
+        raise TypeError(
+            'tensor_statistics needs a real array (float, integer or bool), '
+            'got dtype {}'.format(x.dtype))
+    if xp is numpy:
+        # Sums of float64 values near their maximum may overflow; the
+        # statistics then read inf, which the scale rules refuse.
+        with numpy.errstate(over='ignore', invalid='ignore'):
+            return _numpy_statistics(x, log)
+    return _cupy_statistics(x, log)
+
+
+def max_abs(x):
+    """Returns the largest magnitude of an array.
+
+    Unlike :attr:`TensorStatistics.max_abs`, non-finite values take part:
+    the result is ``inf`` if the array has an infinity and NaN if it has a
+    NaN, which is what an overflow check wants.
+
+    Args:
+        x (numpy.ndarray or cupy.ndarray): Array of any shape.
+
+    Returns:
+        float: ``max(|x|)``, 0.0 for an empty array.
+
+    """
+    xp = get_array_module(x)
+    x = xp.asarray(x)
+    if x.size == 0:
+        return 0.0
+    if x.dtype == numpy.float16:
+        # Without the sign bit, float16 bit patterns order like magnitudes,
+        # and integer reductions are many times faster than NumPy's float16
+        # ones; patterns above that of inf are NaN.
+        bits = x.view(numpy.uint16) & numpy.uint16(0x7fff)
+        largest = int(bits.max())
+        if largest > 0x7c00:
+            return math.nan
+        return float(numpy.uint16(largest).view(numpy.float16))
+    # max and min avoid materialising |x|; both propagate NaN. They are
+    # widened before negation so unsigned and boolean arrays work too.
+    extremes = xp.stack([x.max(), x.min()]).astype(numpy.float64)
+    if xp is not numpy:
+        extremes = extremes.get()
+    high, low = extremes.tolist()
+    if math.isnan(high) or math.isnan(low):
+        return math.nan
+    return max(high, -low)
+
+
+# --------------------------------------------------------------------------
+# NumPy
+
+# Running (count, mean, sum of squared deviations) merged by Chan et al.'s
+# formula, which stays accurate however many chunks are combined.
+_Moments = collections.namedtuple('_Moments', ('n', 'mean', 'm2'))
+_NO_MOMENTS = _Moments(0, 0.0, 0.0)
+
+
+def _moments(values):
+    n = values.size
+    if n == 0:
+        return _NO_MOMENTS
+    values = values.astype(numpy.float64, copy=False)
+    mean = float(values.sum()) / n
+    deviation = values - mean
+    return _Moments(n, mean, float(numpy.dot(deviation, deviation)))
+
+
+def _merge(a, b):
+    if b.n == 0:
+        return a
+    if a.n == 0:
+        return b
+    n = a.n + b.n
+    delta = b.mean - a.mean
+    return _Moments(n, a.mean + delta * (b.n / n),
+                    a.m2 + b.m2 + delta * delta * (a.n * (b.n / n)))
+
+
+def _numpy_statistics(x, log):
+    flat = x.reshape(-1)  # copies only a non-contiguous array
+    values = logs = _NO_MOMENTS
+    largest = 0.0
+    n_nonfinite = 0
+    nonzero = 0
+    for start in range(0, flat.size, _CHUNK_SIZE):
+        chunk = flat[start:start + _CHUNK_SIZE]
+        if chunk.dtype == numpy.float16:
+            # NumPy computes float16 reductions and logs slowly.
+            chunk = chunk.astype(numpy.float32)
+        wide = chunk.astype(numpy.float64, copy=False)
+        # A finite sum proves every element finite (inf and NaN propagate
+        # through a sum), so the mask is built only when needed.
+        if not math.isfinite(float(wide.sum())):
+            finite = numpy.isfinite(chunk)
+            n_finite = int(numpy.count_nonzero(finite))
+            n_nonfinite += chunk.size - n_finite
+            if n_finite < chunk.size:
+                chunk, wide = chunk[finite], wide[finite]
+        if chunk.size == 0:
+            continue
+        values = _merge(values, _moments(wide))
+        largest = max(largest, float(wide.max()), -float(wide.min()))
+        is_nonzero = chunk != 0
+        n_nonzero = int(numpy.count_nonzero(is_nonzero))
+        nonzero += n_nonzero
+        if log and n_nonzero:
+            # ln|x| in the input's precision (float32 for float16 and
+            # float32, as on the GPU: ten times faster than float64 and as
+            # exact as the input), summed in float64.
+            magnitude = numpy.abs(
+                chunk if n_nonzero == chunk.size else chunk[is_nonzero])
+            logs = _merge(logs, _moments(numpy.log(magnitude, out=magnitude)))
+    return TensorStatistics(
+        count=int(x.size),
+        mean=values.mean,
+        std=math.sqrt(values.m2 / values.n) if values.n else 0.0,
+        max_abs=largest,
+        nonzero=nonzero,
+        log_mean=logs.mean if log else None,
+        log_std=(math.sqrt(logs.m2 / logs.n) if logs.n else 0.0)
+        if log else None,
+        n_nonfinite=n_nonfinite)
+
+
+# --------------------------------------------------------------------------
+# CuPy
+
+# Each thread sums its share of the tensor (grid-stride loop) shifted by the
+# first finite value it meets, so that sum((x-k)^2) - sum(x-k)^2/n does not
+# cancel when the mean is large compared with the spread; it turns the sums
+# into (count, mean, M2) once, and the block merges those with Chan et al.'s
+# formula into one row of _N_PARTIALS doubles; the host merges the rows.
+# float16 is read as raw bits and widened in the kernel, which needs no CUDA
+# headers.
+_N_PARTIALS = 8  # n_finite, mean, m2, max_abs, nonzero, log_mean, log_m2,
+#                  n_nonfinite
+_THREADS = 256
+
+_KERNEL_SOURCE = r'''
+__device__ inline float half_bits_to_float(unsigned short h) {
+    unsigned int sign = ((unsigned int)h & 0x8000u) << 16;
+    unsigned int exponent = ((unsigned int)h >> 10) & 0x1fu;
+    unsigned int mantissa = (unsigned int)h & 0x3ffu;
+    if (exponent == 0) {
+        /* zero or subnormal: mantissa * 2**-24, exact in float */
+        float f = (float)mantissa * 5.9604644775390625e-08f;
+        return sign ? -f : f;
+    }
+    if (exponent == 31) {
+        return __int_as_float(sign | 0x7f800000u | (mantissa << 13));
+    }
+    return __int_as_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+}
+
+__device__ inline bool is_finite(double v) {
+    return (v - v) == 0.0;  /* false for inf and NaN */
+}
+
+/* (count, shifted sum, shifted sum of squares) -> (count, mean, M2) */
+__device__ inline void finish_moments(double n, double shift, double s,
+                                      double ss, double* mean, double* m2) {
+    *mean = n > 0.0 ? shift + s / n : 0.0;
+    *m2 = n > 0.0 ? fmax(ss - s * s / n, 0.0) : 0.0;
+}
+
+/* Chan et al.: merge (nb, mb, m2b) into (*na, *ma, *m2a). */
+__device__ inline void merge_moments(double* na, double* ma, double* m2a,
+                                     double nb, double mb, double m2b) {
+    const double n = *na + nb;
+    if (nb == 0.0) return;
+    const double delta = mb - *ma;
+    *ma += delta * (nb / n);
+    *m2a += m2b + delta * delta * (*na * (nb / n));
+    *na = n;
+}
+
+extern "C" __global__ void tensor_statistics_kernel(
+        const IN_T* __restrict__ x, const long long n,
+        double* __restrict__ out) {
+    __shared__ double partial[8][THREADS];
+    double n_finite = 0.0, shift = 0.0, s = 0.0, ss = 0.0, largest = 0.0;
+    double nonzero = 0.0, log_shift = 0.0, log_s = 0.0, log_ss = 0.0;
+    double n_nonfinite = 0.0;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+            i < n; i += stride) {
+        const double v = LOAD(x[i]);
+        if (!is_finite(v)) {
+            n_nonfinite += 1.0;
+            continue;
+        }
+        if (n_finite == 0.0) shift = v;
+        const double d = v - shift;
+        const double a = fabs(v);
+        n_finite += 1.0;
+        s += d;
+        ss += d * d;
+        largest = fmax(largest, a);
+        if (a != 0.0) {
+            if (WITH_LOG) {
+                const double l = LOG(a);
+                if (nonzero == 0.0) log_shift = l;
+                log_s += l - log_shift;
+                log_ss += (l - log_shift) * (l - log_shift);
+            }
+            nonzero += 1.0;
+        }
+    }
+    const unsigned int t = threadIdx.x;
+    partial[0][t] = n_finite;
+    finish_moments(n_finite, shift, s, ss, &partial[1][t], &partial[2][t]);
+    partial[3][t] = largest;
+    partial[4][t] = nonzero;
+    finish_moments(WITH_LOG ? nonzero : 0.0, log_shift, log_s, log_ss,
+                   &partial[5][t], &partial[6][t]);
+    partial[7][t] = n_nonfinite;
+    __syncthreads();
+    for (unsigned int half = blockDim.x / 2; half > 0; half >>= 1) {
+        if (t < half) {
+            const unsigned int u = t + half;
+            merge_moments(&partial[0][t], &partial[1][t], &partial[2][t],
+                          partial[0][u], partial[1][u], partial[2][u]);
+            partial[3][t] = fmax(partial[3][t], partial[3][u]);
+            /* the log moments are counted by nonzero, merged afterwards */
+            double log_count = partial[4][t];
+            merge_moments(&log_count, &partial[5][t], &partial[6][t],
+                          WITH_LOG ? partial[4][u] : 0.0, partial[5][u],
+                          partial[6][u]);
+            partial[4][t] += partial[4][u];
+            partial[7][t] += partial[7][u];
+        }
+        __syncthreads();
+    }
+    if (t < 8) {
+        out[(long long)blockIdx.x * 8 + t] = partial[t][0];
+    }
+}
+'''
+
+# How each input dtype is read and how ln|x| is taken: in float for float16
+# and float32 (accurate to its ulp, as exact as the input), in double for
+# float64.
+_KERNEL_TYPES = {
+    'float16': ('unsigned short', '((double)half_bits_to_float(v))',
+                '((double)logf((float)(a)))'),
+    'float32': ('float', '((double)(v))', '((double)logf((float)(a)))'),
+    'float64': ('double', '(v)', 'log(a)'),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _statistics_kernel(dtype_name, with_log):
+    import cupy
+    in_type, load, log = _KERNEL_TYPES[dtype_name]
+    defines = (
+        '#define IN_T {}\n#define LOAD(v) {}\n#define LOG(a) {}\n'
+        '#define WITH_LOG {}\n#define THREADS {}\n').format(
+            in_type, load, log, int(with_log), _THREADS)
+    return cupy.RawKernel(defines + _KERNEL_SOURCE,
+                          'tensor_statistics_kernel')
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessor_count(device_id):
+    import cupy
+    return cupy.cuda.Device(device_id).attributes['MultiProcessorCount']
+
+
+def _cupy_statistics(x, log):
+    import cupy
+    n = int(x.size)
+    if n == 0:
+        return _combine_partials(numpy.zeros(_N_PARTIALS), n, log)
+    x = cupy.ascontiguousarray(x)
+    # A few blocks per multiprocessor hide memory latency; more would only
+    # lengthen the host-side merge.
+    blocks = max(1, min(-(-n // _THREADS),
+                        8 * _multiprocessor_count(x.device.id)))
+    out = cupy.empty(blocks * _N_PARTIALS, dtype=numpy.float64)
+    kernel = _statistics_kernel(x.dtype.name, bool(log))
+    if x.dtype == numpy.float16:
+        x = x.view(numpy.uint16)
+    kernel((blocks,), (_THREADS,), (x, numpy.int64(n), out))
+    return _combine_partials(out.get(), n, log)
+
+
+def _combine_partials(out, count, log):
+    rows = out.reshape(-1, _N_PARTIALS)
+
+    def merge(counts, means, m2s):
+        # Exact merge of groups: total M2 = sum of the groups' M2 plus their
+        # spread around the overall mean.
+        used = counts > 0
+        counts, means, m2s = counts[used], means[used], m2s[used]
+        total = counts.sum()
+        if total == 0:
+            return 0, 0.0, 0.0
+        mean = float((counts * means).sum() / total)
+        m2 = float(m2s.sum() + (counts * (means - mean) ** 2).sum())
+        return int(total), mean, math.sqrt(max(m2, 0.0) / total)
+
+    n_finite, mean, std = merge(rows[:, 0], rows[:, 1], rows[:, 2])
+    nonzero, log_mean, log_std = merge(rows[:, 4], rows[:, 5], rows[:, 6])
+    return TensorStatistics(
+        count=count, mean=mean, std=std, max_abs=float(rows[:, 3].max()),
+        nonzero=nonzero, log_mean=log_mean if log else None,
+        log_std=log_std if log else None,
+        n_nonfinite=int(rows[:, 7].sum()))

@@ -1,0 +1,250 @@
+"""Tests of gradient_scaling.statistics against plain float64 NumPy."""
+
+import math
+
+import numpy
+import pytest
+
+from gradient_scaling import statistics
+
+
+CHUNK = statistics._CHUNK_SIZE
+
+
+def _reference(x, log=True):
+    """Straightforward float64 statistics, the definition under test."""
+    dtype = numpy.float64 if numpy.asarray(x).dtype.itemsize > 4 or \
+        numpy.asarray(x).dtype.kind != 'f' else numpy.float32
+    x = numpy.asarray(x).astype(numpy.float64).ravel()
+    finite = x[numpy.isfinite(x)]
+    nonzero = finite[finite != 0]
+    logs = numpy.log(numpy.abs(nonzero))
+    return dict(
+        count=x.size,
+        mean=finite.mean() if finite.size else 0.0,
+        std=finite.std() if finite.size else 0.0,
+        max_abs=numpy.abs(finite).max() if finite.size else 0.0,
+        nonzero=nonzero.size,
+        log_mean=(logs.mean() if logs.size else 0.0) if log else None,
+        log_std=(logs.std() if logs.size else 0.0) if log else None,
+        n_nonfinite=x.size - finite.size, dtype=dtype)
+
+
+def _assert_close(stats, expected, rtol=1e-12, log_rtol=None):
+    assert isinstance(stats, statistics.TensorStatistics)
+    for key in ('count', 'nonzero', 'n_nonfinite'):
+        got = getattr(stats, key)
+        assert type(got) is int and got == expected[key], key
+    assert stats.max_abs == expected['max_abs']  # no arithmetic involved
+    assert type(stats.max_abs) is float
+    # The mean of values with either sign cancels; its error is relative to
+    # the spread, not to itself.
+    assert stats.mean == pytest.approx(
+        expected['mean'], rel=rtol, abs=rtol * expected['std'])
+    assert stats.std == pytest.approx(expected['std'], rel=rtol)
+    if expected['log_mean'] is None:
+        assert stats.log_mean is None and stats.log_std is None
+    else:
+        # Single-precision inputs get single-precision logarithms.
+        log_rtol = log_rtol or (rtol if expected['dtype'] == numpy.float64
+                                else max(rtol, 1e-6))
+        assert stats.log_mean == pytest.approx(
+            expected['log_mean'], rel=log_rtol,
+            abs=log_rtol * expected['log_std'])
+        assert stats.log_std == pytest.approx(expected['log_std'],
+                                              rel=log_rtol)
+
+
+def _gradient_like(n, rng, dtype=numpy.float64):
+    # Log-uniform magnitudes over 20 decades, random signs, 10% zeros.
+    x = rng.choice([-1.0, 1.0], n) * 10.0 ** rng.uniform(-14, 6, n)
+    x[rng.random(n) < 0.1] = 0
+    return x.astype(dtype)
+
+
+@pytest.mark.parametrize('n', [1, 2, CHUNK - 1, CHUNK, CHUNK + 1,
+                               3 * CHUNK + 7])
+@pytest.mark.parametrize('dtype', [numpy.float64, numpy.float32])
+def test_matches_reference_across_chunk_boundaries(n, dtype):
+    x = _gradient_like(n, numpy.random.default_rng(n), dtype)
+    _assert_close(statistics.tensor_statistics(x), _reference(x))
+
+
+def test_many_small_chunks(monkeypatch):
+    monkeypatch.setattr(statistics, '_CHUNK_SIZE', 7)
+    rng = numpy.random.default_rng(0)
+    x = 3.0 + rng.normal(0, 2, 1000)
+    x[::13] = 0
+    x[5] = numpy.nan
+    x[500:507] = numpy.inf  # one whole chunk non-finite
+    _assert_close(statistics.tensor_statistics(x), _reference(x))
+
+
+def test_non_finite_values_are_counted_and_excluded():
+    x = numpy.array([1.0, numpy.nan, -2.0, numpy.inf, 0.0, -numpy.inf, 4.0])
+    stats = statistics.tensor_statistics(x)
+    assert stats.n_nonfinite == 3
+    assert stats.count == 7 and stats.nonzero == 3
+    assert stats.mean == pytest.approx(0.75)
+    assert stats.std == pytest.approx(math.sqrt(4.6875))
+    assert stats.max_abs == 4.0
+    logs = numpy.log([1.0, 2.0, 4.0])
+    assert stats.log_mean == pytest.approx(logs.mean())
+    assert stats.log_std == pytest.approx(logs.std())
+
+
+def test_float64_sum_overflow_is_not_mistaken_for_non_finite():
+    # The sum overflows although every element is finite.
+    x = numpy.full(4, 1e308)
+    stats = statistics.tensor_statistics(x)
+    assert stats.n_nonfinite == 0
+    assert stats.max_abs == 1e308
+    assert stats.nonzero == 4
+
+
+@pytest.mark.parametrize('x', [
+    numpy.zeros(0), numpy.zeros((3, 0)), numpy.zeros(5),
+    numpy.array([numpy.nan, numpy.inf])])
+def test_no_finite_non_zeros(x):
+    stats = statistics.tensor_statistics(x)
+    assert stats.count == x.size
+    assert (stats.mean, stats.std, stats.max_abs, stats.nonzero) == (
+        0.0, 0.0, 0.0, 0)
+    assert (stats.log_mean, stats.log_std) == (0.0, 0.0)
+    assert stats.n_nonfinite == numpy.count_nonzero(~numpy.isfinite(x))
+
+
+def test_single_non_zero():
+    stats = statistics.tensor_statistics(numpy.array([-3e-9], numpy.float32))
+    assert stats.std == 0.0 and stats.log_std == 0.0
+    assert stats.mean == float(numpy.float32(-3e-9))
+    assert stats.log_mean == pytest.approx(math.log(3e-9), rel=1e-7)
+
+
+def test_log_false_skips_log_statistics():
+    x = _gradient_like(1000, numpy.random.default_rng(1))
+    stats = statistics.tensor_statistics(x, log=False)
+    _assert_close(stats, _reference(x, log=False))
+
+
+@pytest.mark.parametrize('dtype', [numpy.float16, numpy.int32, numpy.uint8,
+                                   numpy.bool_])
+def test_other_dtypes_are_widened(dtype):
+    rng = numpy.random.default_rng(2)
+    x = (rng.normal(0, 50, 3000) if dtype != numpy.uint8
+         else rng.integers(0, 256, 3000)).astype(dtype)
+    _assert_close(statistics.tensor_statistics(x), _reference(x))
+
+
+def test_non_contiguous_input():
+    x = _gradient_like(60000, numpy.random.default_rng(3)).reshape(300, 200)
+    view = x.T[::2, 1::3]
+    _assert_close(statistics.tensor_statistics(view), _reference(view))
+
+
+def test_large_offset_does_not_cancel():
+    rng = numpy.random.default_rng(4)
+    x = 1e8 + rng.normal(0, 1, 3 * CHUNK + 1)
+    stats = statistics.tensor_statistics(x)
+    assert stats.std == pytest.approx(x.std(), rel=1e-9)
+    assert stats.std == pytest.approx(1.0, rel=0.01)
+
+
+def test_rejects_complex():
+    with pytest.raises(TypeError, match='complex128'):
+        statistics.tensor_statistics(numpy.ones(3, numpy.complex128))
+
+
+def test_statistics_are_immutable():
+    stats = statistics.tensor_statistics(numpy.ones(3))
+    with pytest.raises(AttributeError):
+        stats.mean = 2.0
+
+
+def test_max_abs():
+    assert statistics.max_abs(numpy.array([1.0, -7.5, 3.0])) == 7.5
+    assert statistics.max_abs(numpy.array([[2, 9]], numpy.uint8)) == 9.0
+    assert statistics.max_abs(numpy.array([False, True])) == 1.0
+    assert statistics.max_abs(numpy.zeros((0, 3))) == 0.0
+    assert statistics.max_abs(numpy.array([1.0, -numpy.inf])) == math.inf
+    assert math.isnan(statistics.max_abs(
+        numpy.array([numpy.inf, numpy.nan], numpy.float16)))
+    x = numpy.float32(-2.5) * numpy.ones((4, 5), numpy.float32)
+    assert statistics.max_abs(x[:, ::2]) == 2.5
+
+
+def test_max_abs_float16_all_patterns():
+    x = numpy.arange(2 ** 16).astype(numpy.uint16).view(numpy.float16)
+    finite = x[numpy.isfinite(x)]
+    for part in (finite, finite[:30000], finite[::-7], finite[-1000:]):
+        expected = float(numpy.abs(part.astype(numpy.float64)).max())
+        assert statistics.max_abs(part) == expected
+    assert statistics.max_abs(numpy.array([1, -numpy.inf], numpy.float16)) \
+        == math.inf
+    assert math.isnan(statistics.max_abs(x))
+
+
+def test_get_array_module_without_cupy():
+    assert statistics.get_array_module(numpy.ones(2)) is numpy
+    assert statistics.get_array_module([1, 2]) is numpy
+
+
+# ---------------------------------------------------------------------------
+# CuPy
+
+
+def _cupy_or_skip():
+    cupy = pytest.importorskip('cupy')
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip('no CUDA device')
+    except cupy.cuda.runtime.CUDARuntimeError:
+        pytest.skip('no CUDA device')
+    return cupy
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('dtype', [numpy.float16, numpy.float32,
+                                   numpy.float64, numpy.int32])
+@pytest.mark.parametrize('n', [0, 1, 1000, 3 * 1024 * 1024 + 5])
+@pytest.mark.parametrize('log', [True, False])
+def test_cupy_kernel_matches_numpy(dtype, n, log):
+    cupy = _cupy_or_skip()
+    rng = numpy.random.default_rng(n)
+    if dtype == numpy.int32:
+        x = rng.integers(-1000, 1000, n).astype(dtype)
+    else:
+        x = _gradient_like(n, rng) * (1e4 if dtype == numpy.float16 else 1)
+        x = x.astype(dtype)
+        if n > 10:
+            x[3] = numpy.nan
+            x[n // 2] = -numpy.inf
+    expected = statistics.tensor_statistics(x, log=log)
+    actual = statistics.tensor_statistics(cupy.asarray(x), log=log)
+    assert statistics.get_array_module(cupy.asarray(x)) is cupy
+    assert actual.count == expected.count
+    assert actual.nonzero == expected.nonzero
+    assert actual.n_nonfinite == expected.n_nonfinite
+    assert actual.max_abs == expected.max_abs
+    assert actual.mean == pytest.approx(
+        expected.mean, rel=1e-10, abs=1e-10 * expected.std)
+    assert actual.std == pytest.approx(expected.std, rel=1e-10)
+    if log:
+        # float16/float32 logarithms are taken in single precision.
+        rtol = 1e-10 if dtype in (numpy.float64, numpy.int32) else 1e-6
+        assert actual.log_mean == pytest.approx(
+            expected.log_mean, rel=rtol, abs=rtol)
+        assert actual.log_std == pytest.approx(
+            expected.log_std, rel=rtol, abs=rtol)
+    else:
+        assert actual.log_mean is None and actual.log_std is None
+
+
+@pytest.mark.gpu
+def test_cupy_non_contiguous_and_max_abs():
+    cupy = _cupy_or_skip()
+    x = _gradient_like(60000, numpy.random.default_rng(5)).reshape(300, 200)
+    view = x.T[::2, 1::3]
+    _assert_close(statistics.tensor_statistics(cupy.asarray(x).T[::2, 1::3]),
+                  _reference(view), rtol=1e-10)
+    assert statistics.max_abs(cupy.asarray(view)) == numpy.abs(view).max()
