@@ -65,14 +65,20 @@ def wrap_backward_once(func, wrapper):
     """Makes the next ``func.backward(...)`` call ``wrapper`` instead.
 
     ``backprop_step`` looks ``backward`` up on the instance, so an instance
-    attribute shadows the class method for exactly one call.  ``wrapper``
-    receives the class's bound method as its first argument.
+    attribute shadows the class method for one call.  ``wrapper`` receives
+    the method it wraps as its first argument: the class's bound method, or
+    a wrapper another hook installed earlier for this pass (wrappers nest,
+    the latest outermost; each call restores the one below it).
     """
-    class_backward = type(func).backward.__get__(func)
+    previous = func.__dict__.get('backward')
+    inner = previous or type(func).backward.__get__(func)
 
     def backward(target_input_indexes, grad_outputs):
-        del func.backward
-        return wrapper(class_backward, target_input_indexes, grad_outputs)
+        if previous is None:
+            func.__dict__.pop('backward', None)
+        else:
+            func.backward = previous
+        return wrapper(inner, target_input_indexes, grad_outputs)
 
     func.backward = backward
 

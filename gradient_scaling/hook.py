@@ -119,7 +119,9 @@ class GradientScaling(chainer.FunctionHook):
     paper used 100); in between, cached scales are reused, keyed by the
     weight parameter (GEMMs) or by traversal order (casts, branches).
 
-    If a gradient reaching a parameter is not finite, the step is skipped:
+    If a gradient reaching a parameter is not finite, the step is skipped
+    (and that layer's weight-gradient path is scaled down by
+    ``weight_backoff`` from then on):
     the update rules of the affected parameters are disabled until the next
     backward pass, :attr:`skipped` is ``True``, the statistics are refreshed
     at the next pass, and the overflow is counted.  After
@@ -157,6 +159,13 @@ class GradientScaling(chainer.FunctionHook):
             site on refresh passes (one more pass over the gradient).
         max_consecutive_overflows (int): Overflowing passes in a row before
             giving up with :class:`GradientOverflowError`.
+        weight_backoff (float): Factor by which a layer's weight-gradient
+            path is scaled down each time its weight or bias gradient
+            overflows (an extension of the paper, which scales only the
+            data path; the sum over a batch of gradients near
+            ``lambda_max`` overflows).
+        weight_growth_interval (int): Clean passes after which every
+            backoff is halved back towards 1.
 
     """
 
@@ -164,7 +173,8 @@ class GradientScaling(chainer.FunctionHook):
 
     def __init__(self, underflow_rate=1e-3, fmt='float16', update_interval=1,
                  target=None, cast_rule='softmax', apply_scales=True,
-                 measure_underflow=True, max_consecutive_overflows=10):
+                 measure_underflow=True, max_consecutive_overflows=10,
+                 weight_backoff=16.0, weight_growth_interval=1000):
         if not (isinstance(underflow_rate, (int, float))
                 and 0 < underflow_rate < 1):
             raise ValueError('underflow_rate must be in (0, 1), got {!r}'
@@ -186,6 +196,14 @@ class GradientScaling(chainer.FunctionHook):
         self.apply_scales = apply_scales
         self.measure_underflow = measure_underflow
         self.max_consecutive_overflows = max_consecutive_overflows
+        if not weight_backoff > 1:
+            raise ValueError('weight_backoff must be > 1, got {!r}'.format(
+                weight_backoff))
+        self.weight_backoff = float(weight_backoff)
+        self.weight_growth_interval = int(weight_growth_interval)
+        self._weight_scales = {}  # weight-path key -> backoff (< 1)
+        self._weight_path_of = {}  # id(parameter) -> weight-path key
+        self._clean_passes = 0
 
         self.iteration = 0  # backward passes seen
         self.overflow_count = 0
@@ -194,6 +212,7 @@ class GradientScaling(chainer.FunctionHook):
         self._last_refresh = None
         self._force_refresh = False
         self._scales = {}  # site key -> local scale
+        self._branch_signatures = {}  # branch key -> scales it unified
         self._records = {}  # site key -> SiteRecord
         self._param_names = None
         self._disabled_rules = []
@@ -267,7 +286,7 @@ class GradientScaling(chainer.FunctionHook):
 
     def end_backward(self):
         self.in_backward = False
-        grads = []
+        leaves = []
         for var in self._leaves:
             grad_var = var.grad_var
             if grad_var is None:
@@ -275,38 +294,69 @@ class GradientScaling(chainer.FunctionHook):
             # Chainer has just set every leaf's _loss_scale to the global
             # loss scale; the scale of its own gradient is the right one.
             var._loss_scale = internals.gradient_scale(grad_var)
-            grads.append(grad_var.array)
-        self._check_overflow(grads)
+            leaves.append(var)
+        self._check_overflow(leaves)
 
-    def _check_overflow(self, grads):
-        if not grads:
+    def _check_overflow(self, leaves):
+        if not leaves:
             return
+        grads = [var.grad_var.array for var in leaves]
         xp = backend.get_array_module(grads[0])
-        finite = xp.stack([xp.isfinite(g).all() for g in grads]).all()
-        if bool(finite):
+        finite = xp.stack([xp.isfinite(g).all() for g in grads])
+        if bool(finite.all()):
             self.consecutive_overflows = 0
+            self._clean_passes += 1
+            if self._clean_passes >= self.weight_growth_interval:
+                self._grow_weight_scales()
             return
+        finite = backend.CpuDevice().send(finite)
+        bad = [var for var, ok in zip(leaves, finite) if not ok]
         self.skipped = True
         self.overflow_count += 1
         self.consecutive_overflows += 1
+        self._clean_passes = 0
         self._force_refresh = True
+        self._back_off_weight_scales(bad)
         for var in self._leaves:
             rule = getattr(var, 'update_rule', None)
             if rule is not None and rule.enabled:
                 rule.enabled = False
                 self._disabled_rules.append(rule)
-        sites = ', '.join(getattr(self, '_nonfinite_sites', [])) or 'unknown'
+        names = sorted(set(self._nonfinite_sites)) or ['none']
+        params = sorted(self._parameter_name(v, None) for v in bad)
+        message = (
+            'non-finite gradients at backward pass {} in {} parameter(s) '
+            '({}); sites whose input was not finite: {}'.format(
+                self.iteration, len(bad), ', '.join(params[:8]),
+                ', '.join(names)))
         if self.consecutive_overflows >= self.max_consecutive_overflows:
             raise GradientOverflowError(
-                'non-finite gradients in {} consecutive backward passes '
-                '(sites with non-finite values at the last refresh: {}); '
-                'the loss or activations are probably not finite'.format(
-                    self.consecutive_overflows, sites))
-        warnings.warn(
-            'GradientScaling: non-finite gradient at backward pass {}; the '
-            'update is skipped and statistics are refreshed (overflows so '
-            'far: {}, sites: {})'.format(self.iteration, self.overflow_count,
-                                         sites), RuntimeWarning)
+                '{} consecutive backward passes overflowed; last: {}. The '
+                'loss or the activations are probably not finite.'.format(
+                    self.consecutive_overflows, message))
+        warnings.warn('GradientScaling: {}; the update is skipped (overflows '
+                      'so far: {})'.format(message, self.overflow_count),
+                      RuntimeWarning)
+
+    def _back_off_weight_scales(self, bad_params):
+        # The paper scales only the data path; the weight-gradient GEMM
+        # (and the bias sum) of a layer whose incoming gradient sits near
+        # lambda_max can still overflow. Such a layer's weight path learns a
+        # power-of-two backoff from the overflows it causes.
+        for var in bad_params:
+            key = self._weight_path_of.get(id(var))
+            if key is not None:
+                self._weight_scales[key] = max(
+                    self._weight_scales.get(key, 1.0) / self.weight_backoff,
+                    underflow.MIN_SCALE)
+
+    def _grow_weight_scales(self):
+        self._clean_passes = 0
+        for key, scale in list(self._weight_scales.items()):
+            if scale * 2 >= 1.0:
+                del self._weight_scales[key]
+            else:
+                self._weight_scales[key] = scale * 2
 
     # -- rules ------------------------------------------------------------
 
@@ -333,11 +383,15 @@ class GradientScaling(chainer.FunctionHook):
                 if record is not None:
                     self._measure(record, gx)
             if param_indexes:
-                # Line 6: the weight gradient keeps the incoming scale.
-                gxs = _select(class_backward(param_indexes, grad_outputs),
-                              param_indexes, len(function.inputs))
+                # Line 6: the weight gradient keeps the incoming scale,
+                # unless this layer's weight path learnt a backoff.
+                key = self._weight_path_key(function, param_indexes)
+                gamma = self._weight_scales.get(key, 1.0)
+                gxs = _select(class_backward(
+                    param_indexes, (_rescale(gy, gamma),)),
+                    param_indexes, len(function.inputs))
                 for i, gx in zip(param_indexes, gxs):
-                    result[i] = self._tag(gx, alpha)
+                    result[i] = self._tag(gx, alpha * gamma)
             return tuple(result[i] for i in indexes)
         return backward
 
@@ -397,25 +451,26 @@ class GradientScaling(chainer.FunctionHook):
         scales = [internals.gradient_scale(g) for g in grads]
         if len(set(scales)) == 1:
             return scales[0]
-        key = 'branch#{}|{}'.format(self._branch_count, ','.join(
-            repr(s) for s in scales))
+        name = 'branch#{}'.format(self._branch_count)
+        signature = ','.join(repr(x) for x in scales)
         self._branch_count += 1
-        cached = self._scales.get(key)
-        if cached is not None and not self._refresh:
+        cached = self._scales.get(name)
+        if (cached is not None and not self._refresh
+                and self._branch_signatures.get(name) == signature):
             return cached
         maxima = [statistics.max_abs(g.array) for g in grads]
         if not all(math.isfinite(m) for m in maxima):
-            self._nonfinite_sites.append(key.split('|')[0])
+            self._nonfinite_sites.append(name)
             common = max(scales)
         else:
             common = underflow.unify_scales_from_max(
                 zip(maxima, scales), self.fmt)
-        self._scales[key] = common
-        if self._refresh:
-            self._records[key] = SiteRecord(
-                name=key.split('|')[0], kind='branch', local_scale=1.0,
-                input_scale=max(scales), output_scale=common,
-                iteration=self.iteration)
+        self._scales[name] = common
+        self._branch_signatures[name] = signature
+        self._records[name] = SiteRecord(
+            name=name, kind='branch', local_scale=1.0,
+            input_scale=max(scales), output_scale=common,
+            iteration=self.iteration)
         return common
 
     # -- local scales -----------------------------------------------------
@@ -488,6 +543,15 @@ class GradientScaling(chainer.FunctionHook):
         return (in_dtype.kind == 'f' and out_dtype.kind == 'f'
                 and in_dtype.itemsize < out_dtype.itemsize)
 
+    def _weight_path_key(self, function, param_indexes):
+        weight = internals.parameter_of(function.inputs[1])
+        key = 'weight:' + self._parameter_name(weight, function.inputs[1])
+        for i in param_indexes:
+            param = internals.parameter_of(function.inputs[i])
+            if param is not None:
+                self._weight_path_of[id(param)] = key
+        return key
+
     # -- naming -----------------------------------------------------------
 
     def _gemm_site(self, function):
@@ -554,11 +618,31 @@ class GradientScaling(chainer.FunctionHook):
         self._last_refresh = None if int(last) < 0 else int(last)
         self._force_refresh = bool(serializer('force_refresh',
                                               self._force_refresh))
+        self._clean_passes = int(serializer('clean_passes',
+                                            self._clean_passes))
         if isinstance(serializer, chainer.serializer.Deserializer):
             keys = serializer('scale_keys', None)
             values = serializer('scale_values', None)
             self._scales = {str(k): float(v) for k, v in zip(keys, values)}
+            keys = serializer('weight_scale_keys', None)
+            values = serializer('weight_scale_values', None)
+            self._weight_scales = {str(k): float(v)
+                                   for k, v in zip(keys, values)}
+            keys = serializer('branch_keys', None)
+            values = serializer('branch_signatures', None)
+            self._branch_signatures = {str(k): str(v)
+                                       for k, v in zip(keys, values)}
         else:
+            keys = list(self._branch_signatures)
+            serializer('branch_keys', numpy.array(keys, dtype=numpy.str_))
+            serializer('branch_signatures', numpy.array(
+                [self._branch_signatures[k] for k in keys],
+                dtype=numpy.str_))
+            keys = list(self._weight_scales)
+            serializer('weight_scale_keys', numpy.array(keys,
+                                                        dtype=numpy.str_))
+            serializer('weight_scale_values', numpy.array(
+                [self._weight_scales[k] for k in keys], dtype=numpy.float64))
             if self.target is None and self._scales:
                 warnings.warn('GradientScaling without target= keys GEMM '
                               'scales by object id; they cannot be restored '

@@ -1,0 +1,388 @@
+"""Low-precision training simulated on an FP32 model.
+
+Real mixed precision on these CPUs is 60-115x slower than FP32 (DESIGN.md,
+4), so experiments run an FP32 model under a function hook that rounds, to
+the target format, every value mixed precision training stores in it: the
+operands and results of each GEMM (``Linear``, ``Convolution2D``/``ND``,
+``Deconvolution2D``/``ND``) in the forward pass, and the gradients entering
+and leaving it in the backward pass. The GEMM itself, its accumulation,
+BatchNormalization, softmax, the loss and the optimizer stay FP32.
+
+:class:`GemmSimulation` holds the mechanism, parameterised by its
+:meth:`~GemmSimulation.truncate` method; :class:`LowPrecisionSimulation`
+rounds to a :mod:`~gradient_scaling.formats` format and
+:class:`~gradient_scaling.s2fp8.S2FP8Simulation` to S2FP8.
+
+How (Chainer 7.8.1):
+
+* ``forward_preprocess`` of a GEMM node installs a one-shot wrapper on the
+  instance's ``forward`` (``FunctionNode.apply`` calls it right after the
+  hooks): it rounds the inputs into new arrays, runs the class forward on
+  them and rounds the outputs. The backward of these functions reads its
+  operands with ``get_retained_inputs()``, which would give the original
+  input Variables, so the node also gets an instance-level
+  ``get_retained_inputs`` that returns the rounded arrays of the inputs the
+  function retains (x and W; not b). The weight gradient is therefore the
+  FP32 GEMM of the rounded ``x`` and gradient, as in mixed precision.
+* ``backward_preprocess`` of a GEMM node installs, through
+  :func:`gradient_scaling._chainer_internals.wrap_backward_once`, a wrapper
+  that rounds the incoming gradient, calls the wrapped backward and rounds
+  every gradient it returns (data, weight and bias) into new Variables that
+  keep the attributes :class:`~gradient_scaling.GradientScaling` set on them.
+  Entered after a ``GradientScaling`` hook (``with gs: with sim:``), this
+  wrapper is the outer one: GS scales inside it, so the gradients are
+  rounded after scaling, as they are in real mixed precision.
+* Functions applied *inside* a backward (the deconvolution computing a
+  convolution's data gradient, ``LinearGradData``, ...) also trigger
+  ``forward_preprocess``; the hook counts the backward steps it is inside
+  (``backward_preprocess`` .. ``backward_postprocess``) and leaves them
+  alone, since their operands and results are rounded at the GEMM node.
+
+Not supported: double backpropagation (refused), ChainerX arrays and static
+graphs (Chainer then bypasses ``forward``; nothing is rounded).
+"""
+
+import gradient_scaling.compat  # NOQA
+
+import dataclasses
+
+import numpy
+
+import chainer
+from chainer import backend
+
+from gradient_scaling import _chainer_internals as internals
+from gradient_scaling import formats
+from gradient_scaling.hook import _GEMM_TYPES
+
+_OPERAND_NAMES = ('x', 'W', 'b')
+_BIAS_INDEX = 2
+# Gradient Variable attributes GradientScaling reads back.
+_GRADIENT_ATTRIBUTES = (internals.SCALE_ATTRIBUTE,
+                        internals.SOFTMAX_ATTRIBUTE)
+
+
+@dataclasses.dataclass
+class UnderflowCount(object):
+
+    """Gradient values of one GEMM operand that rounding turned into zeros.
+
+    Attributes:
+        site (str): Link path (or parameter name) of the weight and the
+            function's class name.
+        operand (str): ``'x'``, ``'W'`` or ``'b'``: whose gradient.
+        nonzero (int): Non-zero gradient values before rounding, summed
+            over all backward passes measured.
+        underflowed (int): Those of them that rounded to zero.
+
+    """
+
+    site: str
+    operand: str
+    nonzero: int = 0
+    underflowed: int = 0
+
+    @property
+    def rate(self):
+        """Fraction of the non-zero values that underflowed (0 if none)."""
+        return self.underflowed / self.nonzero if self.nonzero else 0.0
+
+
+class GemmSimulation(chainer.FunctionHook):
+
+    """Rounds what surrounds every GEMM with :meth:`truncate`.
+
+    The base of :class:`LowPrecisionSimulation` and
+    :class:`~gradient_scaling.s2fp8.S2FP8Simulation`; the module docstring
+    says how. Use it with ``with hook:`` around the forward and backward
+    passes of an FP32 model.
+
+    Args:
+        round_bias (bool): Round the bias entering the GEMM node too (it is
+            stored in the low-precision format in mixed16).
+        round_incoming_gradients (bool): Round the gradient of the GEMM's
+            output before the backward uses it.
+        measure_underflow (bool): Count, per GEMM and operand, the gradient
+            values that rounding turns into zeros (one more pass over each
+            gradient); see :meth:`underflow_report`.
+        target (~chainer.Link): Optional model, to name GEMMs by link path
+            in that report.
+
+    """
+
+    name = 'GemmSimulation'
+
+    def __init__(self, round_bias=True, round_incoming_gradients=True,
+                 measure_underflow=False, target=None):
+        self.round_bias = round_bias
+        self.round_incoming_gradients = round_incoming_gradients
+        self.measure_underflow = measure_underflow
+        self.target = target
+        self._backward_depth = 0
+        self._counts = {}
+        self._param_names = None
+
+    def truncate(self, array):
+        """Returns ``array`` rounded as it would be stored (a new array or
+        ``array`` itself, never modified)."""
+        raise NotImplementedError
+
+    # -- FunctionHook interface ------------------------------------------
+
+    def added(self, function=None):
+        self._backward_depth = 0
+
+    def deleted(self, function=None):
+        self._backward_depth = 0
+
+    def forward_preprocess(self, function, in_data):
+        if self._backward_depth == 0 and isinstance(function, _GEMM_TYPES):
+            _wrap_forward_once(function, self._gemm_forward(function))
+
+    def backward_preprocess(self, function, in_data, out_grad):
+        self._backward_depth += 1
+        if isinstance(function, _GEMM_TYPES):
+            if chainer.config.enable_backprop:
+                self._backward_depth -= 1
+                raise RuntimeError(
+                    '{} does not support double backpropagation '
+                    '(enable_double_backprop=True)'.format(self.name))
+            internals.wrap_backward_once(function,
+                                         self._gemm_backward(function))
+
+    def backward_postprocess(self, function, in_data, out_grad):
+        self._backward_depth -= 1
+
+    # -- wrappers ---------------------------------------------------------
+
+    def _gemm_forward(self, function):
+        def forward(inner, inputs):
+            rounded = tuple(
+                x if i == _BIAS_INDEX and not self.round_bias
+                else self.truncate(x) for i, x in enumerate(inputs))
+            outputs = inner(rounded)
+            retained = function._input_indexes_to_retain
+            if retained:
+                layouts = function.input_layouts
+                function.get_retained_inputs = _RetainedInputs(
+                    tuple(rounded[i] for i in retained),
+                    tuple(layouts[i] for i in retained))
+            return tuple(self.truncate(y) for y in outputs)
+        return forward
+
+    def _gemm_backward(self, function):
+        site = self._site_name(function) if self.measure_underflow else None
+        n_inputs = len(function.inputs)
+
+        def backward(inner, indexes, grad_outputs):
+            if self.round_incoming_gradients:
+                grad_outputs = tuple(
+                    None if g is None else _like(g, self.truncate(g.array))
+                    for g in grad_outputs)
+            gxs = tuple(inner(indexes, grad_outputs))
+            operands = indexes if len(gxs) == len(indexes) else range(
+                n_inputs)
+            result = []
+            for i, gx in zip(operands, gxs):
+                if gx is not None:
+                    rounded = self.truncate(gx.array)
+                    if site is not None:
+                        self._count(site, i, gx.array, rounded)
+                    gx = _like(gx, rounded)
+                result.append(gx)
+            return tuple(result)
+        return backward
+
+    # -- telemetry --------------------------------------------------------
+
+    def _count(self, site, index, array, rounded):
+        xp = backend.get_array_module(array)
+        nonzero = array != 0
+        key = (site, _OPERAND_NAMES[index])
+        count = self._counts.get(key)
+        if count is None:
+            count = self._counts[key] = UnderflowCount(*key)
+        count.nonzero += int(xp.count_nonzero(nonzero))
+        count.underflowed += int(xp.count_nonzero((rounded == 0) & nonzero))
+
+    def _site_name(self, function):
+        if self._param_names is None:
+            self._param_names = {} if self.target is None else {
+                id(p): path for path, p in self.target.namedparams()}
+        weight = internals.parameter_of(function.inputs[1])
+        if weight is None:
+            base = 'W@{:x}'.format(id(function.inputs[1]))
+        else:
+            base = self._param_names.get(id(weight)) or '{}@{:x}'.format(
+                weight.name or 'W', id(weight))
+        return '{}:{}'.format(base, type(function).__name__)
+
+    def underflow_report(self):
+        """Gradient values lost to rounding, per GEMM and operand.
+
+        Only filled with ``measure_underflow=True``; counts add up over
+        backward passes until :meth:`reset_underflow_counts`.
+
+        Returns:
+            list of UnderflowCount: In order of first appearance.
+
+        """
+        return [dataclasses.replace(c) for c in self._counts.values()]
+
+    def reset_underflow_counts(self):
+        self._counts = {}
+
+
+class LowPrecisionSimulation(GemmSimulation):
+
+    """Simulates mixed precision training in ``fmt`` on an FP32 model.
+
+    Rounds to ``fmt``: the inputs (x, W, b) and output of every GEMM in the
+    forward pass, and the gradient entering it and those leaving it (data,
+    weight and bias gradients) in the backward pass -- the values that
+    mixed16 training stores in FP16 around a GEMM. Everything else stays
+    FP32; parameter arrays are never modified. ``float16`` and ``bfloat16``
+    round-to-nearest on float32 arrays take fast paths (a cast through
+    ``numpy.float16``, integer bit rounding) that give the same bits as
+    :meth:`gradient_scaling.formats.Format.quantize`, which handles the rest.
+
+    .. admonition:: Example
+
+        >>> import chainer, chainer.links as L, numpy as np
+        >>> from gradient_scaling.simulation import LowPrecisionSimulation
+        >>> model = L.Classifier(L.Linear(3, 2))
+        >>> optimizer = chainer.optimizers.SGD().setup(model)
+        >>> x = np.ones((4, 3), np.float32); t = np.zeros(4, np.int32)
+        >>> with LowPrecisionSimulation('float16'):
+        ...     optimizer.update(model, x, t)
+
+    Args:
+        fmt (str or ~gradient_scaling.formats.Format): ``'float16'``,
+            ``'bfloat16'``, ``'float8_e5m2'`` or ``'float8_e4m3'``.
+        rounding (str): ``'nearest'`` (ties to even) or ``'stochastic'``.
+        seed (int): Seed of the stochastic rounding's generator (a
+            ``default_rng`` of the arrays' module); None for a random one.
+        round_incoming_gradients (bool): Round the gradient of each GEMM's
+            output before its backward (in mixed16 it is an FP16 array, the
+            output being FP16). Composed with ``GradientScaling``, the
+            rounding happens before that hook's scale at the GEMM, as in
+            mixed16.
+        measure_underflow (bool): Count gradient values lost to rounding
+            per GEMM (see :meth:`GemmSimulation.underflow_report`).
+        target (~chainer.Link): Optional model, to name GEMMs by link path.
+
+    """
+
+    name = 'LowPrecisionSimulation'
+
+    def __init__(self, fmt='float16', rounding='nearest', seed=None,
+                 round_incoming_gradients=True, measure_underflow=False,
+                 target=None):
+        super().__init__(round_bias=True,
+                         round_incoming_gradients=round_incoming_gradients,
+                         measure_underflow=measure_underflow, target=target)
+        self.fmt = formats.get(fmt)
+        if rounding not in ('nearest', 'stochastic'):
+            raise ValueError("rounding must be 'nearest' or 'stochastic', "
+                             'got {!r}'.format(rounding))
+        self.rounding = rounding
+        self.seed = seed
+        self._rngs = {}
+
+    def truncate(self, array):
+        if self.rounding == 'nearest':
+            return round_nearest(array, self.fmt)
+        xp = backend.get_array_module(array)
+        rng = self._rngs.get(xp.__name__)
+        if rng is None:
+            rng = self._rngs[xp.__name__] = xp.random.default_rng(self.seed)
+        return self.fmt.quantize(array, 'stochastic', rng)
+
+
+def round_nearest(array, fmt):
+    """``fmt.quantize(array)`` with fast paths for FP16 and BF16.
+
+    float32 to float16 is a cast there and back: NumPy's and CuPy's casts
+    round to nearest even, with subnormals and overflow to infinity, exactly
+    as :meth:`~gradient_scaling.formats.Format.quantize`. float32 to bfloat16
+    rounds the bit pattern (BF16 is the top half of an FP32).
+
+    Args:
+        array (numpy.ndarray or cupy.ndarray): Floating-point array.
+        fmt (~gradient_scaling.formats.Format): Target format.
+
+    Returns:
+        numpy.ndarray or cupy.ndarray: Rounded values, same dtype.
+
+    """
+    dtype = array.dtype
+    if fmt.name == 'float16':
+        if dtype == numpy.float16:
+            return array
+        if dtype == numpy.float32:
+            with numpy.errstate(over='ignore'):
+                return array.astype(numpy.float16).astype(numpy.float32)
+    elif fmt.name == 'bfloat16' and dtype == numpy.float32:
+        return _round_bfloat16(array)
+    return fmt.quantize(array)
+
+
+def _round_bfloat16(array):
+    xp = backend.get_array_module(array)
+    bits = array.view(numpy.uint32)
+    # Add just under half an ulp of BF16, plus one if the kept part is odd
+    # (ties to even); a carry into the exponent rounds up to the next binade
+    # or to infinity, as it should.
+    odd = (bits >> numpy.uint32(16)) & numpy.uint32(1)
+    rounded = (bits + (odd + numpy.uint32(0x7FFF))) & numpy.uint32(0xFFFF0000)
+    result = rounded.view(numpy.float32)
+    # NaN payloads could carry into the sign bit; keep NaN as it was.
+    return xp.where(xp.isnan(array), array, result)
+
+
+class _RetainedInputs(object):
+
+    """Instance-level ``get_retained_inputs``: the rounded operands.
+
+    Holds arrays only (no reference back to the node, so no cycle).
+    """
+
+    def __init__(self, arrays, layouts):
+        self.arrays = arrays
+        self.layouts = layouts
+
+    def __call__(self):
+        return tuple(
+            chainer.Variable(a, requires_grad=False, layout=layout)
+            for a, layout in zip(self.arrays, self.layouts))
+
+
+def _wrap_forward_once(function, wrapper):
+    """Makes the next ``function.forward(inputs)`` call ``wrapper``.
+
+    ``FunctionNode.apply`` looks ``forward`` up on the instance; the wrapper
+    gets the method it wraps as its first argument and is removed before it
+    runs.
+    """
+    previous = function.__dict__.get('forward')
+    inner = previous or type(function).forward.__get__(function)
+
+    def forward(inputs):
+        if previous is None:
+            function.__dict__.pop('forward', None)
+        else:
+            function.forward = previous
+        return wrapper(inner, inputs)
+
+    function.forward = forward
+
+
+def _like(grad_var, array):
+    """A new gradient Variable holding ``array`` and ``grad_var``'s tags."""
+    if array is grad_var.array:
+        return grad_var
+    new = chainer.Variable(array, requires_grad=False)
+    for name in _GRADIENT_ATTRIBUTES:
+        if hasattr(grad_var, name):
+            setattr(new, name, getattr(grad_var, name))
+    return new
