@@ -1,0 +1,368 @@
+"""Train SSD with FP32, no scaling, Fixed-LS, Dyn-LS or gradient scaling.
+
+ChainerCV's SSD example (examples/ssd/train.py) with one switch for the
+scaling method, as in Table 2 of Zhao et al. (IJCAI 2020)::
+
+    # CPU, embedded data, a few minutes (what `make demo` runs):
+    python examples/ssd/train.py --scaling gs
+
+    # the paper's SSD300 run on VOC07+12 (GPU, data under
+    # $CHAINER_DATASET_ROOT/pfnet/chainercv/voc or --data-dir):
+    python examples/ssd/train.py --dataset voc --model ssd300 --batchsize 8 \\
+        --gpu 0 --scaling gs --pretrained-model vgg16_imagenet.npz
+
+    # any VOC-layout directory with its own classes:
+    python examples/ssd/train.py --dataset voc-format --data-dir DIR \\
+        --label-names cat,dog --train-split train --test-split val
+
+Defaults follow the paper and ChainerCV for VOC (lr 1e-3, 120k iterations,
+steps at 80k and 100k, ChainerCV's augmentation, VOC07 test with the 07
+metric); the embedded data uses a small SSD (64x64) and a short schedule.
+On a CPU, mixed precision is simulated (``--precision sim-fp16``) unless
+``--precision`` says otherwise: real float16 arithmetic in NumPy is 60-115x
+slower.
+"""
+
+import gradient_scaling  # NOQA: restores what Chainer needs, first
+
+import argparse
+import copy
+import os
+import sys
+
+import numpy as np
+
+import chainer
+from chainer.datasets import ConcatenatedDataset
+from chainer.datasets import TransformDataset
+from chainer.optimizer_hooks import WeightDecay
+from chainer import serializers
+from chainer import training
+from chainer.training import extensions
+from chainer.training import triggers
+
+from chainercv.extensions import DetectionVOCEvaluator
+from chainercv.links.model.ssd import GradientScaling as BiasLRScaling
+from chainercv.links.model.ssd import multibox_loss
+from chainercv.links.model.ssd import random_crop_with_bbox_constraints
+from chainercv.links.model.ssd import random_distort
+from chainercv.links.model.ssd import resize_with_random_interpolation
+from chainercv.links import SSD300
+from chainercv.links import SSD512
+from chainercv import transforms
+
+from gradient_scaling import training as gs_training
+from gradient_scaling.extensions import ScaleHistory
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from voc_format import DatasetError  # NOQA
+from voc_format import read_label_names  # NOQA
+from voc_format import voc_root  # NOQA
+from voc_format import VOCFormatBboxDataset  # NOQA
+
+EMBEDDED_DEFAULTS = {'iteration': 1200, 'step': [800, 1000],
+                     'batchsize': 8, 'lr': 1e-3, 'eval_interval': 300}
+VOC_DEFAULTS = {'iteration': 120000, 'step': [80000, 100000],
+                'batchsize': 8, 'lr': 1e-3, 'eval_interval': None}
+
+
+class MultiboxTrainChain(chainer.Chain):
+
+    """SSD's loss; class confidences are cast to FP32 before the softmax.
+
+    That cast (FP16 to FP32 before ``multibox_loss``'s softmax cross
+    entropy) is the paper's fT site; its backward is where the softmax
+    gradients would underflow.
+    """
+
+    def __init__(self, model, alpha=1, k=3):
+        super().__init__()
+        with self.init_scope():
+            self.model = model
+        self.alpha = alpha
+        self.k = k
+
+    def forward(self, imgs, gt_mb_locs, gt_mb_labels):
+        imgs = imgs.astype(chainer.get_dtype(), copy=False)
+        mb_locs, mb_confs = self.model(imgs)
+        if mb_confs.dtype != np.float32:
+            mb_confs = chainer.functions.cast(mb_confs, np.float32)
+            mb_locs = chainer.functions.cast(mb_locs, np.float32)
+        loc_loss, conf_loss = multibox_loss(
+            mb_locs, mb_confs, gt_mb_locs, gt_mb_labels, self.k)
+        loss = loc_loss * self.alpha + conf_loss
+        chainer.reporter.report(
+            {'loss': loss, 'loss/loc': loc_loss, 'loss/conf': conf_loss},
+            self)
+        return loss
+
+
+class Transform(object):
+
+    """ChainerCV's SSD augmentation, then encoding with the model's coder."""
+
+    def __init__(self, coder, size, mean):
+        # Keep the coder on the CPU: transforms run in the data loader.
+        self.coder = copy.copy(coder)
+        self.coder.to_cpu()
+        self.size = size
+        self.mean = mean
+
+    def __call__(self, in_data):
+        img, bbox, label = in_data[:3]
+        img = random_distort(img)
+        if np.random.randint(2):
+            img, param = transforms.random_expand(
+                img, fill=self.mean, return_param=True)
+            bbox = transforms.translate_bbox(
+                bbox, y_offset=param['y_offset'], x_offset=param['x_offset'])
+        img, param = random_crop_with_bbox_constraints(
+            img, bbox, return_param=True)
+        bbox, param = transforms.crop_bbox(
+            bbox, y_slice=param['y_slice'], x_slice=param['x_slice'],
+            allow_outside_center=False, return_param=True)
+        label = label[param['index']]
+        _, H, W = img.shape
+        img = resize_with_random_interpolation(img, (self.size, self.size))
+        bbox = transforms.resize_bbox(bbox, (H, W), (self.size, self.size))
+        img, params = transforms.random_flip(
+            img, x_random=True, return_param=True)
+        bbox = transforms.flip_bbox(
+            bbox, (self.size, self.size), x_flip=params['x_flip'])
+        img -= self.mean
+        mb_loc, mb_label = self.coder.encode(bbox, label)
+        return img, mb_loc, mb_label
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.split('\n\n')[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--dataset', choices=('embedded', 'voc',
+                                              'voc-format'),
+                        default='embedded',
+                        help='embedded: generated shapes, no download; voc: '
+                        'VOC07+12 trainval, VOC07 test; voc-format: any VOC-'
+                        'layout directory (--data-dir, --label-names)')
+    parser.add_argument('--data-dir', default=None,
+                        help='voc: the directory holding VOCdevkit/ '
+                        '(default: $CHAINER_DATASET_ROOT/pfnet/chainercv/'
+                        'voc); voc-format: the dataset root')
+    parser.add_argument('--label-names', default=None,
+                        help='voc-format: a file with one name per line, or '
+                        'a comma-separated list')
+    parser.add_argument('--train-split', default='trainval')
+    parser.add_argument('--test-split', default='test')
+    parser.add_argument('--model', choices=('small', 'ssd300', 'ssd512'),
+                        default=None,
+                        help='default: small for embedded data, else ssd300')
+    parser.add_argument('--pretrained-model', default=None,
+                        help='.npz with backbone weights (e.g. ChainerCV\'s '
+                        'VGG16 ImageNet weights); nothing is downloaded')
+    parser.add_argument('--batchsize', type=int, default=None)
+    parser.add_argument('--iteration', type=int, default=None)
+    parser.add_argument('--step', type=int, nargs='*', default=None,
+                        help='iterations at which lr is multiplied by 0.1')
+    parser.add_argument('--lr', type=float, default=None)
+    parser.add_argument('--eval-interval', type=int, default=None,
+                        help='also evaluate every N iterations')
+    parser.add_argument('--log-interval', type=int, default=10)
+    parser.add_argument('--gpu', type=int, default=-1)
+    parser.add_argument('--loaderjob', type=int, default=0,
+                        help='worker processes for data loading (0: none)')
+    parser.add_argument('--out', default='result/ssd')
+    parser.add_argument('--resume', default=None,
+                        help='a trainer snapshot to resume from')
+    parser.add_argument('--seed', type=int, default=0)
+    parser.add_argument('--no-plot', action='store_true')
+    gs_training.add_arguments(parser)
+    args = parser.parse_args(argv)
+    defaults = (EMBEDDED_DEFAULTS if args.dataset == 'embedded'
+                else VOC_DEFAULTS)
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.model is None:
+        args.model = 'small' if args.dataset == 'embedded' else 'ssd300'
+    if args.batchsize < 1 or args.iteration < 1:
+        parser.error('--batchsize and --iteration must be >= 1')
+    if args.dataset == 'voc-format' and (args.data_dir is None
+                                         or args.label_names is None):
+        parser.error('--dataset voc-format needs --data-dir and '
+                     '--label-names')
+    if args.precision is None and args.gpu < 0 and args.scaling != 'fp32':
+        args.precision = 'sim-fp16'
+        print('CPU run: simulating mixed precision (--precision sim-fp16); '
+              'pass --precision mixed16 for real float16 arithmetic.')
+    return args
+
+
+def load_datasets(args):
+    """(train, test, label_names); falls back to embedded data, saying so."""
+    if args.dataset == 'voc':
+        try:
+            roots = [voc_root(args.data_dir, '2007'),
+                     voc_root(args.data_dir, '2012')]
+        except DatasetError as e:
+            print('{}\nFalling back to the embedded dataset.'.format(e))
+            args.dataset = 'embedded'
+        else:
+            from chainercv.datasets import voc_bbox_label_names
+            train = ConcatenatedDataset(*[
+                VOCFormatBboxDataset(root, args.train_split)
+                for root in roots])
+            test = VOCFormatBboxDataset(
+                roots[0], args.test_split, use_difficult=True,
+                return_difficult=True)
+            return train, test, voc_bbox_label_names
+    if args.dataset == 'voc-format':
+        if not os.path.isdir(args.data_dir):
+            raise DatasetError('--data-dir {} is not a directory'.format(
+                args.data_dir))
+        names = read_label_names(args.label_names)
+        train = VOCFormatBboxDataset(args.data_dir, args.train_split, names)
+        test = VOCFormatBboxDataset(args.data_dir, args.test_split, names,
+                                    use_difficult=True,
+                                    return_difficult=True)
+        return train, test, names
+    from embedded_datasets import ShapesDetectionDataset
+    train = ShapesDetectionDataset('train', seed=args.seed)
+    test = ShapesDetectionDataset('test', seed=args.seed)
+    return train, test, train.label_names
+
+
+def build_model(args, n_fg_class):
+    if args.model == 'small':
+        from chainer_links import SmallSSD
+        model = SmallSSD(n_fg_class=n_fg_class)
+    else:
+        from chainer_links import mixed_precision_ssd
+        cls = SSD300 if args.model == 'ssd300' else SSD512
+        model = mixed_precision_ssd(cls)(n_fg_class=n_fg_class)
+    if args.pretrained_model:
+        load_backbone(model, args.pretrained_model)
+    model.use_preset('evaluate')
+    return model
+
+
+def load_backbone(model, path):
+    if not os.path.isfile(path):
+        raise DatasetError('--pretrained-model {} not found'.format(path))
+    with np.load(path) as npz:
+        prefix = 'extractor/' if any(k.startswith('extractor/')
+                                     for k in npz.files) else ''
+    serializers.load_npz(path, model.extractor, path=prefix, strict=False)
+    print('Loaded backbone weights from {}'.format(path))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    np.random.seed(args.seed)
+    config = gs_training.ScalingConfig.from_args(args)
+    train, test, label_names = load_datasets(args)
+
+    with config.model_dtype():
+        model = build_model(args, len(label_names))
+        train_chain = MultiboxTrainChain(model)
+    device = chainer.get_device(args.gpu if args.gpu >= 0 else '@numpy')
+    device.use()
+    train_chain.to_device(device)
+
+    train = TransformDataset(
+        train, Transform(model.coder, model.insize, model.mean))
+    if args.loaderjob > 0:
+        train_iter = chainer.iterators.MultiprocessIterator(
+            train, args.batchsize, n_processes=args.loaderjob)
+    else:
+        train_iter = chainer.iterators.SerialIterator(train, args.batchsize)
+    test_iter = chainer.iterators.SerialIterator(
+        test, args.batchsize, repeat=False, shuffle=False)
+
+    optimizer, scaler = gs_training.setup_optimizer(
+        chainer.optimizers.MomentumSGD(), train_chain, config)
+    for param in train_chain.params():
+        if param.name == 'b':
+            param.update_rule.add_hook(BiasLRScaling(2))
+        else:
+            param.update_rule.add_hook(WeightDecay(0.0005))
+
+    updater = gs_training.ScalingUpdater(
+        train_iter, optimizer, scaler, config, device=device)
+    trainer = training.Trainer(updater, (args.iteration, 'iteration'),
+                               args.out)
+    trainer.extend(
+        extensions.ExponentialShift('lr', 0.1, init=args.lr),
+        trigger=triggers.ManualScheduleTrigger(args.step, 'iteration'))
+    eval_points = sorted(set(args.step + [args.iteration] + (
+        list(range(args.eval_interval, args.iteration, args.eval_interval))
+        if args.eval_interval else [])))
+    evaluator = DetectionVOCEvaluator(
+        test_iter, model, use_07_metric=True, label_names=label_names)
+    trainer.extend(_Eval(evaluator, config),
+                   trigger=triggers.ManualScheduleTrigger(eval_points,
+                                                          'iteration'))
+
+    log_interval = args.log_interval, 'iteration'
+    trainer.extend(extensions.LogReport(trigger=log_interval))
+    trainer.extend(extensions.observe_lr(), trigger=log_interval)
+    trainer.extend(extensions.PrintReport(
+        ['epoch', 'iteration', 'lr', 'main/loss', 'main/loss/loc',
+         'main/loss/conf', 'scaling/skips', 'scaling/max_scale',
+         'validation/main/map', 'elapsed_time']), trigger=log_interval)
+    trainer.extend(extensions.ProgressBar(update_interval=log_interval[0]))
+    if not args.no_plot:
+        trainer.extend(extensions.PlotReport(
+            ['main/loss', 'main/loss/loc', 'main/loss/conf'], 'iteration',
+            trigger=log_interval, filename='loss.png'))
+        trainer.extend(extensions.PlotReport(
+            ['validation/main/map'], 'iteration',
+            trigger=triggers.ManualScheduleTrigger(eval_points, 'iteration'),
+            filename='map.png'))
+    if args.scaling == 'gs':
+        trainer.extend(ScaleHistory(scaler.hook, plot=not args.no_plot),
+                       trigger=(config.update_interval, 'iteration'))
+    trainer.extend(extensions.snapshot(),
+                   trigger=(max(args.iteration // 4, 1), 'iteration'))
+    trainer.extend(
+        extensions.snapshot_object(model, 'model_iter_{.updater.iteration}'),
+        trigger=(args.iteration, 'iteration'))
+
+    if args.resume:
+        serializers.load_npz(args.resume, trainer)
+    print('SSD ({}) on {} data: {} train / {} test images, scaling={}, '
+          'precision={}, batch {}, {} iterations'.format(
+              args.model, args.dataset, len(train), len(test), config.scaling,
+              config.precision, args.batchsize, args.iteration), flush=True)
+    trainer.run()
+    result = trainer.get_extension('LogReport').log
+    maps = [e['validation/main/map'] for e in result
+            if 'validation/main/map' in e]
+    if maps:
+        print('Final VOC07 mAP: {:.4f} ({} skipped steps)'.format(
+            maps[-1], updater.skips))
+    return maps[-1] if maps else None
+
+
+class _Eval(training.Extension):
+    """Runs ChainerCV's evaluator under the model's dtype (mixed16 or FP32).
+
+    Simulated precisions are trained on FP32 weights and evaluated in FP32.
+    """
+
+    priority = training.PRIORITY_WRITER
+
+    def __init__(self, evaluator, config):
+        evaluator.name = 'validation'  # reports validation/main/map
+        self._evaluator = evaluator
+        self._config = config
+
+    def __call__(self, trainer):
+        with self._config.model_dtype():
+            return self._evaluator(trainer)
+
+
+if __name__ == '__main__':
+    try:
+        main()
+    except DatasetError as e:
+        sys.exit('error: {}'.format(e))

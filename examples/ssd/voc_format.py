@@ -1,0 +1,155 @@
+"""Detection datasets in PASCAL VOC's directory layout, any label names.
+
+``VOCFormatBboxDataset`` reads ``<root>/ImageSets/Main/<split>.txt``,
+``<root>/Annotations/<id>.xml`` and ``<root>/JPEGImages/<id>.jpg`` exactly as
+ChainerCV's ``VOCBboxDataset`` does (same output format), but with the label
+names of your choice, no download, and errors that name the offending file.
+The whole split is checked when the dataset is created, so a bad file stops
+a run before anything is written.
+"""
+
+import gradient_scaling  # NOQA
+
+import os
+import xml.etree.ElementTree as ET
+
+import numpy as np
+
+import chainer
+from chainercv.datasets import voc_bbox_label_names
+from chainercv.utils import read_image
+
+
+class DatasetError(ValueError):
+    """A dataset file is missing, unreadable or malformed."""
+
+
+def read_label_names(spec):
+    """Label names from a file (one per line) or a comma-separated list."""
+    if os.path.isfile(spec):
+        with open(spec) as f:
+            names = [line.strip() for line in f if line.strip()]
+    else:
+        names = [name.strip() for name in spec.split(',') if name.strip()]
+    if not names:
+        raise DatasetError('no label names in {!r}'.format(spec))
+    if len(set(names)) != len(names):
+        raise DatasetError('duplicate label names in {!r}'.format(spec))
+    return tuple(names)
+
+
+def voc_root(data_dir, year):
+    """``VOCdevkit/VOC<year>`` under ``data_dir`` or ChainerCV's dataset root.
+
+    Raises DatasetError (never downloads) when it is absent.
+    """
+    if data_dir is None:
+        data_dir = os.path.join(chainer.dataset.get_dataset_root(),
+                                'pfnet', 'chainercv', 'voc')
+    for candidate in (os.path.join(data_dir, 'VOCdevkit', 'VOC' + year),
+                      os.path.join(data_dir, 'VOC' + year)):
+        if os.path.isdir(candidate):
+            return candidate
+    raise DatasetError(
+        'PASCAL VOC {} not found under {} (expected VOCdevkit/VOC{}/ with '
+        'ImageSets/Main, Annotations, JPEGImages)'.format(year, data_dir,
+                                                          year))
+
+
+class VOCFormatBboxDataset(chainer.dataset.DatasetMixin):
+
+    """A VOC-layout detection dataset with its own label names.
+
+    >>> train = VOCFormatBboxDataset('/data/mydet', 'trainval',
+    ...                              label_names=('cat', 'dog'))
+
+    Args:
+        root (str): Directory with ``ImageSets/Main``, ``Annotations`` and
+            ``JPEGImages``.
+        split (str): Name of the id list, ``ImageSets/Main/<split>.txt``.
+        label_names (tuple of str): Class names; an object whose name is
+            not among them is an error. Defaults to PASCAL VOC's 20.
+        use_difficult (bool): Keep objects marked difficult.
+        return_difficult (bool): Also return the difficult flags.
+
+    Raises:
+        DatasetError: naming the file, if a directory or id list is missing,
+            an annotation is not valid XML, lacks a field, names an unknown
+            label, has an empty or inverted box, or an image is missing.
+
+    """
+
+    def __init__(self, root, split, label_names=voc_bbox_label_names,
+                 use_difficult=False, return_difficult=False):
+        self.root = root
+        self.split = split
+        self.label_names = tuple(label_names)
+        self._index = {name.lower(): i
+                       for i, name in enumerate(self.label_names)}
+        self.use_difficult = use_difficult
+        self.return_difficult = return_difficult
+        id_file = os.path.join(root, 'ImageSets', 'Main', split + '.txt')
+        if not os.path.isfile(id_file):
+            raise DatasetError('id list not found: {}'.format(id_file))
+        with open(id_file) as f:
+            self.ids = [line.strip().split()[0] for line in f
+                        if line.strip()]
+        if not self.ids:
+            raise DatasetError('id list is empty: {}'.format(id_file))
+        self._annotations = [self._parse(id_) for id_ in self.ids]
+
+    def __len__(self):
+        return len(self.ids)
+
+    def _image_path(self, id_):
+        return os.path.join(self.root, 'JPEGImages', id_ + '.jpg')
+
+    def _parse(self, id_):
+        path = os.path.join(self.root, 'Annotations', id_ + '.xml')
+        if not os.path.isfile(path):
+            raise DatasetError('annotation not found: {}'.format(path))
+        if not os.path.isfile(self._image_path(id_)):
+            raise DatasetError('image not found: {}'.format(
+                self._image_path(id_)))
+        try:
+            tree = ET.parse(path)
+        except ET.ParseError as e:
+            raise DatasetError('malformed annotation {}: {}'.format(path, e))
+        bbox, label, difficult = [], [], []
+        for obj in tree.findall('object'):
+            try:
+                name = obj.find('name').text.lower().strip()
+                flag = obj.find('difficult')
+                is_difficult = flag is not None and int(flag.text) == 1
+                box = obj.find('bndbox')
+                # VOC is 1-based; ChainerCV's boxes are 0-based.
+                coords = [float(box.find(tag).text) - 1
+                          for tag in ('ymin', 'xmin', 'ymax', 'xmax')]
+            except (AttributeError, TypeError, ValueError) as e:
+                raise DatasetError(
+                    'malformed object in {}: {}'.format(path, e))
+            if name not in self._index:
+                raise DatasetError(
+                    'unknown label {!r} in {}; known: {}'.format(
+                        name, path, ', '.join(self.label_names)))
+            if not (coords[2] > coords[0] and coords[3] > coords[1]):
+                raise DatasetError('empty or inverted box {} in {}'.format(
+                    coords, path))
+            if is_difficult and not self.use_difficult:
+                continue
+            bbox.append(coords)
+            label.append(self._index[name])
+            difficult.append(is_difficult)
+        return (np.array(bbox, np.float32).reshape(-1, 4),
+                np.array(label, np.int32), np.array(difficult, bool))
+
+    def get_example(self, i):
+        path = self._image_path(self.ids[i])
+        try:
+            img = read_image(path, color=True)
+        except Exception as e:
+            raise DatasetError('cannot read image {}: {}'.format(path, e))
+        bbox, label, difficult = self._annotations[i]
+        if self.return_difficult:
+            return img, bbox.copy(), label.copy(), difficult.copy()
+        return img, bbox.copy(), label.copy()
