@@ -365,6 +365,8 @@ class GradientScaling(chainer.FunctionHook):
             gy, = grad_outputs
             if gy is None:
                 return class_backward(indexes, grad_outputs)
+            if self._is_implicit_cast(gy):
+                gy = self._scale_cast_site(gy)
             alpha = internals.gradient_scale(gy)
             param_indexes = tuple(i for i in indexes if i != 0)
             result = {}
@@ -400,17 +402,31 @@ class GradientScaling(chainer.FunctionHook):
             gy, = grad_outputs
             if gy is None:
                 return class_backward(indexes, grad_outputs)
-            alpha = internals.gradient_scale(gy)
-            key = 'cast#{}'.format(self._cast_count)
-            self._cast_count += 1
-            beta, record = self._local_scale(
-                key, key, 'cast', alpha, lambda: self._cast_scale(gy.array))
-            scaled = _rescale(gy, beta)
-            if record is not None:
-                self._measure(record, scaled)
+            scaled = self._scale_cast_site(gy)
+            alpha = internals.gradient_scale(scaled)
             gxs = class_backward(indexes, (scaled,))
-            return tuple(self._tag(gx, alpha * beta) for gx in gxs)
+            return tuple(self._tag(gx, alpha) for gx in gxs)
         return backward
+
+    def _scale_cast_site(self, gy):
+        """Theorem 2 at a cast site: returns the rescaled gradient."""
+        alpha = internals.gradient_scale(gy)
+        key = 'cast#{}'.format(self._cast_count)
+        self._cast_count += 1
+        beta, record = self._local_scale(
+            key, key, 'cast', alpha, lambda: self._cast_scale(gy.array))
+        scaled = _rescale(gy, beta)
+        if record is not None:
+            self._measure(record, scaled)
+        return scaled
+
+    def _is_implicit_cast(self, gy):
+        # An FP32 model (simulated precision) has no FP16->FP32 cast before
+        # its softmax: the softmax gradient is stored in the low format where
+        # it enters the GEMM that produced the logits. Treat that as the cast
+        # site, so the simulation rounds it after GS scaled it.
+        return (self.cast_rule != 'none' and internals.from_softmax(gy)
+                and gy.dtype.itemsize > 2)
 
     def _plain_backward(self, function, func_type):
         from_softmax = issubclass(func_type, _SOFTMAX_TYPES)

@@ -33,7 +33,10 @@ The arithmetic is float64 whatever the input dtype; the result has the
 input's dtype. It is evaluated as ``Y = (|X| * 2**-mu)**alpha`` and
 ``|X'| = |Y|**(1/alpha) * 2**mu``, which equal the formulas above but cannot
 overflow in the intermediate ``2**beta`` or ``|X|**alpha`` of very narrow
-tensors (large ``alpha``).
+tensors (large ``alpha``). On float32 inputs the result is bit for bit that
+of the formulas above evaluated in float64 with an exact rounding to E5M2
+(tests/test_s2fp8.py checks it against such a reference written with
+``ml_dtypes``).
 
 .. admonition:: Example
 
@@ -50,6 +53,8 @@ tensors (large ``alpha``).
 """
 
 import gradient_scaling.compat  # NOQA
+
+import math
 
 import numpy
 
@@ -116,11 +121,20 @@ def s2fp8_truncate(x):
     mu, m, _ = stats
     alpha = _LOG2_MAX / (m - mu)
     magnitude = xp.abs(x.astype(numpy.float64, copy=False))
-    # Y = 2**beta |X|**alpha with beta = -alpha mu, shift first.
-    y = _E5M2.quantize(xp.power(magnitude * (2.0 ** -mu), alpha))
+    # Y = 2**beta |X|**alpha with beta = -alpha mu: shift by 2**-mu first
+    # (an exact ldexp by its integer part, then its fraction, so that even
+    # float64 tensors near the ends of their range do not overflow).
+    y = _E5M2.quantize(xp.power(_shift(xp, magnitude, -mu), alpha))
     with numpy.errstate(over='ignore'):
-        restored = xp.power(y, 1.0 / alpha) * (2.0 ** mu)
+        restored = _shift(xp, xp.power(y, 1.0 / alpha), mu)
     return xp.copysign(restored, x).astype(x.dtype, copy=False)
+
+
+def _shift(xp, array, exponent):
+    """``array * 2**exponent`` for a real exponent, without overflow of the
+    factor itself."""
+    whole = math.floor(exponent + 0.5)
+    return xp.ldexp(array * 2.0 ** (exponent - whole), numpy.int32(whole))
 
 
 class S2FP8Simulation(simulation.GemmSimulation):
@@ -148,8 +162,8 @@ class S2FP8Simulation(simulation.GemmSimulation):
 
     Args:
         measure_underflow (bool): Count, per GEMM and operand, the gradient
-            values that become zero (see
-            :meth:`~gradient_scaling.simulation.GemmSimulation.underflow_report`).
+            values that become zero (see ``underflow_report()`` of
+            :class:`~gradient_scaling.simulation.GemmSimulation`).
         target (~chainer.Link): Optional model, to name GEMMs by link path in
             that report.
 

@@ -32,6 +32,13 @@ How (Chainer 7.8.1):
   Entered after a ``GradientScaling`` hook (``with gs: with sim:``), this
   wrapper is the outer one: GS scales inside it, so the gradients are
   rounded after scaling, as they are in real mixed precision.
+* The incoming gradient is rounded (in mixed16 it is an FP16 array, like
+  the GEMM's output) before GS's scale at that GEMM, which multiplies the
+  stored value, as in mixed16. One consequence: an FP32
+  model has no FP16-to-FP32 cast before its softmax, so GS's cast rule
+  (Theorem 2) never fires, and the softmax's gradient is rounded on entry
+  to the last GEMM with only the loss scale applied (mixed16 with GS
+  would scale it at the cast first).
 * Functions applied *inside* a backward (the deconvolution computing a
   convolution's data gradient, ``LinearGradData``, ...) also trigger
   ``forward_preprocess``; the hook counts the backward steps it is inside
@@ -136,7 +143,13 @@ class GemmSimulation(chainer.FunctionHook):
         self._backward_depth = 0
 
     def forward_preprocess(self, function, in_data):
-        if self._backward_depth == 0 and isinstance(function, _GEMM_TYPES):
+        if not isinstance(function, _GEMM_TYPES):
+            return
+        if self._backward_depth and chainer.config.enable_backprop:
+            # Backward runs with enable_backprop off (double backprop is
+            # refused), so a backward step that raised left the count up.
+            self._backward_depth = 0
+        if self._backward_depth == 0:
             _wrap_forward_once(function, self._gemm_forward(function))
 
     def backward_preprocess(self, function, in_data, out_grad):
@@ -242,8 +255,8 @@ class LowPrecisionSimulation(GemmSimulation):
     weight and bias gradients) in the backward pass -- the values that
     mixed16 training stores in FP16 around a GEMM. Everything else stays
     FP32; parameter arrays are never modified. ``float16`` and ``bfloat16``
-    round-to-nearest on float32 arrays take fast paths (a cast through
-    ``numpy.float16``, integer bit rounding) that give the same bits as
+    round-to-nearest on float32 arrays take fast paths (:func:`round_nearest`)
+    that give the same bits as
     :meth:`gradient_scaling.formats.Format.quantize`, which handles the rest.
 
     .. admonition:: Example
@@ -302,10 +315,13 @@ class LowPrecisionSimulation(GemmSimulation):
 def round_nearest(array, fmt):
     """``fmt.quantize(array)`` with fast paths for FP16 and BF16.
 
-    float32 to float16 is a cast there and back: NumPy's and CuPy's casts
-    round to nearest even, with subnormals and overflow to infinity, exactly
-    as :meth:`~gradient_scaling.formats.Format.quantize`. float32 to bfloat16
-    rounds the bit pattern (BF16 is the top half of an FP32).
+    The fast paths give the same bits as
+    :meth:`~gradient_scaling.formats.Format.quantize` (round to nearest
+    even, gradual underflow, overflow to infinity, NaN kept) on float32
+    arrays: BF16 by rounding the bit pattern (BF16 is the top half of an
+    FP32); FP16 by a cast there and back on CuPy, and on NumPy with float32
+    arithmetic, because NumPy's cast to float16 is ~30x slower for values
+    that become FP16 subnormals (as small gradients do).
 
     Args:
         array (numpy.ndarray or cupy.ndarray): Floating-point array.
@@ -320,11 +336,39 @@ def round_nearest(array, fmt):
         if dtype == numpy.float16:
             return array
         if dtype == numpy.float32:
-            with numpy.errstate(over='ignore'):
-                return array.astype(numpy.float16).astype(numpy.float32)
+            if isinstance(array, numpy.ndarray):
+                return _round_float16_arithmetic(array)
+            return _round_float16_cast(array)
     elif fmt.name == 'bfloat16' and dtype == numpy.float32:
         return _round_bfloat16(array)
     return fmt.quantize(array)
+
+
+def _round_float16_cast(array):
+    with numpy.errstate(over='ignore'):
+        return array.astype(numpy.float16).astype(numpy.float32)
+
+
+def _round_float16_arithmetic(array):
+    xp = backend.get_array_module(array)
+    magnitude = xp.abs(array)
+    # c = 2**(e + 13) for magnitude in [2**e, 2**(e+1)): float32's spacing
+    # at c is FP16's at the magnitude, 2**(e - 10), so magnitude + c rounds
+    # (ties to even, c being an even multiple of it) to FP16's precision
+    # and subtracting c is exact. Below FP16's normal range the spacing
+    # stays 2**-24 (c = 2**-1); above it c is capped, the result replaced
+    # by infinity anyway.
+    exponent = magnitude.view(numpy.uint32) & numpy.uint32(0x7F800000)
+    exponent += numpy.uint32(13 << 23)
+    xp.clip(exponent, numpy.uint32(0x3F000000), numpy.uint32(0x5F000000),
+            out=exponent)
+    c = exponent.view(numpy.float32)
+    with numpy.errstate(invalid='ignore'):
+        rounded = magnitude + c
+    rounded -= c
+    # Half-way between 65504 and 2**16 rounds to even, i.e. overflows.
+    rounded[magnitude >= numpy.float32(65520)] = numpy.inf
+    return xp.copysign(rounded, array, out=rounded)
 
 
 def _round_bfloat16(array):

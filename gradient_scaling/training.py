@@ -339,6 +339,13 @@ class ScalingUpdater(updaters.StandardUpdater):
         if simulation is None and config is not None:
             simulation = config.simulation_hook()
         self.simulation = simulation
+        if (simulation is not None
+                and isinstance(scaler, scalers.GradientScalingScaler)):
+            # GS would measure gradients the simulation has rounded already
+            # (their lost values are zeros by then); the simulation counts
+            # them instead (simulation.underflow_report()).
+            scaler.hook.measure_underflow = False
+            simulation.measure_underflow = True
         self.skips = 0
 
     def update_core(self):
@@ -353,11 +360,12 @@ class ScalingUpdater(updaters.StandardUpdater):
             if self.config is not None:
                 stack.enter_context(self.config.model_dtype())
             if self.simulation is not None:
-                if isinstance(self.scaler, scalers.GradientScalingScaler):
-                    # Registered first, so the simulation's backward wrapper
-                    # is the outer one: it rounds what GS has scaled.
-                    stack.enter_context(self.scaler.hook)
                 stack.enter_context(self.simulation)
+                if isinstance(self.scaler, scalers.GradientScalingScaler):
+                    # Registered after the simulation, GS's backward wrapper
+                    # is the outer one: it scales gradients before the
+                    # simulation rounds them (entering and leaving a GEMM).
+                    stack.enter_context(self.scaler.hook)
             if isinstance(in_arrays, tuple):
                 loss = loss_func(*in_arrays)
             elif isinstance(in_arrays, dict):
@@ -368,6 +376,7 @@ class ScalingUpdater(updaters.StandardUpdater):
             self.scaler.backward(loss)
             del loss
         observation = self.scaler.observation(model)
+        observation.update(self._simulation_observation())
         if self.communicator is not None:
             self._all_reduce(model)
         skipped = self.scaler.check_skip(optimizer)
@@ -380,6 +389,20 @@ class ScalingUpdater(updaters.StandardUpdater):
         chainer.report(observation)
         if self.auto_new_epoch and iterator.is_new_epoch:
             optimizer.new_epoch(auto=True)
+
+    def _simulation_observation(self):
+        sim = self.simulation
+        if sim is None or not getattr(sim, 'measure_underflow', False):
+            return {}
+        counts = sim.underflow_report()
+        sim.reset_underflow_counts()
+        nonzero = sum(c.nonzero for c in counts)
+        if not nonzero:
+            return {}
+        return {
+            'scaling/worst_measured_underflow': max(c.rate for c in counts),
+            'scaling/measured_underflow': sum(
+                c.underflowed for c in counts) / nonzero}
 
     def _all_reduce(self, model):
         if isinstance(self.scaler, scalers.GradientScalingScaler):
