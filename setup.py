@@ -43,7 +43,8 @@ setup(
     license='MIT',
     python_requires='>=3.9',
     packages=find_packages(include=['gradient_scaling', 'gradient_scaling.*',
-                                    'chainer_links', 'chainer_links.*']),
+                                    'chainer_links', 'chainer_links.*',
+                                    'embedded_datasets', 'embedded_datasets.*']),
     install_requires=install_requires,
     extras_require=extras_require,
 )
