@@ -1,0 +1,388 @@
+"""Train SegNet with FP32, no scaling, Fixed-LS, Dyn-LS or gradient scaling.
+
+ChainerCV's SegNet example (examples/segnet/train.py) with one switch for
+the scaling method, as in Table 3 of Zhao et al. (IJCAI 2020)::
+
+    # CPU, embedded data, a few minutes:
+    python examples/segnet/train.py --scaling gs
+
+    # the paper's run on CamVid (GPU, data under
+    # $CHAINER_DATASET_ROOT/pfnet/chainercv/camvid or --data-dir):
+    python examples/segnet/train.py --dataset camvid --gpu 0 --scaling gs
+
+Defaults follow the paper and ChainerCV for CamVid: SegNetBasic, MomentumSGD
+(lr 0.1, momentum 0.9), weight decay 0.0005, batch 12, 16000 iterations,
+pixel-wise softmax cross entropy in FP32 weighted by median frequency
+balancing (computed from the training labels, or ``--class-weight`` FILE
+as written by ChainerCV's calc_weight.py), mIoU on the test split.  The
+embedded data (generated shapes, 4 classes) uses 32x48 images and a short
+schedule.  Nothing is downloaded: CamVid must already be in ChainerCV's
+layout (train/ trainannot/ val/ valannot/ test/ testannot/ and the
+{train,val,test}.txt lists); when it is absent the script says so and
+trains on the embedded data.  On a CPU, mixed precision is simulated
+(``--precision sim-fp16``) unless ``--precision`` says otherwise: real
+float16 arithmetic in NumPy is 60-115x slower.
+"""
+
+import gradient_scaling  # NOQA: restores what Chainer needs, first
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+import chainer
+import chainer.functions as F
+from chainer.datasets import TransformDataset
+from chainer.optimizer_hooks import WeightDecay
+from chainer import serializers
+from chainer import training
+from chainer.training import extensions
+from chainer.training import triggers
+
+from chainercv.datasets import camvid_label_names
+from chainercv.datasets import CamVidDataset
+from chainercv.extensions import SemanticSegmentationEvaluator
+from chainercv.links import SegNetBasic
+
+from gradient_scaling import training as gs_training
+from gradient_scaling.extensions import ScaleHistory
+
+EMBEDDED_DEFAULTS = {'iteration': 200, 'batchsize': 4, 'lr': 0.1,
+                     'eval_interval': 50}
+CAMVID_DEFAULTS = {'iteration': 16000, 'batchsize': 12, 'lr': 0.1,
+                   'eval_interval': 2000}
+# Generated images: small, and divisible by 16 for SegNet's four poolings.
+EMBEDDED_IMAGE_SIZE = (32, 48)
+
+
+class DatasetError(ValueError):
+    """A dataset file is missing, unreadable or malformed."""
+
+
+class PixelwiseSoftmaxTrainChain(chainer.Chain):
+
+    """SegNet's weighted pixel-wise softmax cross entropy, in FP32.
+
+    The scores are cast to FP32 before the softmax: under mixed16 that
+    cast (FP16 to FP32) is the paper's fT site, where the softmax
+    gradients would underflow on their way back into the FP16 network.
+    ``class_weight`` is a persistent value, so it follows the model to the
+    device and into snapshots.
+    """
+
+    def __init__(self, model, class_weight, ignore_label=-1):
+        super().__init__()
+        with self.init_scope():
+            self.model = model
+        self.add_persistent('class_weight',
+                            np.asarray(class_weight, dtype=np.float32))
+        self.ignore_label = ignore_label
+
+    def forward(self, imgs, labels):
+        imgs = imgs.astype(chainer.get_dtype(), copy=False)
+        score = F.cast(self.model(imgs), np.float32)
+        loss = F.softmax_cross_entropy(
+            score, labels, class_weight=self.class_weight,
+            ignore_label=self.ignore_label)
+        chainer.reporter.report({'loss': loss}, self)
+        return loss
+
+
+class Predictor(chainer.Chain):
+
+    """What the evaluator calls: ``model.predict`` on images in its dtype.
+
+    SegNetBasic's ``predict`` feeds the images as they come; a mixed16
+    model needs them in float16.
+    """
+
+    def __init__(self, model):
+        super().__init__()
+        with self.init_scope():
+            self.model = model
+
+    def predict(self, imgs):
+        dtype = chainer.get_dtype()
+        return self.model.predict(
+            [img.astype(dtype, copy=False) for img in imgs])
+
+
+def random_flip(in_data):
+    """ChainerCV's SegNet augmentation: a horizontal flip, half the time."""
+    img, label = in_data
+    if np.random.rand() > 0.5:
+        img = img[:, :, ::-1]
+        label = label[:, ::-1]
+    return img, label
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.split('\n\n')[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--dataset', choices=('embedded', 'camvid'),
+                        default='embedded',
+                        help='embedded: generated shapes, no download; '
+                        'camvid: CamVid in ChainerCV\'s layout')
+    parser.add_argument('--data-dir', default=None,
+                        help='camvid: the directory holding train.txt, '
+                        'train/, trainannot/... (default: $CHAINER_DATASET_'
+                        'ROOT/pfnet/chainercv/camvid)')
+    parser.add_argument('--test-split', choices=('val', 'test'),
+                        default='test',
+                        help='camvid: the split to evaluate on (the paper '
+                        'reports test)')
+    parser.add_argument('--class-weight', default=None,
+                        help='a .npy file with one weight per class (e.g. '
+                        'from ChainerCV\'s calc_weight.py); default: median '
+                        'frequency balancing of the training labels')
+    parser.add_argument('--embedded-size', type=int, nargs=2, default=None,
+                        metavar=('TRAIN', 'TEST'),
+                        help='embedded: number of train and test images '
+                        '(default: 300 50; tests use fewer)')
+    parser.add_argument('--batchsize', type=int, default=None)
+    parser.add_argument('--iteration', type=int, default=None)
+    parser.add_argument('--lr', type=float, default=None)
+    parser.add_argument('--eval-interval', type=int, default=None,
+                        help='also evaluate every N iterations')
+    parser.add_argument('--log-interval', type=int, default=10)
+    parser.add_argument('--gpu', type=int, default=-1)
+    parser.add_argument('--loaderjob', type=int, default=0,
+                        help='worker processes for data loading (0: none)')
+    parser.add_argument('--out', default='result/segnet')
+    parser.add_argument('--resume', default=None,
+                        help='a trainer snapshot to resume from')
+    parser.add_argument('--snapshot-interval', type=int, default=None,
+                        help='write a trainer snapshot every N iterations '
+                        '(default: a quarter of the run; 0: none)')
+    parser.add_argument('--seed', type=int, default=0)
+    parser.add_argument('--no-plot', action='store_true')
+    gs_training.add_arguments(parser)
+    args = parser.parse_args(argv)
+    for name in ('batchsize', 'iteration', 'eval_interval', 'log_interval'):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error('--{} must be >= 1, got {}'.format(
+                name.replace('_', '-'), value))
+    if args.lr is not None and not args.lr > 0:
+        parser.error('--lr must be > 0, got {}'.format(args.lr))
+    if args.snapshot_interval is not None and args.snapshot_interval < 0:
+        parser.error('--snapshot-interval must be >= 0, got {}'.format(
+            args.snapshot_interval))
+    if args.embedded_size is not None and min(args.embedded_size) < 1:
+        parser.error('--embedded-size needs two numbers >= 1, got {}'.format(
+            ' '.join(map(str, args.embedded_size))))
+    if args.precision is None and args.gpu < 0 and args.scaling != 'fp32':
+        args.precision = 'sim-fp16'
+        print('CPU run: simulating mixed precision (--precision sim-fp16); '
+              'pass --precision mixed16 for real float16 arithmetic.')
+    return args
+
+
+def apply_defaults(args):
+    """Fills what the command line left out, for the data actually used."""
+    defaults = (EMBEDDED_DEFAULTS if args.dataset == 'embedded'
+                else CAMVID_DEFAULTS)
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
+def camvid_root(data_dir):
+    """CamVid's directory; raises DatasetError (never downloads) if absent."""
+    if data_dir is None:
+        data_dir = os.path.join(chainer.dataset.get_dataset_root(),
+                                'pfnet', 'chainercv', 'camvid')
+    if not os.path.isdir(data_dir):
+        raise DatasetError(
+            'CamVid not found: {} is not a directory (expected ChainerCV\'s '
+            'layout: train.txt, train/, trainannot/, ...)'.format(data_dir))
+    return data_dir
+
+
+def camvid_split(root, split):
+    """CamVidDataset for ``split``, with every listed file checked."""
+    list_path = os.path.join(root, '{}.txt'.format(split))
+    if not os.path.isfile(list_path):
+        raise DatasetError('CamVid split list {} not found'.format(
+            list_path))
+    dataset = CamVidDataset(data_dir=root, split=split)
+    for line, paths in enumerate(dataset.paths, 1):
+        if len(paths) != 2:
+            raise DatasetError(
+                '{}, line {}: expected "<image> <label>", got {!r}'.format(
+                    list_path, line, ' '.join(paths)))
+        for path in paths:
+            if not os.path.isfile(path):
+                raise DatasetError('{} (listed in {}, line {}) not '
+                                   'found'.format(path, list_path, line))
+    if len(dataset) == 0:
+        raise DatasetError('{} lists no images'.format(list_path))
+    return dataset
+
+
+def load_datasets(args):
+    """(train, test, label_names); falls back to embedded data, saying so."""
+    if args.dataset == 'camvid':
+        try:
+            root = camvid_root(args.data_dir)
+        except DatasetError as e:
+            print('{}\nFalling back to the embedded dataset.'.format(e))
+            args.dataset = 'embedded'
+        else:
+            return (camvid_split(root, 'train'),
+                    camvid_split(root, args.test_split), camvid_label_names)
+    from embedded_datasets import ShapesSegmentationDataset
+    n_train, n_test = args.embedded_size or (None, None)
+    train = ShapesSegmentationDataset(
+        'train', size=n_train, image_size=EMBEDDED_IMAGE_SIZE,
+        seed=args.seed)
+    test = ShapesSegmentationDataset(
+        'test', size=n_test, image_size=EMBEDDED_IMAGE_SIZE, seed=args.seed)
+    return train, test, train.label_names
+
+
+def load_class_weight(args, train, n_class):
+    """``--class-weight`` FILE, else median frequency balancing of train."""
+    if args.class_weight is None:
+        from embedded_datasets import class_weights
+        labels = train.slice[:, 1] if hasattr(train, 'slice') else (
+            label for _, label in train)
+        # class_weights reads (img, label) pairs; only labels are loaded.
+        return class_weights(((None, label) for label in labels), n_class)
+    path = args.class_weight
+    try:
+        weight = np.load(path)
+    except (OSError, ValueError) as e:
+        raise DatasetError('--class-weight {}: cannot read a .npy array '
+                           '({})'.format(path, e))
+    weight = np.asarray(weight, dtype=np.float32)
+    if weight.shape == (n_class + 1,):
+        # Older calc_weight.py files also weight CamVid's unlabelled pixels
+        # (12 values); those are ignored here.
+        weight = weight[:n_class]
+    if weight.shape != (n_class,) or not np.all(np.isfinite(weight)) or \
+            np.any(weight < 0):
+        raise DatasetError('--class-weight {}: expected {} finite weights '
+                           '>= 0, got {}'.format(path, n_class, weight))
+    return weight
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    np.random.seed(args.seed)
+    config = gs_training.ScalingConfig.from_args(args)
+    train, test, label_names = load_datasets(args)
+    apply_defaults(args)
+    class_weight = load_class_weight(args, train, len(label_names))
+
+    with config.model_dtype():
+        model = SegNetBasic(n_class=len(label_names))
+        # conv1 is built with in_channels=None: initialize it now, in the
+        # model's dtype, so that the optimizer, GS and snapshots see it.
+        with chainer.using_config('train', False), \
+                chainer.no_backprop_mode():
+            model(np.zeros((1, 3, 16, 16), dtype=chainer.get_dtype()))
+        train_chain = PixelwiseSoftmaxTrainChain(model, class_weight)
+    device = chainer.get_device(args.gpu if args.gpu >= 0 else '@numpy')
+    device.use()
+    train_chain.to_device(device)
+
+    train = TransformDataset(train, random_flip)
+    if args.loaderjob > 0:
+        train_iter = chainer.iterators.MultiprocessIterator(
+            train, args.batchsize, n_processes=args.loaderjob)
+    else:
+        train_iter = chainer.iterators.SerialIterator(train, args.batchsize)
+    test_iter = chainer.iterators.SerialIterator(
+        test, args.batchsize, repeat=False, shuffle=False)
+
+    snapshot_interval = args.snapshot_interval
+    if snapshot_interval is None:
+        snapshot_interval = max(args.iteration // 4, 1)
+    optimizer, scaler = gs_training.setup_optimizer(
+        chainer.optimizers.MomentumSGD(lr=args.lr, momentum=0.9),
+        train_chain, config)
+    optimizer.add_hook(WeightDecay(0.0005))
+
+    updater = gs_training.ScalingUpdater(
+        train_iter, optimizer, scaler, config, device=device)
+    trainer = training.Trainer(updater, (args.iteration, 'iteration'),
+                               args.out)
+    eval_points = sorted(set([args.iteration] + list(
+        range(args.eval_interval, args.iteration, args.eval_interval))))
+    evaluator = SemanticSegmentationEvaluator(
+        test_iter, Predictor(model), label_names=label_names)
+    trainer.extend(_Eval(evaluator, config),
+                   trigger=triggers.ManualScheduleTrigger(eval_points,
+                                                          'iteration'))
+
+    log_interval = args.log_interval, 'iteration'
+    trainer.extend(extensions.LogReport(trigger=log_interval))
+    trainer.extend(extensions.observe_lr(), trigger=log_interval)
+    trainer.extend(extensions.PrintReport(
+        ['epoch', 'iteration', 'lr', 'main/loss', 'scaling/skips',
+         'scaling/max_scale', 'validation/main/miou',
+         'validation/main/pixel_accuracy', 'elapsed_time']),
+        trigger=log_interval)
+    trainer.extend(extensions.ProgressBar(update_interval=log_interval[0]))
+    if not args.no_plot:
+        trainer.extend(extensions.PlotReport(
+            ['main/loss'], 'iteration', trigger=log_interval,
+            filename='loss.png'))
+        trainer.extend(extensions.PlotReport(
+            ['validation/main/miou', 'validation/main/pixel_accuracy'],
+            'iteration', filename='miou.png',
+            trigger=triggers.ManualScheduleTrigger(eval_points,
+                                                   'iteration')))
+    if args.scaling == 'gs':
+        trainer.extend(ScaleHistory(scaler.hook, plot=not args.no_plot),
+                       trigger=(config.update_interval, 'iteration'))
+    if snapshot_interval:
+        trainer.extend(extensions.snapshot(),
+                       trigger=(snapshot_interval, 'iteration'))
+    trainer.extend(
+        extensions.snapshot_object(model, 'model_iter_{.updater.iteration}'),
+        trigger=(args.iteration, 'iteration'))
+
+    if args.resume:
+        serializers.load_npz(args.resume, trainer)
+    print('SegNetBasic on {} data: {} train / {} test images, scaling={}, '
+          'precision={}, batch {}, {} iterations'.format(
+              args.dataset, len(train), len(test), config.scaling,
+              config.precision, args.batchsize, args.iteration), flush=True)
+    trainer.run()
+    result = trainer.get_extension('LogReport').log
+    mious = [e['validation/main/miou'] for e in result
+             if 'validation/main/miou' in e]
+    if mious:
+        print('Final mIoU: {:.4f} ({} skipped steps)'.format(
+            mious[-1], updater.skips))
+    return mious[-1] if mious else None
+
+
+class _Eval(training.Extension):
+    """Runs ChainerCV's evaluator under the model's dtype (mixed16 or FP32).
+
+    Simulated precisions are trained on FP32 weights and evaluated in FP32.
+    """
+
+    priority = training.PRIORITY_WRITER
+
+    def __init__(self, evaluator, config):
+        evaluator.name = 'validation'  # reports validation/main/miou
+        self._evaluator = evaluator
+        self._config = config
+
+    def __call__(self, trainer):
+        with self._config.model_dtype():
+            return self._evaluator(trainer)
+
+
+if __name__ == '__main__':
+    try:
+        main()
+    except DatasetError as e:
+        sys.exit('error: {}'.format(e))
