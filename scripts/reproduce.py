@@ -5,6 +5,7 @@ Subcommands (each resumable: an existing result is kept unless --force)::
     python scripts/reproduce.py model      # claim 1: the statistical model
     python scripts/reproduce.py figure2    # Figure 2: GS scale per SSD layer
     python scripts/reproduce.py segnet     # Figure 3b and the cast claim
+    python scripts/reproduce.py s2fp8      # S2FP8 Table 1 shape, ResNet-20
     python scripts/reproduce.py all        # every subcommand in turn
 
 ``model``: predicted (Theorems 1 and 2) against measured underflow rate at
@@ -30,8 +31,15 @@ gradient values that underflow in float16 unscaled and at the GS cast
 scale.  Writes ``figure3b.png``, ``segnet_cast_underflow.md`` and
 ``.csv``, and ``figure3b.csv``.
 
-``figure2`` and ``segnet`` write their CSV last: an existing one means a
-finished run.
+``s2fp8``: the shape of the S2FP8 paper's Table 1 at CPU scale: ResNet-20
+(CIFAR-style) on a subset of Fashion-MNIST (padded to 32x32, 3 channels;
+the embedded shapes if the Debian package is absent), the same budget (seed,
+iterations, batch, lr schedule) for FP32, FP8 E5M2 unscaled, FP8 with fixed
+loss scale 100, S2FP8, GS-FP8 and GS-FP16; test accuracy in FP32.  Writes
+``s2fp8.md`` and ``s2fp8.csv``.
+
+``figure2``, ``segnet`` and ``s2fp8`` write their CSV last: an existing one
+means a finished run.
 """
 
 import gradient_scaling  # NOQA
@@ -781,6 +789,196 @@ def write_cast_summary(path, cast_rows, rows, args, lr, batchsize):
     print('\n'.join(lines))
 
 
+# -- s2fp8: the S2FP8 paper's Table 1 at CPU scale ---------------------------
+
+# (variant, scaling, precision, loss scale): the same budget for every one.
+S2FP8_VARIANTS = [
+    ('FP32', 'fp32', 'fp32', None),
+    ('FP8', 'none', 'sim-fp8-e5m2', None),
+    ('FP8+LS(100)', 'fixed', 'sim-fp8-e5m2', 100.0),
+    ('S2FP8', 'none', 's2fp8', None),
+    ('GS-FP8', 'gs', 'sim-fp8-e5m2', None),
+    ('GS-FP16', 'gs', 'sim-fp16', None),
+]
+FASHION_MNIST = '/usr/share/datasets/fashion-mnist'
+
+
+def read_idx(path):
+    """A gzip IDX file (the MNIST format) as a numpy array."""
+    import gzip
+    with gzip.open(path, 'rb') as f:
+        data = f.read()
+    ndim = data[3]
+    shape = tuple(int.from_bytes(data[4 + 4 * i:8 + 4 * i], 'big')
+                  for i in range(ndim))
+    return np.frombuffer(data, np.uint8, offset=4 + 4 * ndim).reshape(shape)
+
+
+def s2fp8_data(n_train, n_test, seed=0):
+    """(train, test, source): lists of (x, t), x (3, 32, 32) normalised.
+
+    Fashion-MNIST (the Debian package dataset-fashion-mnist) padded to
+    32x32 and replicated to 3 channels, random subsets of ``n_train`` and
+    ``n_test`` images; without the package, the embedded shapes.  Inputs
+    minus the training subset's mean, divided by its standard deviation.
+    """
+    rng = np.random.RandomState(seed)
+    if os.path.exists(os.path.join(FASHION_MNIST,
+                                   'train-images-idx3-ubyte.gz')):
+        source = 'Fashion-MNIST ({})'.format(FASHION_MNIST)
+        arrays = []
+        for split, n in (('train', n_train), ('t10k', n_test)):
+            x = read_idx(os.path.join(
+                FASHION_MNIST, '{}-images-idx3-ubyte.gz'.format(split)))
+            t = read_idx(os.path.join(
+                FASHION_MNIST, '{}-labels-idx1-ubyte.gz'.format(split)))
+            idx = rng.permutation(len(x))[:n]
+            x = np.pad(x[idx], ((0, 0), (2, 2), (2, 2)))
+            x = np.repeat(x[:, None], 3, axis=1).astype(np.float32)
+            arrays.append((x, t[idx].astype(np.int32)))
+    else:
+        from embedded_datasets import ShapesClassificationDataset
+        source = ('embedded_datasets.ShapesClassificationDataset (Fashion-'
+                  'MNIST not installed)')
+        arrays = []
+        for split, n in (('train', n_train), ('test', n_test)):
+            data = ShapesClassificationDataset(split, size=n)
+            x, t = [np.stack(a) for a in zip(*[data[i]
+                                               for i in range(len(data))])]
+            arrays.append((x.astype(np.float32), t.astype(np.int32)))
+    mean, std = arrays[0][0].mean(), arrays[0][0].std()
+    out = [[(((xi - mean) / std).astype(np.float32), ti)
+            for xi, ti in zip(x, t)] for x, t in arrays]
+    return out[0], out[1], source
+
+
+def s2fp8_lr(base, iteration, iterations):
+    """Step schedule: x0.1 at 50% and at 75% of the iterations."""
+    return base * (0.1 ** ((iteration >= iterations // 2)
+                           + (iteration >= 3 * iterations // 4)))
+
+
+def s2fp8_accuracy(model, test, batchsize=500):
+    from chainer.dataset import concat_examples
+    correct = 0
+    with chainer.using_config('train', False), chainer.no_backprop_mode():
+        for i in range(0, len(test), batchsize):
+            x, t = concat_examples(test[i:i + batchsize])
+            correct += int((model(x).array.argmax(axis=1) == t).sum())
+    return correct / len(test)
+
+
+def s2fp8_variant(args, name, scaling, precision, loss_scale, train, test,
+                  n_class):
+    from chainer.iterators import SerialIterator
+    from chainer.iterators import ShuffleOrderSampler
+    from chainer_links import ResNet20
+    from gradient_scaling import training
+    np.random.seed(0)
+    model = ResNet20(n_class=n_class)
+    config = training.ScalingConfig(
+        scaling=scaling, precision=precision,
+        loss_scale=loss_scale if loss_scale is not None else 128.0,
+        update_interval=10)
+    optimizer, scaler = training.setup_optimizer(
+        chainer.optimizers.MomentumSGD(lr=args.s2fp8_lr, momentum=0.9),
+        model, config)
+    iterator = SerialIterator(
+        train, args.s2fp8_batchsize, repeat=True, shuffle=None,
+        order_sampler=ShuffleOrderSampler(np.random.RandomState(0)))
+    losses = []
+
+    def loss_func(x, t):
+        loss = F.softmax_cross_entropy(model(x), t)
+        losses.append(float(loss.array))
+        return loss
+    updater = training.ScalingUpdater(iterator, optimizer, scaler,
+                                      config=config, loss_func=loss_func)
+    iterations = args.s2fp8_iterations
+    start = time.time()
+    with chainer.using_config('train', True):
+        for iteration in range(iterations):
+            optimizer.lr = s2fp8_lr(args.s2fp8_lr, iteration, iterations)
+            updater.update()
+            if (iteration + 1) % 25 == 0 or iteration == iterations - 1:
+                log('s2fp8 {}: iteration {}/{}, mean loss of the last 25 '
+                    '{:.4g}, {} skipped, {:.2f} s/it'.format(
+                        name, iteration + 1, iterations,
+                        float(np.nanmean(losses[-25:])), updater.skips,
+                        (time.time() - start) / (iteration + 1)))
+    seconds = time.time() - start
+    accuracy = s2fp8_accuracy(model, test)
+    tail = max(1, iterations // 10)
+    log('s2fp8 {}: test accuracy {:.4f}'.format(name, accuracy))
+    return {'variant': name, 'precision': precision, 'scaling': scaling,
+            'loss_scale': loss_scale if loss_scale is not None else '',
+            'iterations': iterations, 'batch': args.s2fp8_batchsize,
+            'seconds': round(seconds, 1),
+            'final_train_loss': float(np.mean(losses[-tail:])),
+            'test_accuracy': accuracy, 'skipped_steps': updater.skips}
+
+
+def run_s2fp8(args):
+    variants = [v for v in S2FP8_VARIANTS if v[0] in args.s2fp8_variants]
+    start = time.time()
+    train, test, source = s2fp8_data(args.s2fp8_train_size,
+                                     args.s2fp8_test_size)
+    n_class = int(max(t for _, t in train + test)) + 1
+    log('s2fp8: {}, {} training and {} test images, {} classes; {} '
+        'iterations of batch {}, lr {:g}'.format(
+            source, len(train), len(test), n_class, args.s2fp8_iterations,
+            args.s2fp8_batchsize, args.s2fp8_lr))
+    rows = [s2fp8_variant(args, name, scaling, precision, loss_scale, train,
+                          test, n_class)
+            for name, scaling, precision, loss_scale in variants]
+    write_s2fp8_summary(os.path.join(args.out, 's2fp8.md'), rows, args,
+                        source, len(train), len(test), time.time() - start,
+                        argv_used=getattr(args, 'argv', None))
+    write_csv(os.path.join(args.out, 's2fp8.csv'), rows)
+
+
+def write_s2fp8_summary(path, rows, args, source, n_train, n_test, wall,
+                        argv_used=None):
+    command = 'python scripts/reproduce.py ' + ' '.join(
+        argv_used if argv_used is not None else sys.argv[1:])
+    iterations = args.s2fp8_iterations
+    lines = [
+        '# S2FP8 Table 1 at CPU scale: ResNet-20 on {}'.format(
+            source.split(' (')[0]), '',
+        'Command: `{}`'.format(command), '',
+        'Budget, the same for every variant: ResNet-20 (chainer_links.'
+        'ResNet20, CIFAR-style), {} training images and {} test images of '
+        '{} (padded to 32x32, replicated to 3 channels, minus mean / by '
+        'std), {} iterations of batch {} ({:.1f} epochs), MomentumSGD '
+        '(momentum 0.9, lr {:g}, x0.1 at iterations {} and {}), seed 0 '
+        '(same initial weights and batch order), GS refresh every 10 '
+        'iterations. Test accuracy is evaluated in FP32 (no simulation) '
+        'after the last iteration; final train loss is the mean over the '
+        'last {} iterations.'.format(
+            n_train, n_test, source, iterations, args.s2fp8_batchsize,
+            iterations * args.s2fp8_batchsize / n_train, args.s2fp8_lr,
+            iterations // 2, 3 * iterations // 4, max(1, iterations // 10)),
+        '',
+        'Machine: CPU only, 2 cores shared with other concurrent jobs '
+        '(seconds are indicative only). Wall time of the subcommand: '
+        '{:.0f} s.'.format(wall), '',
+        '| variant | precision | scaling | iterations | batch | seconds | '
+        'final train loss | test accuracy | skipped steps |',
+        '|---|---|---|---|---|---|---|---|---|']
+    for r in rows:
+        lines.append('| {} | {} | {}{} | {} | {} | {:.0f} | {:.4f} | {:.2%} '
+                     '| {} |'.format(
+                         r['variant'], r['precision'], r['scaling'],
+                         ' ({:g})'.format(r['loss_scale'])
+                         if r['loss_scale'] != '' else '',
+                         r['iterations'], r['batch'], r['seconds'],
+                         r['final_train_loss'], r['test_accuracy'],
+                         r['skipped_steps']))
+    with open(path, 'w') as f:
+        f.write('\n'.join(lines) + '\n')
+    print('\n'.join(lines))
+
+
 def write_csv(path, rows):
     tmp = path + '.tmp'
     with open(tmp, 'w', newline='') as f:
@@ -793,7 +991,8 @@ def write_csv(path, rows):
 
 SUBCOMMANDS = {'model': (run_model_fit, 'model_fit.csv'),
                'figure2': (run_figure2, 'figure2.csv'),
-               'segnet': (run_segnet, 'figure3b.csv')}
+               'segnet': (run_segnet, 'figure3b.csv'),
+               's2fp8': (run_s2fp8, 's2fp8.csv')}
 
 
 def main(argv=None):
@@ -835,7 +1034,22 @@ def main(argv=None):
                         default=[0, 50, 100, 150, 200],
                         help='segnet: iterations whose softmax gradient '
                         'underflow is measured')
+    parser.add_argument('--s2fp8-iterations', type=int, default=100,
+                        help='s2fp8: training iterations per variant')
+    parser.add_argument('--s2fp8-batchsize', type=int, default=32,
+                        help='s2fp8: batch size')
+    parser.add_argument('--s2fp8-lr', type=float, default=0.05,
+                        help='s2fp8: initial learning rate')
+    parser.add_argument('--s2fp8-train-size', type=int, default=3200,
+                        help='s2fp8: training images')
+    parser.add_argument('--s2fp8-test-size', type=int, default=2000,
+                        help='s2fp8: test images')
+    parser.add_argument('--s2fp8-variants', nargs='+',
+                        default=[v[0] for v in S2FP8_VARIANTS],
+                        choices=[v[0] for v in S2FP8_VARIANTS],
+                        help='s2fp8: variants to train')
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     args.lr = {'ssd300': 1e-3, 'segnet': 0.1, 'resnet18': 0.05}
     os.makedirs(args.out, exist_ok=True)
     commands = sorted(SUBCOMMANDS) if args.command == 'all' else [

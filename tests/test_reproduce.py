@@ -114,3 +114,27 @@ def test_segnet(reproduce, tmp_path):
     before = os.stat(tmp_path / 'figure3b.csv').st_mtime_ns
     reproduce.main(argv)
     assert os.stat(tmp_path / 'figure3b.csv').st_mtime_ns == before
+
+
+def test_s2fp8(reproduce, tmp_path):
+    argv = ['s2fp8', '--out', str(tmp_path), '--s2fp8-iterations', '3',
+            '--s2fp8-batchsize', '8', '--s2fp8-train-size', '64',
+            '--s2fp8-test-size', '64', '--s2fp8-variants', 'FP32', 'GS-FP8']
+    reproduce.main(argv)
+    rows = read_csv(tmp_path / 's2fp8.csv')
+    assert [r['variant'] for r in rows] == ['FP32', 'GS-FP8']
+    assert [(r['precision'], r['scaling']) for r in rows] == [
+        ('fp32', 'fp32'), ('sim-fp8-e5m2', 'gs')]
+    for r in rows:
+        assert int(r['iterations']) == 3 and int(r['batch']) == 8
+        assert math.isfinite(float(r['final_train_loss']))
+        assert 0 <= float(r['test_accuracy']) <= 1
+        assert int(r['skipped_steps']) >= 0
+    summary = (tmp_path / 's2fp8.md').read_text()
+    assert '| GS-FP8 | sim-fp8-e5m2 | gs |' in summary
+    assert 'Command: `python scripts/reproduce.py s2fp8' in summary
+    assert sorted(os.listdir(tmp_path)) == ['s2fp8.csv', 's2fp8.md']
+    # Resumable: the finished product is kept.
+    before = os.stat(tmp_path / 's2fp8.csv').st_mtime_ns
+    reproduce.main(argv)
+    assert os.stat(tmp_path / 's2fp8.csv').st_mtime_ns == before

@@ -47,6 +47,7 @@ from chainer.training import triggers
 from chainercv import transforms
 
 from gradient_scaling import training as gs_training
+from gradient_scaling.extensions import DtypeEvaluator
 from gradient_scaling.extensions import ScaleHistory
 
 import chainer_links
@@ -172,14 +173,19 @@ class PadCropFlip(object):
 
 
 class Subtract(object):
-    """Subtracts the model's mean from the image."""
+    """Subtracts the model's mean and scales [0, 255] to about [-2, 2].
 
-    def __init__(self, mean):
+    Unit-range inputs keep the first layers' activations inside FP8 E4M3's
+    range (its largest value is 448; beyond it values become NaN).
+    """
+
+    def __init__(self, mean, scale=64.0):
         self.mean = mean
+        self.scale = np.float32(scale)
 
     def __call__(self, in_data):
         img, label = in_data
-        return img - self.mean, label
+        return (img - self.mean) / self.scale, label
 
 
 def parse_args(argv=None):
@@ -347,7 +353,7 @@ def main(argv=None):
     eval_points = sorted(set([iteration] + list(
         range(args.eval_interval, iteration, args.eval_interval))))
     evaluator = extensions.Evaluator(test_iter, train_chain, device=device)
-    trainer.extend(_Eval(evaluator, config),
+    trainer.extend(DtypeEvaluator(evaluator, config),
                    trigger=triggers.ManualScheduleTrigger(eval_points,
                                                           'iteration'))
 
@@ -391,24 +397,6 @@ def main(argv=None):
         print('Final test accuracy: {:.4f} ({} skipped steps)'.format(
             accuracies[-1], updater.skips))
     return accuracies[-1] if accuracies else None
-
-
-class _Eval(training.Extension):
-    """Runs the evaluator under the model's dtype (mixed16 or FP32).
-
-    Simulated precisions are trained on FP32 weights and evaluated in FP32.
-    """
-
-    priority = training.PRIORITY_WRITER
-
-    def __init__(self, evaluator, config):
-        evaluator.name = 'validation'  # reports validation/main/accuracy
-        self._evaluator = evaluator
-        self._config = config
-
-    def __call__(self, trainer):
-        with self._config.model_dtype():
-            return self._evaluator(trainer)
 
 
 if __name__ == '__main__':

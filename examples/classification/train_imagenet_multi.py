@@ -60,6 +60,7 @@ from chainercv.links.model.resnet import Bottleneck
 from chainercv import transforms
 
 from gradient_scaling import training as gs_training
+from gradient_scaling.extensions import DtypeEvaluator
 from gradient_scaling.extensions import ScaleHistory
 
 import chainer_links
@@ -453,7 +454,7 @@ def main(argv=None):
     if comm is not None:
         import chainermn
         evaluator = chainermn.create_multi_node_evaluator(evaluator, comm)
-    trainer.extend(_Eval(evaluator, config),
+    trainer.extend(DtypeEvaluator(evaluator, config),
                    trigger=triggers.ManualScheduleTrigger(eval_points,
                                                           'iteration'))
 
@@ -507,24 +508,6 @@ def main(argv=None):
         print('Final validation accuracy: {:.4f} ({} skipped steps)'.format(
             accuracies[-1], updater.skips))
     return accuracies[-1] if accuracies else None
-
-
-class _Eval(training.Extension):
-    """Runs the evaluator under the model's dtype (mixed16 or FP32).
-
-    Simulated precisions are trained on FP32 weights and evaluated in FP32.
-    """
-
-    priority = training.PRIORITY_WRITER
-
-    def __init__(self, evaluator, config):
-        evaluator.name = 'validation'  # reports validation/main/accuracy
-        self._evaluator = evaluator
-        self._config = config
-
-    def __call__(self, trainer):
-        with self._config.model_dtype():
-            return self._evaluator(trainer)
 
 
 if __name__ == '__main__':

@@ -47,6 +47,7 @@ from chainercv.extensions import SemanticSegmentationEvaluator
 from chainercv.links import SegNetBasic
 
 from gradient_scaling import training as gs_training
+from gradient_scaling.extensions import DtypeEvaluator
 from gradient_scaling.extensions import ScaleHistory
 
 EMBEDDED_DEFAULTS = {'iteration': 200, 'batchsize': 4, 'lr': 0.1,
@@ -315,7 +316,7 @@ def main(argv=None):
         range(args.eval_interval, args.iteration, args.eval_interval))))
     evaluator = SemanticSegmentationEvaluator(
         test_iter, Predictor(model), label_names=label_names)
-    trainer.extend(_Eval(evaluator, config),
+    trainer.extend(DtypeEvaluator(evaluator, config),
                    trigger=triggers.ManualScheduleTrigger(eval_points,
                                                           'iteration'))
 
@@ -361,24 +362,6 @@ def main(argv=None):
         print('Final mIoU: {:.4f} ({} skipped steps)'.format(
             mious[-1], updater.skips))
     return mious[-1] if mious else None
-
-
-class _Eval(training.Extension):
-    """Runs ChainerCV's evaluator under the model's dtype (mixed16 or FP32).
-
-    Simulated precisions are trained on FP32 weights and evaluated in FP32.
-    """
-
-    priority = training.PRIORITY_WRITER
-
-    def __init__(self, evaluator, config):
-        evaluator.name = 'validation'  # reports validation/main/miou
-        self._evaluator = evaluator
-        self._config = config
-
-    def __call__(self, trainer):
-        with self._config.model_dtype():
-            return self._evaluator(trainer)
 
 
 if __name__ == '__main__':

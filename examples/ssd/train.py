@@ -52,6 +52,7 @@ from chainercv.links import SSD512
 from chainercv import transforms
 
 from gradient_scaling import training as gs_training
+from gradient_scaling.extensions import DtypeEvaluator
 from gradient_scaling.extensions import ScaleHistory
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -179,15 +180,9 @@ def parse_args(argv=None):
     parser.add_argument('--no-plot', action='store_true')
     gs_training.add_arguments(parser)
     args = parser.parse_args(argv)
-    defaults = (EMBEDDED_DEFAULTS if args.dataset == 'embedded'
-                else VOC_DEFAULTS)
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    if args.model is None:
-        args.model = 'small' if args.dataset == 'embedded' else 'ssd300'
-    if args.batchsize < 1 or args.iteration < 1:
-        parser.error('--batchsize and --iteration must be >= 1')
+    for name in ('batchsize', 'iteration'):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error('--{} must be >= 1'.format(name))
     if args.dataset == 'voc-format' and (args.data_dir is None
                                          or args.label_names is None):
         parser.error('--dataset voc-format needs --data-dir and '
@@ -197,6 +192,17 @@ def parse_args(argv=None):
         print('CPU run: simulating mixed precision (--precision sim-fp16); '
               'pass --precision mixed16 for real float16 arithmetic.')
     return args
+
+
+def apply_defaults(args):
+    """Schedule and model defaults for the data actually used."""
+    defaults = (EMBEDDED_DEFAULTS if args.dataset == 'embedded'
+                else VOC_DEFAULTS)
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.model is None:
+        args.model = 'small' if args.dataset == 'embedded' else 'ssd300'
 
 
 def load_datasets(args):
@@ -262,6 +268,7 @@ def main(argv=None):
     np.random.seed(args.seed)
     config = gs_training.ScalingConfig.from_args(args)
     train, test, label_names = load_datasets(args)
+    apply_defaults(args)  # after a fall-back to the embedded data
 
     with config.model_dtype():
         model = build_model(args, len(label_names))
@@ -300,7 +307,7 @@ def main(argv=None):
         if args.eval_interval else [])))
     evaluator = DetectionVOCEvaluator(
         test_iter, model, use_07_metric=True, label_names=label_names)
-    trainer.extend(_Eval(evaluator, config),
+    trainer.extend(DtypeEvaluator(evaluator, config),
                    trigger=triggers.ManualScheduleTrigger(eval_points,
                                                           'iteration'))
 
@@ -343,24 +350,6 @@ def main(argv=None):
         print('Final VOC07 mAP: {:.4f} ({} skipped steps)'.format(
             maps[-1], updater.skips))
     return maps[-1] if maps else None
-
-
-class _Eval(training.Extension):
-    """Runs ChainerCV's evaluator under the model's dtype (mixed16 or FP32).
-
-    Simulated precisions are trained on FP32 weights and evaluated in FP32.
-    """
-
-    priority = training.PRIORITY_WRITER
-
-    def __init__(self, evaluator, config):
-        evaluator.name = 'validation'  # reports validation/main/map
-        self._evaluator = evaluator
-        self._config = config
-
-    def __call__(self, trainer):
-        with self._config.model_dtype():
-            return self._evaluator(trainer)
 
 
 if __name__ == '__main__':
