@@ -300,16 +300,14 @@ class GradientScaling(chainer.FunctionHook):
     def _check_overflow(self, leaves):
         if not leaves:
             return
-        grads = [var.grad_var.array for var in leaves]
-        xp = backend.get_array_module(grads[0])
-        finite = xp.stack([xp.isfinite(g).all() for g in grads])
-        if bool(finite.all()):
+        finite = statistics.finite_flags(
+            [var.grad_var.array for var in leaves])
+        if all(finite):
             self.consecutive_overflows = 0
             self._clean_passes += 1
             if self._clean_passes >= self.weight_growth_interval:
                 self._grow_weight_scales()
             return
-        finite = backend.CpuDevice().send(finite)
         bad = [var for var, ok in zip(leaves, finite) if not ok]
         self.skipped = True
         self.overflow_count += 1
@@ -368,31 +366,44 @@ class GradientScaling(chainer.FunctionHook):
             if self._is_implicit_cast(gy):
                 gy = self._scale_cast_site(gy)
             alpha = internals.gradient_scale(gy)
+            n_inputs = len(function.inputs)
             param_indexes = tuple(i for i in indexes if i != 0)
+            if param_indexes:
+                # Line 6: the weight gradient keeps the incoming scale,
+                # unless this layer's weight path learnt a backoff.
+                gamma = self._weight_scales.get(
+                    self._weight_path_key(function, param_indexes), 1.0)
             result = {}
             # The data gradient first: Deconvolution2DFunction's backward
             # fails for the weight alone before it has run once.
             if 0 in indexes:
                 key, name = self._gemm_site(function)
                 weight = in_data[1]
-                n = _accumulation_length(function, func_type, weight)
                 beta, record = self._local_scale(
                     key, name, 'gemm', alpha,
-                    lambda: self._gemm_scale(gy.array, weight, n))
-                gx, = _select(class_backward((0,), (_rescale(gy, beta),)),
-                              (0,), len(function.inputs))
-                result[0] = self._tag(gx, alpha * beta)
+                    lambda: self._gemm_scale(gy.array, weight,
+                                             _accumulation_length(
+                                                 function, func_type,
+                                                 weight)))
+                if param_indexes and gamma == beta:
+                    # Both paths take the same scaled gradient: one call
+                    # (and, under a simulation, one rounding of it) gives
+                    # the same arrays as two.
+                    inputs, todo = indexes, ()
+                else:
+                    inputs, todo = (0,), param_indexes
+                gxs = _select(class_backward(inputs, (_rescale(gy, beta),)),
+                              inputs, n_inputs)
+                for i, gx in zip(inputs, gxs):
+                    result[i] = self._tag(gx, alpha * beta)
                 if record is not None:
-                    self._measure(record, gx)
-            if param_indexes:
-                # Line 6: the weight gradient keeps the incoming scale,
-                # unless this layer's weight path learnt a backoff.
-                key = self._weight_path_key(function, param_indexes)
-                gamma = self._weight_scales.get(key, 1.0)
+                    self._measure(record, result[0])
+            else:
+                todo = param_indexes
+            if todo:
                 gxs = _select(class_backward(
-                    param_indexes, (_rescale(gy, gamma),)),
-                    param_indexes, len(function.inputs))
-                for i, gx in zip(param_indexes, gxs):
+                    todo, (_rescale(gy, gamma),)), todo, n_inputs)
+                for i, gx in zip(todo, gxs):
                     result[i] = self._tag(gx, alpha * gamma)
             return tuple(result[i] for i in indexes)
         return backward
@@ -679,12 +690,16 @@ def measured_underflow_rate(array, fmt):
         return math.nan
     fmt = formats.get(fmt)
     xp = backend.get_array_module(array)
-    nonzero = array != 0
-    n_nonzero = int(xp.count_nonzero(nonzero))
+    n_nonzero = int(xp.count_nonzero(array != 0))
     if n_nonzero == 0:
         return 0.0
-    lost = int(xp.count_nonzero((fmt.quantize(array) == 0) & nonzero))
-    return lost / n_nonzero
+    # fmt.quantize(x) is 0 exactly where |x| <= lambda_min / 2: below that
+    # every value is nearer to zero than to lambda_min, and the tie goes to
+    # the even neighbour, zero (NaN and inf compare False and stay). One
+    # comparison instead of a rounding; the zeros it counts are taken off.
+    threshold = array.dtype.type(fmt.min / 2)
+    at_most = int(xp.count_nonzero(xp.abs(array) <= threshold))
+    return (at_most - (array.size - n_nonzero)) / n_nonzero
 
 
 def _accumulation_length(function, func_type, weight):
@@ -710,19 +725,35 @@ def _select(gxs, indexes, n_inputs):
         len(gxs), indexes))
 
 
+# Exponents k for which 2**k is a normal number of the dtype.
+_NORMAL_EXPONENTS = {numpy.dtype(numpy.float32): (-126, 127),
+                     numpy.dtype(numpy.float64): (-1022, 1023)}
+
+
 def _rescale(grad_var, ratio):
     """A new gradient Variable multiplied by a power of two (never in place).
 
     ``ldexp`` keeps the array's dtype and is exact wherever the result is
-    representable, even when ``ratio`` itself is not (2**20 in float16).
+    representable, even when ``ratio`` itself is not (2**20 in float16);
+    NumPy float32/float64 arrays are multiplied by ``ratio`` instead where
+    it is a normal number of their dtype, which gives the same bits.
     """
     if ratio == 1.0:
         return grad_var
     array = grad_var.array
-    xp = backend.get_array_module(array)
     exponent = math.frexp(ratio)[1] - 1
-    scaled = chainer.Variable(xp.ldexp(array, numpy.int32(exponent)),
-                              requires_grad=False)
+    if (isinstance(array, numpy.ndarray)
+            and array.dtype in _NORMAL_EXPONENTS
+            and _NORMAL_EXPONENTS[array.dtype][0] <= exponent
+            <= _NORMAL_EXPONENTS[array.dtype][1]):
+        # Multiplying by a power of two that is a normal number of the
+        # dtype rounds exactly as ldexp does (both are correctly rounded),
+        # and NumPy's multiply is ~4x faster than its ldexp.
+        scaled = array * array.dtype.type(math.ldexp(1.0, exponent))
+    else:
+        xp = backend.get_array_module(array)
+        scaled = xp.ldexp(array, numpy.int32(exponent))
+    scaled = chainer.Variable(scaled, requires_grad=False)
     internals.set_gradient_scale(scaled, internals.gradient_scale(grad_var)
                                  * ratio)
     internals.set_from_softmax(scaled, internals.from_softmax(grad_var))

@@ -33,9 +33,10 @@ import typing
 import numpy
 
 
-# Elements per NumPy chunk: several float64 temporaries of this size stay in
-# the CPU caches, and per-chunk Python overhead stays under 1 ns per element.
-_CHUNK_SIZE = 2 ** 16
+# Elements per NumPy chunk: the float64 scratch chunk (1 MB) stays in the
+# CPU caches, and per-chunk Python overhead stays well under 1 ns per
+# element (2**17 sweeps ~10% faster than 2**16, measured).
+_CHUNK_SIZE = 2 ** 17
 
 
 def get_array_module(x):
@@ -162,6 +163,56 @@ def max_abs(x):
     return max(high, -low)
 
 
+def finite_flags(arrays):
+    """Tells, for each array, whether all its elements are finite.
+
+    Exact, with one device-to-host transfer however many arrays there are.
+    A finite sum proves every element finite (inf and NaN propagate through
+    a sum), and a sum reads each array once without the temporary mask that
+    ``isfinite(x).all()`` writes; only an array whose sum is not finite (a
+    non-finite element, or finite values whose sum overflows) is checked
+    element by element. NumPy float16 arrays are checked on their bit
+    patterns instead (NumPy's float16 arithmetic is slow), CuPy ones summed
+    in float32 (where a sum of float16 values cannot overflow).
+
+    Args:
+        arrays (list of numpy.ndarray or cupy.ndarray): Floating-point
+            arrays, all on one device.
+
+    Returns:
+        list of bool: One flag per array.
+
+    """
+    if not arrays:
+        return []
+    xp = get_array_module(arrays[0])
+    sums = []
+    # A sum overflowing, or meeting inf - inf, is an expected outcome here.
+    with numpy.errstate(over='ignore', invalid='ignore'):
+        for a in arrays:
+            if a.dtype == numpy.float16 and xp is numpy:
+                # Patterns of inf and NaN are those >= 0x7c00 without sign.
+                finite = a.size == 0 or int(
+                    (a.view(numpy.uint16) & numpy.uint16(0x7fff)).max()
+                ) < 0x7c00
+                sums.append(numpy.float32(0 if finite else numpy.nan))
+            elif a.dtype == numpy.float16:
+                sums.append(a.sum(dtype=numpy.float32))
+            elif xp is numpy:
+                sums.append(numpy.add.reduce(a, axis=None))
+            else:
+                sums.append(a.sum())
+        if xp is numpy:
+            flags = [math.isfinite(x) for x in sums]
+        else:
+            flags = xp.isfinite(xp.stack(sums)).get().tolist()
+    for i, finite in enumerate(flags):
+        exact = xp is numpy and arrays[i].dtype == numpy.float16
+        if not finite and not exact:
+            flags[i] = bool(xp.isfinite(arrays[i]).all())
+    return flags
+
+
 # --------------------------------------------------------------------------
 # NumPy
 
@@ -171,14 +222,29 @@ _Moments = collections.namedtuple('_Moments', ('n', 'mean', 'm2'))
 _NO_MOMENTS = _Moments(0, 0.0, 0.0)
 
 
-def _moments(values):
+def _moments(values, total=None, scratch=None):
+    """(count, mean, M2) of ``values`` in float64.
+
+    ``total`` is their sum if the caller has it already; ``scratch`` a
+    float64 array of their size to work in (overwritten; ``values`` itself
+    may be it), so that a sweep over many chunks allocates nothing per chunk.
+    """
     n = values.size
     if n == 0:
         return _NO_MOMENTS
-    values = values.astype(numpy.float64, copy=False)
-    mean = float(values.sum()) / n
-    deviation = values - mean
-    return _Moments(n, mean, float(numpy.dot(deviation, deviation)))
+    if scratch is None:
+        scratch = numpy.empty(n, numpy.float64)
+    if scratch is not values:
+        numpy.copyto(scratch, values)  # widening is exact
+    if total is None:
+        total = float(scratch.sum())
+    mean = total / n
+    scratch -= mean
+    # Squared and summed in place rather than numpy.dot: a threaded BLAS dot
+    # of a cache-sized vector is ~100x slower on a loaded machine, and the
+    # pairwise sum is at least as accurate.
+    numpy.multiply(scratch, scratch, out=scratch)
+    return _Moments(n, mean, float(scratch.sum()))
 
 
 def _merge(a, b):
@@ -198,24 +264,33 @@ def _numpy_statistics(x, log):
     largest = 0.0
     n_nonfinite = 0
     nonzero = 0
+    # One float64 scratch chunk for the whole sweep: allocating (and page
+    # faulting) a fresh one per chunk costs more than the arithmetic.
+    work = numpy.empty(min(flat.size, _CHUNK_SIZE), numpy.float64)
     for start in range(0, flat.size, _CHUNK_SIZE):
         chunk = flat[start:start + _CHUNK_SIZE]
         if chunk.dtype == numpy.float16:
             # NumPy computes float16 reductions and logs slowly.
             chunk = chunk.astype(numpy.float32)
-        wide = chunk.astype(numpy.float64, copy=False)
+        wide = work[:chunk.size]
+        numpy.copyto(wide, chunk)
         # A finite sum proves every element finite (inf and NaN propagate
-        # through a sum), so the mask is built only when needed.
-        if not math.isfinite(float(wide.sum())):
+        # through a sum), so the mask is built only when needed; the sum is
+        # then the one the moments need.
+        total = float(wide.sum())
+        if not math.isfinite(total):
+            total = None
             finite = numpy.isfinite(chunk)
             n_finite = int(numpy.count_nonzero(finite))
             n_nonfinite += chunk.size - n_finite
             if n_finite < chunk.size:
-                chunk, wide = chunk[finite], wide[finite]
+                chunk = chunk[finite]
+                wide = work[:chunk.size]
+                numpy.copyto(wide, chunk)
         if chunk.size == 0:
             continue
-        values = _merge(values, _moments(wide))
         largest = max(largest, float(wide.max()), -float(wide.min()))
+        values = _merge(values, _moments(wide, total, scratch=wide))
         is_nonzero = chunk != 0
         n_nonzero = int(numpy.count_nonzero(is_nonzero))
         nonzero += n_nonzero
@@ -225,7 +300,8 @@ def _numpy_statistics(x, log):
             # exact as the input), summed in float64.
             magnitude = numpy.abs(
                 chunk if n_nonzero == chunk.size else chunk[is_nonzero])
-            logs = _merge(logs, _moments(numpy.log(magnitude, out=magnitude)))
+            logs = _merge(logs, _moments(numpy.log(magnitude, out=magnitude),
+                                         scratch=work[:magnitude.size]))
     return TensorStatistics(
         count=int(x.size),
         mean=values.mean,

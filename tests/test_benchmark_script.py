@@ -1,0 +1,88 @@
+"""Smoke test of scripts/benchmark.py: its --quick table, not its timings."""
+
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, 'scripts', 'benchmark.py')
+VARIANTS = ['none', 'dynamic'] + [
+    'gs@{}{}'.format(k, suffix) for suffix in ('', '+measure')
+    for k in (1, 10, 100)]
+STAT_OPERATIONS = ['copy', 'tensor_statistics(log=False)',
+                   'tensor_statistics(log=True)', 'max_abs']
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, SCRIPT] + list(args),
+                          cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+
+
+def _table(text, heading):
+    """Rows (lists of cells) of the first Markdown table after heading."""
+    lines = text[text.index(heading):].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith('|'))
+    rows = []
+    for line in lines[start + 2:]:  # after the header and |---|
+        if not line.startswith('|'):
+            break
+        rows.append([cell.strip() for cell in line.strip('|').split('|')])
+    return rows
+
+
+@pytest.fixture(scope='module')
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp('benchmark') / 'benchmark.md'
+    result = _run('--quick', '--models', 'small_cnn', '--stat-dtypes',
+                  'float32', '--blas-threads', '0', '--quiet', '--out',
+                  str(out))
+    assert result.returncode == 0, result.stderr
+    return out.read_text()
+
+
+def test_quick_report_describes_the_run(report):
+    assert report.startswith('# Gradient scaling: cost in training')
+    assert 'scripts/benchmark.py --quick --models small_cnn' in report
+    for key in ('* CPU:', '* NumPy:', '* Chainer:', 'cores'):
+        assert key in report, key
+
+
+def test_quick_iteration_table_has_every_variant_with_positive_ratios(
+        report):
+    rows = _table(report, '## Training iteration')
+    assert [(r[0], r[1], r[2]) for r in rows] == [
+        ('small_cnn', precision, variant)
+        for precision in ('fp32', 'sim-fp16') for variant in VARIANTS]
+    for row in rows:
+        # wall, CPU, wall / none, CPU / none, CPU / dynamic, peak (MB),
+        # peak / none
+        values = [float(cell) for cell in row[3:10]]
+        assert all(math.isfinite(v) and v > 0 for v in values), row
+        assert int(row[10]) == 0, row  # no skipped step
+        low, high = (float(q) for q in row[11].split('-'))
+        assert 0 < low <= float(row[6]) <= high, row
+    for row in rows:
+        if row[2] == 'none':
+            assert float(row[5]) == float(row[6]) == float(row[9]) == 1.0
+
+
+def test_quick_statistics_table_compares_with_a_copy(report):
+    rows = _table(report, '## Statistics throughput')
+    assert [r[0] for r in rows] == STAT_OPERATIONS
+    assert all(r[1] == 'float32' and int(r[2]) == 2 ** 14 for r in rows)
+    for row in rows:
+        assert all(float(cell) > 0 for cell in row[3:6]), row
+    assert float(rows[0][5]) == 1.0
+
+
+@pytest.mark.skipif(importlib.util.find_spec('cupy') is not None,
+                    reason='CuPy is installed')
+def test_gpu_without_cupy_is_a_clear_error():
+    result = _run('--gpu', '0', '--quick', '--models', 'small_cnn')
+    assert result.returncode == 2
+    assert '--gpu needs CuPy' in result.stderr
