@@ -203,6 +203,18 @@ def add_arguments(parser, default_scaling='gs'):
     return group
 
 
+def default_to_simulation_on_cpu(args):
+    """``--precision sim-fp16`` unless given, for a CPU run (``--gpu < 0``).
+
+    Real float16 arithmetic in NumPy is 60-115x slower than float32, so on
+    a CPU mixed precision is simulated; the choice is printed.
+    """
+    if args.precision is None and args.gpu < 0 and args.scaling != 'fp32':
+        args.precision = 'sim-fp16'
+        print('CPU run: simulating mixed precision (--precision sim-fp16); '
+              'pass --precision mixed16 for real float16 arithmetic.')
+
+
 def setup_optimizer(optimizer, model, config):
     """Sets ``optimizer`` up on ``model`` for ``config``; returns the scaler.
 

@@ -175,10 +175,7 @@ def parse_args(argv=None):
     if args.embedded_size is not None and min(args.embedded_size) < 1:
         parser.error('--embedded-size needs two numbers >= 1, got {}'.format(
             ' '.join(map(str, args.embedded_size))))
-    if args.precision is None and args.gpu < 0 and args.scaling != 'fp32':
-        args.precision = 'sim-fp16'
-        print('CPU run: simulating mixed precision (--precision sim-fp16); '
-              'pass --precision mixed16 for real float16 arithmetic.')
+    gs_training.default_to_simulation_on_cpu(args)
     return args
 
 

@@ -187,10 +187,7 @@ def parse_args(argv=None):
                                          or args.label_names is None):
         parser.error('--dataset voc-format needs --data-dir and '
                      '--label-names')
-    if args.precision is None and args.gpu < 0 and args.scaling != 'fp32':
-        args.precision = 'sim-fp16'
-        print('CPU run: simulating mixed precision (--precision sim-fp16); '
-              'pass --precision mixed16 for real float16 arithmetic.')
+    gs_training.default_to_simulation_on_cpu(args)
     return args
 
 
