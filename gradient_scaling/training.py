@@ -62,6 +62,10 @@ class ScalingConfig(object):
         update_interval (int): GS statistics refresh interval.
         fmt (str): Low-precision format of the gradients.
         measure_underflow (bool): GS measures actual underflow at refreshes.
+        count_underflow (bool): A simulation counts, whatever the scaling,
+            the non-zero gradient values its rounding turns into zeros; the
+            updater reports the fraction as ``scaling/measured_underflow``.
+            (GS under a simulation always counts.)
 
     """
 
@@ -74,6 +78,7 @@ class ScalingConfig(object):
     fmt: str = None
     measure_underflow: bool = True
     stochastic_rounding: bool = False
+    count_underflow: bool = False
 
     def __post_init__(self):
         if self.scaling not in SCALING_MODES:
@@ -105,7 +110,8 @@ class ScalingConfig(object):
                    underflow_rate=args.underflow_rate,
                    update_interval=args.update_interval, fmt=args.format,
                    stochastic_rounding=getattr(args, 'stochastic_rounding',
-                                               False))
+                                               False),
+                   count_underflow=getattr(args, 'count_underflow', False))
 
     @property
     def mixed_precision(self):
@@ -120,13 +126,13 @@ class ScalingConfig(object):
         """The hook that simulates ``precision`` on an FP32 model, or None."""
         if self.precision == 's2fp8':
             from gradient_scaling.s2fp8 import S2FP8Simulation
-            return S2FP8Simulation()
+            return S2FP8Simulation(measure_underflow=self.count_underflow)
         if self.simulated:
             from gradient_scaling.simulation import LowPrecisionSimulation
             return LowPrecisionSimulation(
                 SIMULATED_FORMATS[self.precision],
                 rounding='stochastic' if self.stochastic_rounding
-                else 'nearest')
+                else 'nearest', measure_underflow=self.count_underflow)
         return None
 
     def model_dtype(self):
@@ -200,6 +206,11 @@ def add_arguments(parser, default_scaling='gs'):
                        'format of --precision, float16 for mixed16)')
     group.add_argument('--stochastic-rounding', action='store_true',
                        help='simulations round stochastically')
+    group.add_argument('--count-underflow', action='store_true',
+                       help='simulations count the gradient values rounding '
+                       'turns into zeros, for any --scaling, and report the '
+                       'fraction as scaling/measured_underflow (GS always '
+                       'does)')
     return group
 
 

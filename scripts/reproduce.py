@@ -6,7 +6,13 @@ Subcommands (each resumable: an existing result is kept unless --force)::
     python scripts/reproduce.py figure2    # Figure 2: GS scale per SSD layer
     python scripts/reproduce.py segnet     # Figure 3b and the cast claim
     python scripts/reproduce.py s2fp8      # S2FP8 Table 1 shape, ResNet-20
+    python scripts/reproduce.py detection  # Table 2 / Figure 1 shape, SSD
+    python scripts/reproduce.py classification  # Table 1 shape, ResNet-18
+    python scripts/reproduce.py segmentation    # Table 3 shape, SegNet
     python scripts/reproduce.py all        # every subcommand in turn
+
+Several subcommands may be given at once; the training studies then share
+one queue of runs (``--jobs`` at a time, seed by seed).
 
 ``model``: predicted (Theorems 1 and 2) against measured underflow rate at
 every scaling site of SSD300, SegNetBasic and ResNet-18, at initialisation
@@ -38,6 +44,13 @@ iterations, batch, lr schedule) for FP32, FP8 E5M2 unscaled, FP8 with fixed
 loss scale 100, S2FP8, GS-FP8 and GS-FP16; test accuracy in FP32.  Writes
 ``s2fp8.md`` and ``s2fp8.csv``.
 
+``detection``, ``classification``, ``segmentation``: FP32, no scaling,
+Fixed-LS, Dyn-LS and GS trained by the example scripts on their embedded
+data, several seeds (``--seeds``), mean +- std; see
+``scripts/method_comparison.py``.  They resume run by run (a finished run's
+``run.json`` under ``--runs-dir`` is reused) and rewrite ``<study>.md``,
+``<study>_runs.csv`` and ``<study>.png`` from every finished run.
+
 ``figure2``, ``segnet`` and ``s2fp8`` write their CSV last: an existing one
 means a finished run.
 """
@@ -48,6 +61,7 @@ import argparse
 import csv
 import math
 import os
+import shlex
 import sys
 import time
 
@@ -60,6 +74,9 @@ from gradient_scaling import formats
 from gradient_scaling import hook as hook_module
 from gradient_scaling import statistics
 from gradient_scaling import underflow
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import method_comparison  # NOQA: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCALES = [2.0 ** k for k in range(-4, 17, 2)]
@@ -999,7 +1016,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__.split('\n\n')[0],
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('command', choices=sorted(SUBCOMMANDS) + ['all'])
+    parser.add_argument('command', nargs='+',
+                        choices=sorted(SUBCOMMANDS) + sorted(
+                            method_comparison.STUDIES) + ['all'])
     parser.add_argument('--out', default=os.path.join(ROOT, 'results'))
     parser.add_argument('--force', action='store_true',
                         help='recompute results that exist already')
@@ -1048,13 +1067,36 @@ def main(argv=None):
                         default=[v[0] for v in S2FP8_VARIANTS],
                         choices=[v[0] for v in S2FP8_VARIANTS],
                         help='s2fp8: variants to train')
+    parser.add_argument('--seeds', type=int, nargs='+', default=[0, 1],
+                        help='detection, classification, segmentation: '
+                        'seeds (each its own data and initialisation)')
+    parser.add_argument('--jobs', type=int, default=os.cpu_count() or 1,
+                        help='training studies: runs at a time, one thread '
+                        'each (default: the number of CPUs)')
+    parser.add_argument('--runs-dir',
+                        default=os.path.join(ROOT, 'result', 'reproduce'),
+                        help='training studies: where runs keep their logs')
+    parser.add_argument('--variants', nargs='+', default=None,
+                        help='training studies: only these variants (names '
+                        'as in the tables, e.g. GS "Fixed-LS (128)")')
+    parser.add_argument('--batchsizes', type=int, nargs='+', default=None,
+                        help='training studies: only these batch sizes')
+    parser.add_argument('--run-args', default='',
+                        help='training studies: arguments appended to every '
+                        'run\'s command, e.g. "--iteration 20" (a finished '
+                        'run is reused only for the same command)')
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error('--jobs must be >= 1')
     args.argv = list(sys.argv[1:] if argv is None else argv)
     args.lr = {'ssd300': 1e-3, 'segnet': 0.1, 'resnet18': 0.05}
     os.makedirs(args.out, exist_ok=True)
-    commands = sorted(SUBCOMMANDS) if args.command == 'all' else [
-        args.command]
+    commands = (sorted(SUBCOMMANDS) + list(method_comparison.STUDIES)
+                if 'all' in args.command else args.command)
+    studies = [c for c in commands if c in method_comparison.STUDIES]
     for command in commands:
+        if command in method_comparison.STUDIES:
+            continue
         run, product = SUBCOMMANDS[command]
         if os.path.exists(os.path.join(args.out, product)) and not args.force:
             log('{}: {} exists, skipping (--force recomputes)'.format(
@@ -1064,6 +1106,15 @@ def main(argv=None):
         log('{}: start'.format(command))
         run(args)
         log('{}: done in {:.0f} s'.format(command, time.time() - start))
+    if studies:
+        start = time.time()
+        log('{}: start'.format(', '.join(studies)))
+        method_comparison.run_studies(
+            studies, args.seeds, args.jobs, args.out, args.runs_dir,
+            'python scripts/reproduce.py ' + shlex.join(args.argv),
+            args.variants, args.batchsizes, args.run_args.split())
+        log('{}: done in {:.0f} s'.format(', '.join(studies),
+                                          time.time() - start))
 
 
 if __name__ == '__main__':

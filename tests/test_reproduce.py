@@ -138,3 +138,67 @@ def test_s2fp8(reproduce, tmp_path):
     before = os.stat(tmp_path / 's2fp8.csv').st_mtime_ns
     reproduce.main(argv)
     assert os.stat(tmp_path / 's2fp8.csv').st_mtime_ns == before
+
+
+def test_training_study_resumes_run_by_run(reproduce, tmp_path):
+    runs = tmp_path / 'runs'
+    argv = ['detection', '--out', str(tmp_path), '--runs-dir', str(runs),
+            '--seeds', '0', '--jobs', '2', '--batchsizes', '8',
+            '--variants', 'GS', 'Fixed-LS (128)',
+            '--run-args=--iteration 2 --eval-interval 1 --log-interval 1']
+    reproduce.main(argv)
+    rows = read_csv(tmp_path / 'detection_runs.csv')
+    assert sorted(r['variant'] for r in rows) == ['Fixed-LS (128)', 'GS']
+    for r in rows:
+        assert r['returncode'] == '0' and r['batchsize'] == '8'
+        assert 0 <= float(r['metric']) <= 1
+        assert int(r['skipped_steps']) >= 0
+        # The curve holds the two evaluations; the metric is the last.
+        curve = [point.split(':') for point in r['curve'].split()]
+        assert [int(i) for i, _ in curve] == [1, 2]
+        assert float(curve[-1][1]) == pytest.approx(float(r['metric']),
+                                                    abs=1e-4)
+        assert '--scaling' in r['command'] and '--iteration 2' in r['command']
+        assert '--precision sim-fp16 --count-underflow' in r['command']
+    summary = (tmp_path / 'detection.md').read_text()
+    gs = [line for line in summary.splitlines() if line.startswith('| GS |')]
+    metric = float(next(r['metric'] for r in rows if r['variant'] == 'GS'))
+    lost = float(next(r['underflow'] for r in rows if r['variant'] == 'GS'))
+    assert 0 <= lost < 0.01
+    assert gs == ['| GS | {:.2f} | 0 | {:.3g}% | 79.27 | 80.30 | 76.35 |'
+                  .format(100 * metric, 100 * lost)]
+    assert (tmp_path / 'detection.png').stat().st_size > 0
+    # No snapshots kept; a second invocation trains nothing again.
+    gs_dir = runs / 'detection' / 'gs-b8-s0'
+    assert sorted(os.listdir(gs_dir)) == ['log', 'run.json', 'stdout.log']
+    before = os.stat(gs_dir / 'run.json').st_mtime_ns
+    reproduce.main(argv)
+    assert os.stat(gs_dir / 'run.json').st_mtime_ns == before
+    # Another command for the same run trains it again.
+    reproduce.main(argv[:-2] + [
+        '--run-args=--iteration 1 --eval-interval 1 --log-interval 1'])
+    assert os.stat(gs_dir / 'run.json').st_mtime_ns != before
+    assert '--iteration 1' in read_csv(
+        tmp_path / 'detection_runs.csv')[0]['command']
+
+
+def test_training_study_statistics(reproduce):
+    mc = reproduce.method_comparison
+    records = [{'variant': 'GS', 'batchsize': 8, 'metric': m,
+                'skipped_steps': s, 'seconds': 10.0, 'final_loss': loss,
+                'underflow': 0.001}
+               for m, s, loss in ((0.5, 0, 1.0), (0.7, 2, math.nan),
+                                  (None, 1, None))]
+    cell = mc.aggregate(records)[('GS', 8)]
+    assert cell['values'] == [0.5, 0.7] and cell['n'] == 3
+    assert cell['mean'] == pytest.approx(0.6)
+    assert cell['std'] == pytest.approx(0.1414214)  # sample std, ddof=1
+    assert cell['skips'] == 1 and cell['underflow'] == 0.001
+    assert mc.mean_std(cell) == '60.00 ± 14.14 (1 diverged) (1 failed)'
+    study = mc.STUDIES['detection']
+    stats = {('Fixed-LS (8)', 8): {'mean': 0.2},
+             ('Fixed-LS (128)', 8): {'mean': 0.6},
+             ('Fixed-LS (2048)', 8): {'mean': math.nan}}
+    assert mc.best_fixed(study, stats, 8) == 'Fixed-LS (128)'
+    with pytest.raises(ValueError, match='unknown variant'):
+        mc.plan([study], [0], '/nonexistent', variants=['Fixed-LS (3)'])

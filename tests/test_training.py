@@ -3,6 +3,7 @@
 import gradient_scaling  # NOQA
 
 import argparse
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -298,6 +299,46 @@ def test_config_from_args_defaults():
     assert config.precision == 'fp32' and not config.mixed_precision
     with pytest.raises(ValueError, match='cannot be combined'):
         training.ScalingConfig(scaling='fp32', precision='mixed16')
+
+
+
+def measured_underflow(config, loss_factor, iterations=3):
+    model, optimizer, scaler = build(config, loss_factor=loss_factor)
+    it = chainer.iterators.SerialIterator(digits('train'), 32)
+    updater = training.ScalingUpdater(it, optimizer, scaler, config)
+    reporter = chainer.Reporter()
+    reporter.add_observer('main', model)
+    fractions = []
+    for _ in range(iterations):
+        observation = {}
+        with reporter.scope(observation):
+            updater.update()
+        fractions.append(observation.get('scaling/measured_underflow'))
+    return fractions
+
+
+def test_count_underflow_reports_lost_gradient_values_for_any_scaling():
+    parser = argparse.ArgumentParser()
+    training.add_arguments(parser)
+    none = training.ScalingConfig.from_args(parser.parse_args(
+        ['--scaling', 'none', '--precision', 'sim-fp16',
+         '--count-underflow']))
+    assert none.count_underflow
+    # A loss x1e-6 pushes the MLP's gradients below float16's smallest
+    # subnormal (2**-24): most round to zero unscaled, few at scale 2**14,
+    # and hardly any at the loss's own magnitude.
+    tiny = measured_underflow(none, 1e-6)
+    fixed = measured_underflow(dataclasses.replace(
+        none, scaling='fixed', loss_scale=2.0 ** 14), 1e-6)
+    plain = measured_underflow(none, 1.0)
+    assert all(f > 0.5 for f in tiny), tiny
+    assert all(f < 0.05 for f in fixed), fixed
+    assert all(f < 0.01 for f in plain), plain
+    # Off by default, except for GS under a simulation.
+    off = dataclasses.replace(none, count_underflow=False)
+    assert measured_underflow(off, 1e-6, 1) == [None]
+    gs = dataclasses.replace(off, scaling='gs', update_interval=1)
+    assert 0 <= measured_underflow(gs, 1e-6, 1)[0] < 0.05
 
 
 MPI_SCRIPT = os.path.join(os.path.dirname(__file__), 'mpi_gs_training.py')
