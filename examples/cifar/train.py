@@ -31,6 +31,7 @@ import argparse
 import gzip
 import math
 import os
+import random
 import sys
 
 import numpy as np
@@ -307,6 +308,7 @@ def load_cifar10(path, chainer_cache):
 def main(argv=None):
     args = parse_args(argv)
     np.random.seed(args.seed)
+    random.seed(args.seed)  # ChainerCV's transforms draw from `random`
     config = gs_training.ScalingConfig.from_args(args)
     train, test, label_names = load_datasets(args)
     apply_defaults(args)

@@ -41,6 +41,7 @@ import functools
 import math
 import multiprocessing
 import os
+import random
 import sys
 
 import numpy as np
@@ -376,6 +377,7 @@ def main(argv=None):
         log(args.precision_note)
     # Augmentations draw from NumPy's generator: one stream per rank.
     np.random.seed(args.seed + rank)
+    random.seed(args.seed + rank)  # ChainerCV's transforms use `random`
     config = gs_training.ScalingConfig.from_args(args)
     train, val, label_names, error = None, None, None, None
     if rank == 0:

@@ -28,6 +28,7 @@ import gradient_scaling  # NOQA: restores what Chainer needs, first
 
 import argparse
 import os
+import random
 import sys
 
 import numpy as np
@@ -271,6 +272,7 @@ def load_class_weight(args, train, n_class):
 def main(argv=None):
     args = parse_args(argv)
     np.random.seed(args.seed)
+    random.seed(args.seed)  # ChainerCV's transforms draw from `random`
     config = gs_training.ScalingConfig.from_args(args)
     train, test, label_names = load_datasets(args)
     apply_defaults(args)

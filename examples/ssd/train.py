@@ -28,6 +28,7 @@ import gradient_scaling  # NOQA: restores what Chainer needs, first
 import argparse
 import copy
 import os
+import random
 import sys
 
 import numpy as np
@@ -263,6 +264,7 @@ def load_backbone(model, path):
 def main(argv=None):
     args = parse_args(argv)
     np.random.seed(args.seed)
+    random.seed(args.seed)  # ChainerCV's transforms draw from `random`
     config = gs_training.ScalingConfig.from_args(args)
     train, test, label_names = load_datasets(args)
     apply_defaults(args)  # after a fall-back to the embedded data
