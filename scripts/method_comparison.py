@@ -407,12 +407,19 @@ def plot(study, records, stats, path):
              and any(r['variant'] == v.name and r['metric'] is not None
                      for r in records)]
     sweep = len(fixed) > 1
-    fig, axes = plt.subplots(1, 2 if sweep else 1,
-                             figsize=(12 if sweep else 6.5, 4.2))
-    axes = np.atleast_1d(axes)
+    panels = int(sweep) + len(batchsizes)
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.4),
+                             squeeze=False)
+    axes = list(axes[0])
     styles = ['-', '--', ':']
+    letters = iter('abcdef')
+    names = [v.name for v in study.variants]
+
+    def color(name):
+        return 'k' if name == 'FP32' else 'C{}'.format(names.index(name) % 10)
+
     if sweep:
-        ax = axes[0]
+        ax = axes.pop(0)
         for b, style in zip(batchsizes, styles):
             scales, means, stds = [], [], []
             for v in fixed:
@@ -424,40 +431,42 @@ def plot(study, records, stats, path):
                                        else cell['std']))
             if scales:
                 ax.errorbar(scales, means, yerr=stds, marker='o', capsize=3,
-                            linestyle=style,
+                            linestyle=style, color='C2',
                             label='Fixed-LS, batch {}'.format(b))
-            for name, color in (('GS', 'C3'), ('FP32', 'k'),
-                                ('no scaling', 'C7')):
+            for name in ('GS', 'FP32', 'no scaling'):
                 cell = stats.get((name, b))
                 if cell and cell['values']:
-                    ax.axhline(100 * cell['mean'], color=color,
+                    ax.axhline(100 * cell['mean'], color=color(name),
                                linestyle=style, linewidth=1,
                                label='{}, batch {}'.format(name, b))
         ax.set_xscale('log', base=2)
         ax.set_xlabel('loss scale')
         ax.set_ylabel(study.metric_label + ' (%)')
-        ax.set_title('(a) Fixed-LS against the loss scale')
+        ax.set_title('({}) Fixed-LS against the loss scale, mean ± std'
+                     .format(next(letters)))
         ax.legend(fontsize=7)
-    ax = axes[-1]
-    shown = ['FP32', 'no scaling'] + [v.name for v in study.variants
-                                      if v.name.startswith('Dyn-LS')]
-    shown += [best_fixed(study, stats, batchsizes[0]), 'GS']
-    for i, name in enumerate(n for n in shown if n):
-        for b, style in zip(batchsizes, styles):
+    for ax, b in zip(axes, batchsizes):
+        shown = ['FP32', 'no scaling'] + [
+            v.name for v in study.variants if v.name.startswith('Dyn-LS')]
+        shown += [best_fixed(study, stats, b), 'GS']
+        for name in shown:
+            if name is None:
+                continue
             iterations, mean, std = mean_curve(records, name, b)
             if iterations is None:
                 continue
-            ax.plot(iterations, 100 * mean, linestyle=style, marker='.',
-                    color='C{}'.format(i),
-                    label='{}, batch {}'.format(name, b))
+            label = name + (' (best Fixed-LS)' if name.startswith('Fixed')
+                            else '')
+            ax.plot(iterations, 100 * mean, marker='.', color=color(name),
+                    label=label)
             ax.fill_between(iterations, 100 * (mean - std),
-                            100 * (mean + std), color='C{}'.format(i),
+                            100 * (mean + std), color=color(name),
                             alpha=0.12)
-    ax.set_xlabel('iteration')
-    ax.set_ylabel(study.metric_label + ' (%)')
-    ax.set_title('({}) validation during training, mean ± std over seeds'
-                 .format('b' if sweep else 'a'))
-    ax.legend(fontsize=7)
+        ax.set_xlabel('iteration')
+        ax.set_ylabel(study.metric_label + ' (%)')
+        ax.set_title('({}) validation, batch {}, mean ± std over seeds'
+                     .format(next(letters), b))
+        ax.legend(fontsize=7)
     fig.suptitle(study.title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
