@@ -72,15 +72,19 @@ class PixelwiseSoftmaxTrainChain(chainer.Chain):
     gradients would underflow on their way back into the FP16 network.
     ``class_weight`` is a persistent value, so it follows the model to the
     device and into snapshots.
+
+    ``loss_factor`` multiplies the loss that is differentiated (the loss
+    reported is the plain pixel mean); see ``--loss-pixels``.
     """
 
-    def __init__(self, model, class_weight, ignore_label=-1):
+    def __init__(self, model, class_weight, ignore_label=-1, loss_factor=1):
         super().__init__()
         with self.init_scope():
             self.model = model
         self.add_persistent('class_weight',
                             np.asarray(class_weight, dtype=np.float32))
         self.ignore_label = ignore_label
+        self.loss_factor = loss_factor
 
     def forward(self, imgs, labels):
         imgs = imgs.astype(chainer.get_dtype(), copy=False)
@@ -89,6 +93,8 @@ class PixelwiseSoftmaxTrainChain(chainer.Chain):
             score, labels, class_weight=self.class_weight,
             ignore_label=self.ignore_label)
         chainer.reporter.report({'loss': loss}, self)
+        if self.loss_factor != 1:
+            loss = loss * self.loss_factor
         return loss
 
 
@@ -147,6 +153,13 @@ def parse_args(argv=None):
     parser.add_argument('--batchsize', type=int, default=None)
     parser.add_argument('--iteration', type=int, default=None)
     parser.add_argument('--lr', type=float, default=None)
+    parser.add_argument('--loss-pixels', type=int, default=None,
+                        help='normalise the loss as for a batch of this many '
+                        'pixels instead of the batch\'s own (the paper\'s '
+                        'CamVid batch: 12x360x480 = 2073600), with lr times '
+                        'and weight decay divided by the same factor: FP32 '
+                        'training is unchanged, the gradients have the '
+                        'magnitudes they have at that scale')
     parser.add_argument('--eval-interval', type=int, default=None,
                         help='also evaluate every N iterations')
     parser.add_argument('--log-interval', type=int, default=10)
@@ -168,6 +181,8 @@ def parse_args(argv=None):
         if value is not None and value < 1:
             parser.error('--{} must be >= 1, got {}'.format(
                 name.replace('_', '-'), value))
+    if args.loss_pixels is not None and args.loss_pixels < 1:
+        parser.error('--loss-pixels must be >= 1')
     if args.lr is not None and not args.lr > 0:
         parser.error('--lr must be > 0, got {}'.format(args.lr))
     if args.snapshot_interval is not None and args.snapshot_interval < 0:
@@ -285,7 +300,11 @@ def main(argv=None):
         with chainer.using_config('train', False), \
                 chainer.no_backprop_mode():
             model(np.zeros((1, 3, 16, 16), dtype=chainer.get_dtype()))
-        train_chain = PixelwiseSoftmaxTrainChain(model, class_weight)
+        pixels = args.batchsize * int(np.prod(train[0][1].shape))
+        factor = (args.loss_pixels / pixels if args.loss_pixels
+                  else 1.0)
+        train_chain = PixelwiseSoftmaxTrainChain(model, class_weight,
+                                                 loss_factor=1 / factor)
     device = chainer.get_device(args.gpu if args.gpu >= 0 else '@numpy')
     device.use()
     train_chain.to_device(device)
@@ -303,9 +322,13 @@ def main(argv=None):
     if snapshot_interval is None:
         snapshot_interval = max(args.iteration // 4, 1)
     optimizer, scaler = gs_training.setup_optimizer(
-        chainer.optimizers.MomentumSGD(lr=args.lr, momentum=0.9),
+        chainer.optimizers.MomentumSGD(lr=args.lr * factor, momentum=0.9),
         train_chain, config)
-    optimizer.add_hook(WeightDecay(0.0005))
+    optimizer.add_hook(WeightDecay(0.0005 / factor))
+    if factor != 1:
+        print('Loss normalised as for {} pixels ({} per batch): lr {:g} x '
+              '{:g}, weight decay 0.0005 / {:g}'.format(
+                  args.loss_pixels, pixels, args.lr, factor, factor))
 
     updater = gs_training.ScalingUpdater(
         train_iter, optimizer, scaler, config, device=device)
