@@ -96,6 +96,17 @@ STUDIES = collections.OrderedDict((s.name, s) for s in [
           # The paper's Table 3 (CamVid).
           {'Dyn-LS (interval 10)': ('60.21',), 'GS': ('60.38',)},
           ['paper CamVid']),
+    # The loss normalised as for the paper's batch (12 x 360 x 480 pixels,
+    # lr and weight decay compensated): FP32 training is the same, but the
+    # softmax gradients are as small as at the paper's scale.
+    Study('segmentation-paper-loss', 'SegNetBasic on the embedded '
+          'segmentation data, loss normalised as for 12x360x480 pixels',
+          'examples/segnet/train.py', 'validation/main/miou', 'mIoU', [4],
+          ['--iteration', '200', '--eval-interval', '50',
+           '--update-interval', '10', '--loss-pixels', '2073600'],
+          _variants([2 ** 7, 2 ** 11, 2 ** 15], [1000, 10]),
+          {'Dyn-LS (interval 1000)': ('60.21',), 'GS': ('60.38',)},
+          ['paper CamVid']),
 ])
 
 
@@ -315,7 +326,9 @@ def write_summary(study, records, path, command, runs_dir, wall):
             {'detection': 'Table 2 / Figure 1',
              'detection-fp8': 'Table 2 / Figure 1 in FP8',
              'classification': 'Table 1',
-             'segmentation': 'Table 3'}[study.name], study.name,
+             'segmentation': 'Table 3',
+             'segmentation-paper-loss': 'Table 3, paper-scale loss'}[
+                 study.name], study.name,
             study.title), '',
         'Command: `{}`'.format(command), '',
         'Each cell: {} in percent after the last iteration, mean ± '
@@ -339,9 +352,14 @@ def write_summary(study, records, path, command, runs_dir, wall):
                 os.path.relpath(os.path.join(runs_dir, study.name), ROOT)),
         '']
     header = ['variant']
+    seeds_per_batch = {}
     for b in batchsizes:
-        header += ['batch {}'.format(b), 'skipped (b{})'.format(b),
-                   'lost (b{})'.format(b)]
+        seeds_per_batch[b] = max(c['n'] for (_, cb), c in stats.items()
+                                 if cb == b)
+        header += ['batch {} ({} seed{})'.format(
+                       b, seeds_per_batch[b], 's' if seeds_per_batch[b] > 1
+                       else ''),
+                   'skipped (b{})'.format(b), 'lost (b{})'.format(b)]
     header += study.paper_columns
     lines += ['| ' + ' | '.join(header) + ' |',
               '|' + '---|' * len(header)]
@@ -349,7 +367,10 @@ def write_summary(study, records, path, command, runs_dir, wall):
         row = [v.name]
         for b in batchsizes:
             cell = stats.get((v.name, b))
-            row += [mean_std(cell), '{:g}'.format(cell['skips']),
+            row += [mean_std(cell) + (' (n={})'.format(cell['n'])
+                                      if cell['n'] != seeds_per_batch[b]
+                                      else ''),
+                    '{:g}'.format(cell['skips']),
                     '' if cell['underflow'] is None
                     else '{:.3g}%'.format(100 * cell['underflow'])] \
                 if cell else ['', '', '']
@@ -474,8 +495,9 @@ def plot(study, records, stats, path):
 
 
 def run_studies(names, seeds, jobs, out, runs_dir, command, variants=None,
-                batchsizes=None, extra_args=()):
-    """Trains what is missing, then writes each study's table and plot."""
+                batchsizes=None, extra_args=(), train=True):
+    """Trains what is missing, then writes each study's table and plot
+    from the finished runs (``train=False``: only writes them)."""
     start = time.time()
     studies = [STUDIES[n] for n in names]
     if batchsizes:
@@ -483,9 +505,14 @@ def run_studies(names, seeds, jobs, out, runs_dir, command, variants=None,
                                           if b in batchsizes]
                               or list(batchsizes)) for s in studies]
     runs = plan(studies, seeds, runs_dir, variants, extra_args)
-    execute(runs, jobs)
+    if train:
+        execute(runs, jobs)
+    else:
+        log('{} of {} planned runs finished; not training the others'.format(
+            sum(r.finished() for r in runs), len(runs)))
     for study in studies:
-        records = [r.load() for r in runs if r.study.name == study.name]
+        records = [r.load() for r in runs if r.study.name == study.name
+                   and r.finished()]
         if not records:
             continue
         base = os.path.join(out, study.name)

@@ -1085,6 +1085,9 @@ def main(argv=None):
                         help='training studies: arguments appended to every '
                         'run\'s command, e.g. "--iteration 20" (a finished '
                         'run is reused only for the same command)')
+    parser.add_argument('--summarise-only', action='store_true',
+                        help='training studies: write the tables and plots '
+                        'from the finished runs, train nothing')
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error('--jobs must be >= 1')
@@ -1112,7 +1115,8 @@ def main(argv=None):
         method_comparison.run_studies(
             studies, args.seeds, args.jobs, args.out, args.runs_dir,
             'python scripts/reproduce.py ' + shlex.join(args.argv),
-            args.variants, args.batchsizes, args.run_args.split())
+            args.variants, args.batchsizes, args.run_args.split(),
+            train=not args.summarise_only)
         log('{}: done in {:.0f} s'.format(', '.join(studies),
                                           time.time() - start))
 

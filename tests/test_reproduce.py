@@ -174,6 +174,11 @@ def test_training_study_resumes_run_by_run(reproduce, tmp_path):
     before = os.stat(gs_dir / 'run.json').st_mtime_ns
     reproduce.main(argv)
     assert os.stat(gs_dir / 'run.json').st_mtime_ns == before
+    # --summarise-only writes the table from what is there, trains nothing.
+    os.remove(tmp_path / 'detection.md')
+    reproduce.main(argv + ['--seeds', '0', '1', '--summarise-only'])
+    assert not (runs / 'detection' / 'gs-b8-s1').exists()
+    assert '| batch 8 (1 seed) |' in (tmp_path / 'detection.md').read_text()
     # Another command for the same run trains it again.
     reproduce.main(argv[:-2] + [
         '--run-args=--iteration 1 --eval-interval 1 --log-interval 1'])
