@@ -320,7 +320,7 @@ def write_summary(study, records, path, command, runs_dir, wall):
     seeds = sorted({r['seed'] for r in records})
     batchsizes = [b for b in study.batchsizes
                   if any(r['batchsize'] == b for r in records)]
-    example = records[0]['command'] if records else ''
+    example = next((r for r in records if r['variant'] == 'GS'), records[0])
     lines = [
         '# {} ({}) at CPU scale: {}'.format(
             {'detection': 'Table 2 / Figure 1',
@@ -343,8 +343,9 @@ def write_summary(study, records, path, command, runs_dir, wall):
         'a CPU would be 60-115x slower. Evaluation runs in FP32.'.format(
             study.metric_label, ', '.join(map(str, seeds)), study.precision,
             FORMAT_NAMES[study.precision]), '',
-        'Every run is `python {}` with, for example: `{}`'.format(
-            study.script, example.split(' ', 1)[1] if example else ''), '',
+        'Every run is `python {}` with, for {}: `{}`'.format(
+            study.script, example['variant'],
+            example['command'].split(' ', 1)[1]), '',
         'Machine: CPU only, 2 cores, one thread per run and two runs at a '
         'time. Total CPU time of the runs: {:.0f} min; wall time of this '
         'invocation (finished runs are reused): {:.0f} min. Logs: `{}`.'
@@ -434,10 +435,13 @@ def plot(study, records, stats, path):
     axes = list(axes[0])
     styles = ['-', '--', ':']
     letters = iter('abcdef')
-    names = [v.name for v in study.variants]
+    others = [v.name for v in study.variants if v.name not in ('FP32', 'GS')]
+    palette = ['C1', 'C0', 'C2', 'C4', 'C5', 'C6', 'C8', 'C9', 'C7']
 
     def color(name):
-        return 'k' if name == 'FP32' else 'C{}'.format(names.index(name) % 10)
+        if name in ('FP32', 'GS'):
+            return {'FP32': 'k', 'GS': 'C3'}[name]
+        return palette[others.index(name) % len(palette)]
 
     if sweep:
         ax = axes.pop(0)
