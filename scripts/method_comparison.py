@@ -15,6 +15,7 @@ and model files are deleted once a run finishes (ResNet-18's are 45 MB).
 
 import collections
 import concurrent.futures
+import csv
 import json
 import math
 import os
@@ -389,23 +390,30 @@ def write_summary(study, records, path, command, runs_dir, wall):
     return stats
 
 
-def write_runs_csv(records, path):
-    import csv
-    fields = ['study', 'variant', 'batchsize', 'seed', 'metric',
+RUN_FIELDS = ['study', 'variant', 'batchsize', 'seed', 'metric',
               'skipped_steps', 'final_loss', 'underflow', 'seconds',
-              'returncode',
-              'curve', 'command']
+              'returncode', 'curve', 'command']
+
+
+def write_csv(path, rows):
+    """``rows`` (dicts with the same keys) as CSV, replacing ``path`` whole."""
     tmp = path + '.tmp'
     with open(tmp, 'w', newline='') as f:
-        writer = csv.DictWriter(f, fieldnames=fields, lineterminator='\n',
-                                extrasaction='ignore')
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]),
+                                lineterminator='\n')
         writer.writeheader()
-        for r in records:
-            row = dict(r)
-            row['curve'] = ' '.join('{}:{:.4f}'.format(i, m)
-                                    for i, m in r['curve'])
-            writer.writerow(row)
+        writer.writerows(rows)
     os.replace(tmp, path)
+
+
+def write_runs_csv(records, path):
+    rows = []
+    for r in records:
+        row = {name: r.get(name) for name in RUN_FIELDS}
+        row['curve'] = ' '.join('{}:{:.4f}'.format(i, m)
+                                for i, m in r['curve'])
+        rows.append(row)
+    write_csv(path, rows)
 
 
 def mean_curve(records, variant, batchsize):

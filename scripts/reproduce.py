@@ -58,7 +58,6 @@ means a finished run.
 import gradient_scaling  # NOQA
 
 import argparse
-import csv
 import math
 import os
 import shlex
@@ -77,14 +76,12 @@ from gradient_scaling import underflow
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import method_comparison  # NOQA: E402
+from method_comparison import log  # NOQA: E402
+from method_comparison import write_csv  # NOQA: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCALES = [2.0 ** k for k in range(-4, 17, 2)]
 FP16 = formats.get('float16')
-
-
-def log(*args):
-    print(time.strftime('%H:%M:%S'), *args, flush=True)
 
 
 def measured_rate(values, scale):
@@ -994,16 +991,6 @@ def write_s2fp8_summary(path, rows, args, source, n_train, n_test, wall,
     with open(path, 'w') as f:
         f.write('\n'.join(lines) + '\n')
     print('\n'.join(lines))
-
-
-def write_csv(path, rows):
-    tmp = path + '.tmp'
-    with open(tmp, 'w', newline='') as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]),
-                                lineterminator='\n')
-        writer.writeheader()
-        writer.writerows(rows)
-    os.replace(tmp, path)
 
 
 SUBCOMMANDS = {'model': (run_model_fit, 'model_fit.csv'),
