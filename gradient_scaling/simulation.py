@@ -60,7 +60,7 @@ from chainer import backend
 
 from gradient_scaling import _chainer_internals as internals
 from gradient_scaling import formats
-from gradient_scaling.hook import _GEMM_TYPES
+from gradient_scaling import sites
 
 _OPERAND_NAMES = ('x', 'W', 'b')
 _BIAS_INDEX = 2
@@ -143,7 +143,7 @@ class GemmSimulation(chainer.FunctionHook):
         self._backward_depth = 0
 
     def forward_preprocess(self, function, in_data):
-        if not isinstance(function, _GEMM_TYPES):
+        if not sites.is_gemm(function):
             return
         if self._backward_depth and chainer.config.enable_backprop:
             # Backward runs with enable_backprop off (double backprop is
@@ -154,7 +154,7 @@ class GemmSimulation(chainer.FunctionHook):
 
     def backward_preprocess(self, function, in_data, out_grad):
         self._backward_depth += 1
-        if isinstance(function, _GEMM_TYPES):
+        if sites.is_gemm(function):
             if chainer.config.enable_backprop:
                 self._backward_depth -= 1
                 raise RuntimeError(

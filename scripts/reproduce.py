@@ -70,7 +70,7 @@ import chainer
 import chainer.functions as F
 
 from gradient_scaling import formats
-from gradient_scaling import hook as hook_module
+from gradient_scaling import sites
 from gradient_scaling import statistics
 from gradient_scaling import underflow
 
@@ -108,18 +108,15 @@ class GemmProbe(chainer.FunctionHook):
         self.sites = []
 
     def backward_preprocess(self, function, in_data, out_grad):
-        func_type = type(function)
-        if not issubclass(func_type, hook_module._GEMM_TYPES):
+        if not sites.is_gemm(function):
             return
         if not function.inputs[0].requires_grad or out_grad[0] is None:
             return
         weight = in_data[1]
-        n = hook_module._accumulation_length(function, func_type, weight)
-        gy = chainer.Variable(out_grad[0])
-        gx, = hook_module._select(function.backward((0,), (gy,)), (0,),
-                                  len(function.inputs))
+        n = sites.accumulation_length(function, weight)
+        gx = sites.data_gradient(function, chainer.Variable(out_grad[0]))
         param = function.inputs[1].get_variable_or_none()
-        name = self.names.get(id(param), func_type.__name__)
+        name = self.names.get(id(param), type(function).__name__)
         g = statistics.tensor_statistics(out_grad[0], log=False)
         w = statistics.tensor_statistics(weight, log=False)
         self.sites.append({
