@@ -16,7 +16,28 @@ needs that the public ``FunctionHook`` API does not give (see DESIGN.md, 2):
 * ``Variable._set_grad_var_without_check``: records which leaves received a
   gradient in this pass.
 * ``Variable.backward``: refuses ChainerX arrays, which bypass the above.
-* ``FunctionNode.backward`` looked up on the instance: one-shot wrappers.
+* ``FunctionNode.backward`` and ``forward`` looked up on the instance:
+  one-shot wrappers (the hook's rules, the simulation's rounding).
+* ``FunctionNode._input_indexes_to_retain`` and an instance-level
+  ``get_retained_inputs``: the simulation hands a GEMM's backward the
+  rounded operands its forward used.
+* ``Cast._in_type``: Cast does not retain its input, only its dtype, which
+  tells an up-cast (the paper's softmax-cast site) from a down-cast.
+* ``FunctionAdapter._function``: old-style functions, named by their class.
+* ``Variable._loss_scale``: Chainer's per-parameter loss scale, which its
+  update rules divide by; GS sets it to the scale each gradient carries.
+* ``UpdateRule._use_fp32_update`` / ``_fp32_param``: the FP32 master copy
+  of an FP16 parameter, updated in FP32 and saved in snapshots (Chainer's
+  optimizer snapshot drops it).
+* ``Optimizer._hookable``: the optimizer hooks, called by
+  :func:`gradient_scaling.training.apply_update` on unscaled gradients.
+* ``Optimizer._loss_scale`` and ``_loss_scaling_isnan(_ever)``: Chainer's
+  dynamic loss scaling state, driven by Chainer's own
+  ``update_loss_scale`` with the overflow flag the training step decided.
+* ``Link._persistent``: the names of a link's persistent values (BatchNorm's
+  running statistics), restored when a step is skipped.
+* ``chainer.dataset.convert._call_converter``: how StandardUpdater calls its
+  converter (old and new converter styles).
 
 The scale of a gradient travels as an attribute of its ``Variable``
 (Variables are unhashable and ``id()`` values are reused, so a side table
@@ -25,9 +46,12 @@ cannot key them).
 
 import gradient_scaling.compat  # NOQA
 
+import numpy
+
 import chainer
 from chainer import _backprop
 from chainer import _backprop_utils
+from chainer.dataset import convert
 from chainer import variable as variable_module
 
 SCALE_ATTRIBUTE = '_gradient_scale'
@@ -125,8 +149,10 @@ def _backprop_to_all(outputs, retain_grad, loss_scale):
     _handler.begin_backward(outputs, loss_scale)
     try:
         _original['_backprop_to_all'](outputs, retain_grad, loss_scale)
-    finally:
-        _handler.end_backward()
+    except BaseException:
+        _handler.abort_backward()
+        raise
+    _handler.end_backward()
 
 
 def _variable_backward(self, *args, **kwargs):
@@ -186,3 +212,106 @@ def original_reduce(grad_list):
     if len(grad_list) >= 2:
         grad_list[:] = [chainer.functions.add(*grad_list)]
     return grad_list[0]
+
+
+# -- function nodes -----------------------------------------------------------
+
+def wrap_forward_once(func, wrapper):
+    """Makes the next ``func.forward(inputs)`` call ``wrapper``.
+
+    ``FunctionNode.apply`` looks ``forward`` up on the instance; the wrapper
+    gets the method it wraps as its first argument and is removed before it
+    runs (wrappers nest as in :func:`wrap_backward_once`).
+    """
+    previous = func.__dict__.get('forward')
+    inner = previous or type(func).forward.__get__(func)
+
+    def forward(inputs):
+        if previous is None:
+            func.__dict__.pop('forward', None)
+        else:
+            func.forward = previous
+        return wrapper(inner, inputs)
+
+    func.forward = forward
+
+
+def retained_input_indexes(func):
+    """Indexes of the inputs a function node's forward retained."""
+    return func._input_indexes_to_retain
+
+
+def set_retained_inputs(func, getter):
+    """Makes ``func.get_retained_inputs()`` return what ``getter()`` does."""
+    func.get_retained_inputs = getter
+
+
+def cast_dtypes(func):
+    """(input dtype, output dtype) of a ``Cast`` node."""
+    return numpy.dtype(func._in_type), numpy.dtype(func.type)
+
+
+# -- parameters, update rules, optimizers, links --------------------------
+
+def param_loss_scale(param):
+    """Chainer's per-parameter loss scale (None: not scaled)."""
+    return param._loss_scale
+
+
+def set_param_loss_scale(param, scale):
+    param._loss_scale = scale
+
+
+def uses_fp32_update(rule):
+    return rule._use_fp32_update
+
+
+def fp32_master(rule):
+    """The FP32 master copy of an FP16 parameter (None until created)."""
+    return rule._fp32_param
+
+
+def set_fp32_master(rule, master):
+    rule._fp32_param = master
+
+
+def update_hooks(optimizer, timing):
+    """The optimizer hooks that run before (``'pre'``) or after an update."""
+    hookable = optimizer._hookable
+    return (hookable._pre_update_hooks if timing == 'pre'
+            else hookable._post_update_hooks)
+
+
+def optimizer_loss_scale(optimizer):
+    """Chainer's global loss scale of ``optimizer`` (dynamic or static)."""
+    return optimizer._loss_scale
+
+
+def dynamic_loss_scaling_state(optimizer):
+    """(loss scale, whether it ever overflowed) of Chainer's Dyn-LS."""
+    return optimizer._loss_scale, optimizer._loss_scaling_isnan_ever
+
+
+def set_dynamic_loss_scaling_state(optimizer, loss_scale, overflowed_ever):
+    optimizer._loss_scale = float(loss_scale)
+    optimizer._loss_scaling_isnan_ever = bool(overflowed_ever)
+
+
+def set_dynamic_overflow(optimizer, overflowed):
+    """What Chainer's ``check_nan_in_grads`` would record, decided by us.
+
+    ``update_loss_scale`` then runs Chainer's own transition from it.
+    """
+    optimizer._loss_scaling_isnan = bool(overflowed)
+    if overflowed:
+        optimizer._loss_scaling_isnan_ever = True
+
+
+def persistent_names(link):
+    """Names of the persistent values a link registered (not its children's)."""
+    return tuple(link._persistent)
+
+
+def call_converter(converter, batch, device):
+    """Converts a batch as ``StandardUpdater`` does."""
+    return convert._call_converter(converter, batch, device)

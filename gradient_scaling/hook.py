@@ -1,4 +1,12 @@
-"""The GradientScaling function hook: Algorithm 1 on unmodified models."""
+"""The GradientScaling function hook: Algorithm 1 on unmodified models.
+
+This module is about the paper's *rules* (which scale each gradient gets,
+and where). What the hook remembers between steps lives in
+:mod:`gradient_scaling.scale_state`, the overflow policy in
+:mod:`gradient_scaling.step`, every private Chainer touch in
+:mod:`gradient_scaling._chainer_internals` (docs/DESIGN.md explains the data
+path).
+"""
 
 import gradient_scaling.compat  # NOQA
 
@@ -6,50 +14,28 @@ import csv
 import dataclasses
 import io
 import math
-import warnings
 
 import numpy
 
 import chainer
 from chainer import backend
-from chainer.functions.activation import log_softmax
-from chainer.functions.activation import softmax
 from chainer.functions.array import cast
-from chainer.functions.connection import convolution_2d
-from chainer.functions.connection import convolution_nd
-from chainer.functions.connection import deconvolution_2d
-from chainer.functions.connection import deconvolution_nd
-from chainer.functions.connection import linear
-from chainer.functions.loss import softmax_cross_entropy
 
 from gradient_scaling import _chainer_internals as internals
+from gradient_scaling import _validate
 from gradient_scaling import formats
+from gradient_scaling import scale_state
+from gradient_scaling import sites
 from gradient_scaling import statistics
+from gradient_scaling import step as step_module
 from gradient_scaling import underflow
+from gradient_scaling.step import GradientOverflowError
+from gradient_scaling.step import PassResult
 
-_GEMM_TYPES = (
-    linear.LinearFunction,
-    convolution_2d.Convolution2DFunction,
-    convolution_nd.ConvolutionND,
-    deconvolution_2d.Deconvolution2DFunction,
-    deconvolution_nd.DeconvolutionND,
-)
-_DECONVOLUTION_TYPES = (deconvolution_2d.Deconvolution2DFunction,
-                        deconvolution_nd.DeconvolutionND)
-_SOFTMAX_TYPES = (softmax.Softmax, log_softmax.LogSoftmax,
-                  softmax_cross_entropy.SoftmaxCrossEntropy)
-# Functions whose backward only moves gradient values around: a gradient
-# that comes out of a softmax stays "a softmax gradient" through them.
-_SHAPE_ONLY_NAMES = frozenset([
-    'Reshape', 'Transpose', 'Swapaxes', 'GetItem', 'Squeeze', 'ExpandDims',
-    'SplitAxis', 'Concat', 'Copy', 'Identity', 'Rollaxis', 'Moveaxis',
-    'Stack', 'Separate', 'Flip', 'FlipLR', 'FlipUD', 'Tile', 'Repeat',
-])
+__all__ = ['GradientScaling', 'GradientOverflowError', 'SiteRecord',
+           'StepPayload', 'measured_underflow_rate', 'CAST_RULES']
+
 CAST_RULES = ('softmax', 'all', 'none')
-
-
-class GradientOverflowError(RuntimeError):
-    """Raised when every one of many consecutive steps overflowed."""
 
 
 @dataclasses.dataclass
@@ -71,8 +57,8 @@ class SiteRecord(object):
             the gradient leaving the site that become zero when rounded to
             the format; NaN where it cannot be measured (already stored in
             the format, or not measured).
-        overflow_count (int): Refreshes at which the site saw non-finite
-            values.
+        overflow_count (int): Skipped steps in which the site's incoming
+            gradient was seen not finite.
         iteration (int): Backward pass of the last refresh.
 
     """
@@ -88,6 +74,58 @@ class SiteRecord(object):
     iteration: int = 0
 
 
+@dataclasses.dataclass
+class StepPayload(object):
+
+    """What one rank's step contributes to the decision (picklable).
+
+    Attributes:
+        result (~gradient_scaling.step.PassResult): The rank's own result.
+        staged (~gradient_scaling.scale_state.StagedScales): Scales the step
+            computed, committed if the step is taken.
+        weight_maxima (dict): Largest weight-path gradient values measured
+            at a refresh, per parameter with a backoff.
+
+    """
+
+    result: PassResult
+    staged: scale_state.StagedScales
+    weight_maxima: dict
+
+
+class _Trace(object):
+    """What attributes a non-finite parameter gradient to data or scale."""
+
+    __slots__ = ('incoming_finite', 'operands')
+
+    def __init__(self, incoming_finite, operands):
+        self.incoming_finite = incoming_finite  # None: not measured
+        self.operands = operands
+
+
+class _Step(object):
+
+    """Everything one step stages, from its first backward to its end."""
+
+    def __init__(self, refresh, held):
+        self.refresh = refresh
+        self.held = held
+        self.staged = scale_state.StagedScales()
+        self.records = {}
+        self.weight_maxima = {}
+        self.results = []
+        self.new_pass()
+
+    def new_pass(self):
+        self.losses = []
+        self.leaves = {}  # id -> leaf Variable, each once
+        self.traces = {}  # id(parameter) -> [_Trace]
+        self.nonfinite_sites = []
+        self.occurrences = {}
+        self.cast_count = 0
+        self.branch_count = 0
+
+
 class GradientScaling(chainer.FunctionHook):
 
     """Per-tensor gradient scaling during backprop (Zhao et al., IJCAI 2020).
@@ -100,10 +138,14 @@ class GradientScaling(chainer.FunctionHook):
     * GEMMs (``Linear``, ``Convolution2D``/``ND``, ``Deconvolution2D``/``ND``):
       the gradient entering the backward data GEMM is scaled by the Gaussian
       model (Theorem 1) capped by ``lambda_max / (N max|dY| max|W|)``; the
-      weight and bias gradients keep the incoming scale (Algorithm 1, l. 6-7).
+      weight and bias gradients keep the incoming scale (Algorithm 1, l. 6-7)
+      unless their path learnt a backoff (below).
     * An up-cast (e.g. FP16 to FP32) whose result feeds ``softmax``,
-      ``log_softmax`` or ``softmax_cross_entropy``: the gradient is scaled by
-      the log-normal model (Theorem 2) before it is cast down.
+      ``log_softmax`` or ``softmax_cross_entropy`` (through shape-only
+      functions such as reshape): the gradient is scaled by the log-normal
+      model (Theorem 2) before it is cast down. In an FP32 model (simulated
+      precision) the softmax gradient entering the logits' GEMM is that
+      site.
     * Several contributions to one variable (branches) are brought to the
       largest of their scales at which none overflows before Chainer sums
       them (line 17); the outputs of a multi-output function likewise.
@@ -115,19 +157,26 @@ class GradientScaling(chainer.FunctionHook):
     stock Chainer update (with or without ``use_fp32_update``) applies it.
     ``loss.backward(loss_scale=S)`` composes: the first gradient carries ``S``.
 
-    Statistics are refreshed every ``update_interval`` backward passes (the
-    paper used 100); in between, cached scales are reused, keyed by the
-    weight parameter (GEMMs) or by traversal order (casts, branches).
+    **Steps.** Scales computed in a step are *staged* and committed when the
+    step is concluded as taken (:mod:`gradient_scaling.scale_state`). A step
+    is concluded at the end of each backward pass, with the pass's own
+    :class:`~gradient_scaling.step.PassResult` (:attr:`last_result`), unless a
+    :class:`~gradient_scaling.scalers.GradientScalingScaler` holds it to
+    conclude it itself (combined across ranks, after deciding the update).
+    Used bare, the hook does not stop an update: check
+    ``hook.last_result.finite`` or, better, drive it with that scaler.
+    A non-finite step is attributed (:mod:`gradient_scaling.step`):
 
-    If a gradient reaching a parameter is not finite, the step is skipped
-    (and that layer's weight-gradient path is scaled down by
-    ``weight_backoff`` from then on):
-    the update rules of the affected parameters are disabled until the next
-    backward pass, :attr:`skipped` is ``True``, the statistics are refreshed
-    at the next pass, and the overflow is counted.  After
-    ``max_consecutive_overflows`` overflowing passes in a row a
-    :class:`GradientOverflowError` names the sites that saw non-finite
-    values.
+    * ``'data'`` (the loss, or a GEMM operand, is not finite): nothing
+      staged is kept and no scale changes;
+    * ``'scale'`` (finite data, non-finite gradients): statistics are
+      recomputed at the next pass, and a parameter whose weight-gradient
+      GEMM overflowed from finite inputs gets a weight-path backoff
+      (:class:`~gradient_scaling.scale_state.WeightPathBackoff`).
+
+    ``max_consecutive_overflows`` skipped steps in a row with nothing left
+    to back off raise :class:`GradientOverflowError`
+    (:class:`~gradient_scaling.step.OverflowGuard`).
 
     .. admonition:: Example
 
@@ -139,15 +188,15 @@ class GradientScaling(chainer.FunctionHook):
         >>> x = np.ones((4, 3), np.float32); t = np.zeros(4, np.int32)
         >>> with hook:
         ...     optimizer.update(model, x, t)
-        >>> [r.kind for r in hook.report()]
-        ['gemm']
+        >>> [r.kind for r in hook.report()], hook.last_result.finite
+        (['gemm'], True)
 
     Args:
         underflow_rate (float): Target underflow rate ``gamma'`` in (0, 1).
         fmt (str or ~gradient_scaling.formats.Format): Format the gradients
             are stored in: ``'float16'``, ``'bfloat16'``, ``'float8_e5m2'``
             or ``'float8_e4m3'``.
-        update_interval (int): Backward passes between statistics refreshes.
+        update_interval (int): Steps between statistics refreshes.
         target (~chainer.Link): Optional model, used to name sites by link
             path and to key cached scales stably across processes (needed
             for :meth:`serialize`).
@@ -157,15 +206,18 @@ class GradientScaling(chainer.FunctionHook):
             and reports what it would do, with every scale kept at 1.
         measure_underflow (bool): Measure the actual underflow rate at each
             site on refresh passes (one more pass over the gradient).
-        max_consecutive_overflows (int): Overflowing passes in a row before
-            giving up with :class:`GradientOverflowError`.
-        weight_backoff (float): Factor by which a layer's weight-gradient
-            path is scaled down each time its weight or bias gradient
-            overflows (an extension of the paper, which scales only the
-            data path; the sum over a batch of gradients near
-            ``lambda_max`` overflows).
-        weight_growth_interval (int): Clean passes after which every
-            backoff is halved back towards 1.
+        max_consecutive_overflows (int): Skipped steps in a row, with
+            nothing left to back off, before :class:`GradientOverflowError`.
+        weight_backoff (float): Factor by which a parameter's weight-gradient
+            path is scaled down when it overflows (an extension of the
+            paper, which scales only the data path).
+        weight_backoff_floor (float): Smallest weight-path scale.
+        weight_headroom (float): At a refresh, a backed-off weight path is
+            regrown to keep its largest value this many times below the
+            format's maximum.
+        scale_range (tuple of float): Floor and ceiling of every accumulated
+            scale (powers of two, so that scales and their reciprocals stay
+            normal float32 numbers with room to spare).
 
     """
 
@@ -174,51 +226,44 @@ class GradientScaling(chainer.FunctionHook):
     def __init__(self, underflow_rate=1e-3, fmt='float16', update_interval=1,
                  target=None, cast_rule='softmax', apply_scales=True,
                  measure_underflow=True, max_consecutive_overflows=10,
-                 weight_backoff=16.0, weight_growth_interval=1000):
-        if not (isinstance(underflow_rate, (int, float))
-                and 0 < underflow_rate < 1):
-            raise ValueError('underflow_rate must be in (0, 1), got {!r}'
-                             .format(underflow_rate))
-        if not isinstance(update_interval, int) or update_interval < 1:
-            raise ValueError('update_interval must be an integer >= 1, got '
-                             '{!r}'.format(update_interval))
-        if cast_rule not in CAST_RULES:
-            raise ValueError('cast_rule must be one of {}, got {!r}'.format(
-                ', '.join(CAST_RULES), cast_rule))
-        if max_consecutive_overflows < 1:
-            raise ValueError('max_consecutive_overflows must be >= 1, got {!r}'
-                             .format(max_consecutive_overflows))
-        self.underflow_rate = float(underflow_rate)
+                 weight_backoff=16.0, weight_backoff_floor=2.0 ** -24,
+                 weight_headroom=4.0, scale_range=(2.0 ** -64, 2.0 ** 64)):
+        self.underflow_rate = _validate.rate(underflow_rate,
+                                             'underflow_rate')
         self.fmt = formats.get(fmt)
-        self.update_interval = update_interval
         self.target = target
-        self.cast_rule = cast_rule
-        self.apply_scales = apply_scales
-        self.measure_underflow = measure_underflow
-        self.max_consecutive_overflows = max_consecutive_overflows
-        if not weight_backoff > 1:
-            raise ValueError('weight_backoff must be > 1, got {!r}'.format(
-                weight_backoff))
-        self.weight_backoff = float(weight_backoff)
-        self.weight_growth_interval = int(weight_growth_interval)
-        self._weight_scales = {}  # weight-path key -> backoff (< 1)
-        self._weight_path_of = {}  # id(parameter) -> weight-path key
-        self._clean_passes = 0
-
-        self.iteration = 0  # backward passes seen
-        self.overflow_count = 0
-        self.consecutive_overflows = 0
-        self.skipped = False
-        self._last_refresh = None
-        self._force_refresh = False
-        self._scales = {}  # site key -> local scale
-        self._branch_signatures = {}  # branch key -> scales it unified
-        self._records = {}  # site key -> SiteRecord
-        self._param_names = None
-        self._disabled_rules = []
-        self._nonfinite_sites = []
-        self._refresh = True
+        self.cast_rule = _validate.choice(cast_rule, 'cast_rule', CAST_RULES)
+        self.apply_scales = bool(apply_scales)
+        self.measure_underflow = bool(measure_underflow)
+        low, high = (_validate.positive(s, 'scale_range') for s in
+                     scale_range)
+        if not (low <= 1 <= high and underflow.pow2_floor(low) == low
+                and underflow.pow2_floor(high) == high):
+            raise ValueError('scale_range must be two powers of two around 1,'
+                             ' got {!r}'.format(scale_range))
+        self.scale_range = (low, high)
+        self.schedule = scale_state.RefreshSchedule(update_interval)
+        self.table = scale_state.ScaleTable()
+        self.backoff = scale_state.WeightPathBackoff(
+            weight_backoff, weight_backoff_floor, weight_headroom)
+        self.guard = step_module.OverflowGuard(
+            'gs', _validate.count(max_consecutive_overflows,
+                                  'max_consecutive_overflows'))
+        self.names = sites.SiteNames(target)
+        self.iteration = 0  # backward passes seen (telemetry)
+        self.last_result = None
         self.in_backward = False
+        self._records = {}  # site key -> SiteRecord, committed
+        self._step = None
+
+    @property
+    def update_interval(self):
+        return self.schedule.interval
+
+    @property
+    def skipped(self):
+        """Whether the last concluded step was skipped."""
+        return self.last_result is not None and not self.last_result.finite
 
     # -- FunctionHook interface ------------------------------------------
 
@@ -246,190 +291,265 @@ class GradientScaling(chainer.FunctionHook):
                 'GradientScaling only supports Variable.backward and '
                 'chainer.backward (not chainer.grad): gradients would stay '
                 'scaled.')
-        func_type = internals.function_type(function)
-        if issubclass(func_type, _GEMM_TYPES):
-            internals.wrap_backward_once(function, self._gemm_backward(
-                function, func_type, in_data))
-        elif self._is_scaled_cast(func_type, function, in_data):
-            internals.wrap_backward_once(function, self._cast_backward(
-                function))
+        if sites.is_gemm(function):
+            rule = self._gemm_backward(function, in_data)
+        elif self._is_up_cast(function):
+            rule = self._cast_backward(function)
         else:
-            internals.wrap_backward_once(function, self._plain_backward(
-                function, func_type))
+            rule = self._plain_backward(function)
+        internals.wrap_backward_once(function, rule)
 
-    # -- one backward pass -------------------------------------------------
+    # -- steps and passes ----------------------------------------------------
+
+    def hold_step(self):
+        """Opens a step that :meth:`conclude` (not the pass) will end.
+
+        Called by :class:`~gradient_scaling.scalers.GradientScalingScaler`
+        before its backward; the step may span several backward passes.
+        """
+        if self._step is None:
+            self._step = _Step(self.schedule.due(), held=True)
+        else:
+            self._step.held = True
 
     def begin_backward(self, outputs, loss_scale):
-        for rule in self._disabled_rules:
-            rule.enabled = True
-        self._disabled_rules = []
-        self.skipped = False
+        if self._step is None:
+            self._step = _Step(self.schedule.due(), held=False)
+        else:
+            self._step.new_pass()
         self.in_backward = True
         self.iteration += 1
-        self._refresh = (self._force_refresh or self._last_refresh is None
-                         or self.iteration - self._last_refresh
-                         >= self.update_interval)
-        if self._refresh:
-            self._last_refresh = self.iteration
-            self._force_refresh = False
-        self._nonfinite_sites = []
-        self._leaves = []
-        self._occurrences = {}
-        self._cast_count = 0
-        self._branch_count = 0
-        for _, grad in outputs:
+        for node, grad in outputs:
+            var = node.get_variable_or_none()
+            if var is not None and var.array is not None:
+                self._step.losses.append(var.array)
             if grad is not None:
                 internals.set_gradient_scale(grad, float(loss_scale or 1.0))
 
     def leaf_received(self, var):
-        self._leaves.append(var)
+        self._step.leaves[id(var)] = var
+
+    def abort_backward(self):
+        """A backward pass raised: forget its step."""
+        self.in_backward = False
+        self._step = None
 
     def end_backward(self):
         self.in_backward = False
+        step = self._step
         leaves = []
-        for var in self._leaves:
+        for var in step.leaves.values():
             grad_var = var.grad_var
             if grad_var is None:
                 continue
             # Chainer has just set every leaf's _loss_scale to the global
             # loss scale; the scale of its own gradient is the right one.
-            var._loss_scale = internals.gradient_scale(grad_var)
+            internals.set_param_loss_scale(
+                var, internals.gradient_scale(grad_var))
             leaves.append(var)
-        self._check_overflow(leaves)
+        step.results.append(self._pass_result(step, leaves))
+        step.new_pass()  # drops the references the attribution needed
+        if not step.held:
+            self.conclude([self.step_payload()])
 
-    def _check_overflow(self, leaves):
-        if not leaves:
-            return
-        finite = statistics.finite_flags(
-            [var.grad_var.array for var in leaves])
-        if all(finite):
-            self.consecutive_overflows = 0
-            self._clean_passes += 1
-            if self._clean_passes >= self.weight_growth_interval:
-                self._grow_weight_scales()
-            return
-        bad = [var for var, ok in zip(leaves, finite) if not ok]
-        self.skipped = True
-        self.overflow_count += 1
-        self.consecutive_overflows += 1
-        self._clean_passes = 0
-        self._force_refresh = True
-        self._back_off_weight_scales(bad)
-        for var in self._leaves:
-            rule = getattr(var, 'update_rule', None)
-            if rule is not None and rule.enabled:
-                rule.enabled = False
-                self._disabled_rules.append(rule)
-        names = sorted(set(self._nonfinite_sites)) or ['none']
-        params = sorted(self._parameter_name(v, None) for v in bad)
-        message = (
-            'non-finite gradients at backward pass {} in {} parameter(s) '
-            '({}); sites whose input was not finite: {}'.format(
-                self.iteration, len(bad), ', '.join(params[:8]),
-                ', '.join(names)))
-        if self.consecutive_overflows >= self.max_consecutive_overflows:
-            raise GradientOverflowError(
-                '{} consecutive backward passes overflowed; last: {}. The '
-                'loss or the activations are probably not finite.'.format(
-                    self.consecutive_overflows, message))
-        warnings.warn('GradientScaling: {}; the update is skipped (overflows '
-                      'so far: {})'.format(message, self.overflow_count),
-                      RuntimeWarning)
-
-    def _back_off_weight_scales(self, bad_params):
-        # The paper scales only the data path; the weight-gradient GEMM
-        # (and the bias sum) of a layer whose incoming gradient sits near
-        # lambda_max can still overflow. Such a layer's weight path learns a
-        # power-of-two backoff from the overflows it causes.
-        for var in bad_params:
-            key = self._weight_path_of.get(id(var))
-            if key is not None:
-                self._weight_scales[key] = max(
-                    self._weight_scales.get(key, 1.0) / self.weight_backoff,
-                    underflow.MIN_SCALE)
-
-    def _grow_weight_scales(self):
-        self._clean_passes = 0
-        for key, scale in list(self._weight_scales.items()):
-            if scale * 2 >= 1.0:
-                del self._weight_scales[key]
+    def _pass_result(self, step, leaves):
+        arrays = step.losses + [var.grad_var.array for var in leaves]
+        if not arrays:
+            return PassResult()
+        flags = statistics.finite_flags(arrays)
+        if all(flags):
+            return PassResult()
+        n = len(step.losses)
+        bad = [v for v, ok in zip(leaves, flags[n:]) if not ok]
+        names = tuple(sorted({self.names.parameter(v) for v in bad}))
+        weight_paths = ()
+        if not all(flags[:n]):
+            cause = 'data'
+        else:
+            traces = {id(v): step.traces.get(id(v), []) for v in bad}
+            operands = [a for ts in traces.values() for t in ts
+                        for a in t.operands if a is not None]
+            if operands and not all(statistics.finite_flags(operands)):
+                cause = 'data'
             else:
-                self._weight_scales[key] = scale * 2
+                cause = 'scale'
+                weight_paths = tuple(sorted(
+                    self.names.parameter(v) for v in bad if traces[id(v)]
+                    and all(t.incoming_finite for t in traces[id(v)])))
+        return PassResult(finite=False, cause=cause, parameters=names,
+                          sites=tuple(sorted(set(step.nonfinite_sites))),
+                          weight_paths=weight_paths)
+
+    def step_payload(self):
+        """This rank's :class:`StepPayload` for the open step."""
+        step = self._step
+        if step is None or not step.results:
+            raise RuntimeError('GradientScaling: no backward pass to conclude '
+                               '(call backward first)')
+        return StepPayload(PassResult.combine(step.results), step.staged,
+                           dict(step.weight_maxima))
+
+    def conclude(self, payloads):
+        """Ends the open step with every rank's payload (rank order).
+
+        The combined result is taken or skipped; the state machines of
+        :mod:`gradient_scaling.scale_state` and the overflow guard make their
+        transitions (the same on every rank, since the payloads are).
+
+        Raises:
+            GradientOverflowError: When overflow persists (see
+                :class:`~gradient_scaling.step.OverflowGuard`).
+
+        """
+        step, self._step = self._step, None
+        result = PassResult.combine(p.result for p in payloads)
+        backed_off = False
+        if result.finite:
+            self.table.commit([p.staged for p in payloads])
+            if step.refresh:
+                maxima = {}
+                for p in payloads:
+                    for name, value in p.weight_maxima.items():
+                        maxima[name] = max(value, maxima.get(name, 0.0))
+                self.backoff.regrow(maxima, self.fmt.max)
+            self._records.update(step.records)
+        else:
+            if result.cause == 'scale':
+                # A cached pass may have met larger gradients than those
+                # its scales were computed from: a refresh is a back-off.
+                backed_off = (self.backoff.back_off(result.weight_paths)
+                              or not step.refresh)
+            for key, record in self._records.items():
+                if record.name in result.sites:
+                    record.overflow_count += 1
+        self.schedule.conclude(result.finite, step.refresh, result.cause)
+        self.last_result = result
+        self.guard.observe(result, backed_off, self._scale_text())
+
+    def _scale_text(self):
+        values = list(self.table.scales.values())
+        text = 'site scales 2^{:.0f}..2^{:.0f}'.format(
+            math.log2(min(values)), math.log2(max(values))) if values else \
+            'no site scales yet'
+        if self.backoff.scales:
+            text += ', weight-path backoffs ' + ', '.join(
+                '{} 2^{:.0f}'.format(k, math.log2(v))
+                for k, v in sorted(self.backoff.scales.items())[:4])
+        return text
 
     # -- rules ------------------------------------------------------------
 
-    def _gemm_backward(self, function, func_type, in_data):
+    def _gemm_backward(self, function, in_data):
         def backward(class_backward, indexes, grad_outputs):
             gy, = grad_outputs
             if gy is None:
                 return class_backward(indexes, grad_outputs)
+            step = self._step
             if self._is_implicit_cast(gy):
                 gy = self._scale_cast_site(gy)
             alpha = internals.gradient_scale(gy)
-            n_inputs = len(function.inputs)
-            param_indexes = tuple(i for i in indexes if i != 0)
-            if param_indexes:
-                # Line 6: the weight gradient keeps the incoming scale,
-                # unless this layer's weight path learnt a backoff.
-                gamma = self._weight_scales.get(
-                    self._weight_path_key(function, param_indexes), 1.0)
-            result = {}
-            # The data gradient first: Deconvolution2DFunction's backward
-            # fails for the weight alone before it has run once.
+            weight = in_data[1]
+            local = {}
+            record = incoming_finite = None
             if 0 in indexes:
-                key, name = self._gemm_site(function)
-                weight = in_data[1]
-                beta, record = self._local_scale(
-                    key, name, 'gemm', alpha,
-                    lambda: self._gemm_scale(gy.array, weight,
-                                             _accumulation_length(
-                                                 function, func_type,
-                                                 weight)))
-                if param_indexes and gamma == beta:
-                    # Both paths take the same scaled gradient: one call
-                    # (and, under a simulation, one rounding of it) gives
-                    # the same arrays as two.
-                    inputs, todo = indexes, ()
-                else:
-                    inputs, todo = (0,), param_indexes
-                gxs = _select(class_backward(inputs, (_rescale(gy, beta),)),
-                              inputs, n_inputs)
-                for i, gx in zip(inputs, gxs):
-                    result[i] = self._tag(gx, alpha * beta)
-                if record is not None:
-                    self._measure(record, result[0])
-            else:
-                todo = param_indexes
-            if todo:
-                gxs = _select(class_backward(
-                    todo, (_rescale(gy, gamma),)), todo, n_inputs)
-                for i, gx in zip(todo, gxs):
-                    result[i] = self._tag(gx, alpha * gamma)
+                key = self._gemm_key(function)
+                local[0], record, incoming_finite = self._site_scale(
+                    key, 'gemm', alpha, lambda: self._gemm_estimate(
+                        gy.array, weight,
+                        sites.accumulation_length(function, weight)))
+            params = {}
+            for i in indexes:
+                if i != 0:
+                    node = function.inputs[i]
+                    param = internals.parameter_of(node)
+                    params[i] = (param, self.names.parameter(param, node))
+                    local[i] = self._clamp(alpha, self.backoff.scale(
+                        params[i][1]))
+            result = self._backward_by_scale(class_backward, indexes, gy,
+                                             alpha, local,
+                                             len(function.inputs))
+            if record is not None:
+                self._measure(record, result[0])
+            if params:
+                if step.refresh and incoming_finite is None:
+                    incoming_finite = math.isfinite(
+                        statistics.max_abs(gy.array))
+                for i, (param, name) in params.items():
+                    self._trace(step, param, name, incoming_finite,
+                                (in_data[0], weight), result[i])
             return tuple(result[i] for i in indexes)
         return backward
+
+    def _backward_by_scale(self, class_backward, indexes, gy, alpha, local,
+                           n_inputs):
+        """Calls the backward once per distinct local scale, data first.
+
+        (Deconvolution2DFunction's backward fails for the weight alone
+        before it has run once; under a simulation one call also means one
+        rounding of the shared scaled gradient.)
+        """
+        groups = {}
+        for i in indexes:
+            groups.setdefault(local[i], []).append(i)
+        order = sorted(groups.items(), key=lambda item: 0 not in item[1])
+        result = {}
+        for scale, group in order:
+            group = tuple(group)
+            gxs = sites.select_gradients(
+                class_backward(group, (_rescale(gy, scale),)), group,
+                n_inputs)
+            for i, gx in zip(group, gxs):
+                result[i] = self._tag(gx, alpha * scale)
+        return result
+
+    def _trace(self, step, param, name, incoming_finite, operands, grad):
+        if param is None:
+            return
+        step.traces.setdefault(id(param), []).append(
+            _Trace(incoming_finite, operands))
+        if step.refresh and grad is not None and self.backoff.managed(name):
+            largest = statistics.max_abs(grad.array)
+            step.weight_maxima[name] = max(
+                largest, step.weight_maxima.get(name, 0.0))
 
     def _cast_backward(self, function):
         def backward(class_backward, indexes, grad_outputs):
             gy, = grad_outputs
-            if gy is None:
-                return class_backward(indexes, grad_outputs)
-            scaled = self._scale_cast_site(gy)
-            alpha = internals.gradient_scale(scaled)
-            gxs = class_backward(indexes, (scaled,))
+            if gy is not None and (self.cast_rule == 'all'
+                                   or internals.from_softmax(gy)):
+                gy = self._scale_cast_site(gy)
+            alpha = 1.0 if gy is None else internals.gradient_scale(gy)
+            gxs = class_backward(indexes, (gy,))
             return tuple(self._tag(gx, alpha) for gx in gxs)
         return backward
 
     def _scale_cast_site(self, gy):
         """Theorem 2 at a cast site: returns the rescaled gradient."""
+        step = self._step
         alpha = internals.gradient_scale(gy)
-        key = 'cast#{}'.format(self._cast_count)
-        self._cast_count += 1
-        beta, record = self._local_scale(
-            key, key, 'cast', alpha, lambda: self._cast_scale(gy.array))
+        key = 'cast#{}'.format(step.cast_count)
+        step.cast_count += 1
+        beta, record, _ = self._site_scale(
+            key, 'cast', alpha, lambda: self._cast_estimate(gy.array))
+        if record is None and self.apply_scales:
+            # A cached cast scale is often its cap, lambda_max / max|g| of
+            # the batch it was computed from, and a more confident batch
+            # would overflow it. The cap is checked every pass (one
+            # reduction of the logits' gradient) and binds for this pass.
+            largest = statistics.max_abs(gy.array)
+            if 0 < largest < math.inf:
+                beta = min(beta, underflow.pow2_floor(self.fmt.max / largest))
         scaled = _rescale(gy, beta)
         if record is not None:
             self._measure(record, scaled)
         return scaled
+
+    def _is_up_cast(self, function):
+        if self.cast_rule == 'none' or not isinstance(function, cast.Cast):
+            return False
+        in_dtype, out_dtype = internals.cast_dtypes(function)
+        return (in_dtype.kind == 'f' and out_dtype.kind == 'f'
+                and in_dtype.itemsize < out_dtype.itemsize)
 
     def _is_implicit_cast(self, gy):
         # An FP32 model (simulated precision) has no FP16->FP32 cast before
@@ -439,9 +559,9 @@ class GradientScaling(chainer.FunctionHook):
         return (self.cast_rule != 'none' and internals.from_softmax(gy)
                 and gy.dtype.itemsize > 2)
 
-    def _plain_backward(self, function, func_type):
-        from_softmax = issubclass(func_type, _SOFTMAX_TYPES)
-        shape_only = func_type.__name__ in _SHAPE_ONLY_NAMES
+    def _plain_backward(self, function):
+        from_softmax = sites.is_softmax(function)
+        shape_only = sites.is_shape_only(function)
 
         def backward(class_backward, indexes, grad_outputs):
             present = [g for g in grad_outputs if g is not None]
@@ -478,56 +598,67 @@ class GradientScaling(chainer.FunctionHook):
         scales = [internals.gradient_scale(g) for g in grads]
         if len(set(scales)) == 1:
             return scales[0]
-        name = 'branch#{}'.format(self._branch_count)
+        step = self._step
+        key = 'branch#{}'.format(step.branch_count)
+        step.branch_count += 1
         signature = ','.join(repr(x) for x in scales)
-        self._branch_count += 1
-        cached = self._scales.get(name)
-        if (cached is not None and not self._refresh
-                and self._branch_signatures.get(name) == signature):
-            return cached
+        if not step.refresh:
+            cached = self.table.lookup(step.staged, key, signature)
+            if cached is not None:
+                return cached
         maxima = [statistics.max_abs(g.array) for g in grads]
         if not all(math.isfinite(m) for m in maxima):
-            self._nonfinite_sites.append(name)
-            common = max(scales)
-        else:
-            common = underflow.unify_scales_from_max(
-                zip(maxima, scales), self.fmt)
-        self._scales[name] = common
-        self._branch_signatures[name] = signature
-        self._records[name] = SiteRecord(
-            name=name, kind='branch', local_scale=1.0,
+            step.nonfinite_sites.append(key)
+            return max(scales)
+        common = underflow.unify_scales_from_max(zip(maxima, scales),
+                                                 self.fmt)
+        step.staged.stage(key, common, signature)
+        step.records[key] = SiteRecord(
+            name=key, kind='branch', local_scale=1.0,
             input_scale=max(scales), output_scale=common,
             iteration=self.iteration)
         return common
 
     # -- local scales -----------------------------------------------------
 
-    def _local_scale(self, key, name, kind, alpha, compute):
-        """Returns (beta, record to complete or None) for a site."""
-        cached = self._scales.get(key)
-        if cached is not None and not self._refresh:
-            return cached, None
-        record = SiteRecord(name=name, kind=kind, input_scale=alpha,
+    def _site_scale(self, key, kind, alpha, estimate):
+        """(beta, record to complete or None, incoming finite or None)."""
+        step = self._step
+        if not step.refresh:
+            cached = self.table.lookup(step.staged, key)
+            if cached is not None:
+                return self._clamp(alpha, cached), None, None
+        record = SiteRecord(name=key, kind=kind, input_scale=alpha,
                             iteration=self.iteration)
         previous = self._records.get(key)
         if previous is not None:
             record.overflow_count = previous.overflow_count
         try:
-            beta, estimated, estimated_at_one = compute()
+            beta, estimated, estimated_at_one = estimate()
         except underflow.NonFiniteStatisticsError:
-            record.overflow_count += 1
-            self._nonfinite_sites.append(name)
-            beta, estimated, estimated_at_one = 1.0, math.nan, math.nan
+            # Not staged: the step cannot be taken anyway.
+            step.nonfinite_sites.append(key)
+            return 1.0, None, False
         if not self.apply_scales:
             beta, estimated = 1.0, estimated_at_one
+        step.staged.stage(key, beta)
+        beta = self._clamp(alpha, beta)
         record.local_scale = beta
         record.output_scale = alpha * beta
         record.estimated_underflow_rate = estimated
-        self._scales[key] = beta
-        self._records[key] = record
-        return beta, record
+        step.records[key] = record
+        return beta, record, True
 
-    def _gemm_scale(self, grad, weight, n):
+    def _clamp(self, alpha, beta):
+        """``beta`` limited so that ``alpha * beta`` stays in scale_range."""
+        low, high = self.scale_range
+        if alpha * beta > high:
+            return underflow.pow2_floor(high / alpha)
+        if alpha * beta < low:
+            return underflow.pow2_ceil(low / alpha)
+        return beta
+
+    def _gemm_estimate(self, grad, weight, n):
         g = statistics.tensor_statistics(grad, log=False)
         w = statistics.tensor_statistics(weight, log=False)
         if g.n_nonfinite or w.n_nonfinite:
@@ -541,7 +672,7 @@ class GradientScaling(chainer.FunctionHook):
         return (beta, underflow.gemm_underflow_rate(sigma, beta, self.fmt),
                 underflow.gemm_underflow_rate(sigma, 1.0, self.fmt))
 
-    def _cast_scale(self, grad):
+    def _cast_estimate(self, grad):
         g = statistics.tensor_statistics(grad, log=True)
         if g.n_nonfinite:
             raise underflow.NonFiniteStatisticsError(
@@ -561,47 +692,12 @@ class GradientScaling(chainer.FunctionHook):
         record.measured_underflow_rate = measured_underflow_rate(
             grad_var.array, self.fmt)
 
-    def _is_scaled_cast(self, func_type, function, in_data):
-        if self.cast_rule == 'none' or not issubclass(func_type, cast.Cast):
-            return False
-        # Cast does not retain its input; it remembers the input dtype.
-        in_dtype = numpy.dtype(function._in_type)
-        out_dtype = numpy.dtype(function.type)
-        return (in_dtype.kind == 'f' and out_dtype.kind == 'f'
-                and in_dtype.itemsize < out_dtype.itemsize)
-
-    def _weight_path_key(self, function, param_indexes):
-        weight = internals.parameter_of(function.inputs[1])
-        key = 'weight:' + self._parameter_name(weight, function.inputs[1])
-        for i in param_indexes:
-            param = internals.parameter_of(function.inputs[i])
-            if param is not None:
-                self._weight_path_of[id(param)] = key
-        return key
-
-    # -- naming -----------------------------------------------------------
-
-    def _gemm_site(self, function):
-        weight = internals.parameter_of(function.inputs[1])
-        base = self._parameter_name(weight, function.inputs[1])
-        label = internals.function_type(function).__name__
-        base = '{}:{}'.format(base, label)
-        k = self._occurrences.get(base, 0)
-        self._occurrences[base] = k + 1
-        key = base if k == 0 else '{}#{}'.format(base, k)
-        return key, key
-
-    def _parameter_name(self, param, node):
-        if self._param_names is None and self.target is not None:
-            self._param_names = {
-                id(p): path for path, p in self.target.namedparams()}
-        if param is not None and self._param_names is not None:
-            name = self._param_names.get(id(param))
-            if name is not None:
-                return name
-        if param is not None:
-            return '{}@{:x}'.format(param.name or 'W', id(param))
-        return 'W@{:x}'.format(id(node))
+    def _gemm_key(self, function):
+        base = self.names.gemm(function)
+        occurrences = self._step.occurrences
+        k = occurrences.get(base, 0)
+        occurrences[base] = k + 1
+        return base if k == 0 else '{}#{}'.format(base, k)
 
     def _tag(self, grad_var, scale, from_softmax=False):
         if grad_var is not None:
@@ -637,47 +733,27 @@ class GradientScaling(chainer.FunctionHook):
         return text
 
     def serialize(self, serializer):
-        """Saves or loads cached scales and counters (Trainer snapshots)."""
-        for name in ('iteration', 'overflow_count', 'consecutive_overflows'):
-            setattr(self, name, int(serializer(name, getattr(self, name))))
-        last = serializer('last_refresh', -1 if self._last_refresh is None
-                          else self._last_refresh)
-        self._last_refresh = None if int(last) < 0 else int(last)
-        self._force_refresh = bool(serializer('force_refresh',
-                                              self._force_refresh))
-        self._clean_passes = int(serializer('clean_passes',
-                                            self._clean_passes))
-        if isinstance(serializer, chainer.serializer.Deserializer):
-            keys = serializer('scale_keys', None)
-            values = serializer('scale_values', None)
-            self._scales = {str(k): float(v) for k, v in zip(keys, values)}
-            keys = serializer('weight_scale_keys', None)
-            values = serializer('weight_scale_values', None)
-            self._weight_scales = {str(k): float(v)
-                                   for k, v in zip(keys, values)}
-            keys = serializer('branch_keys', None)
-            values = serializer('branch_signatures', None)
-            self._branch_signatures = {str(k): str(v)
-                                       for k, v in zip(keys, values)}
-        else:
-            keys = list(self._branch_signatures)
-            serializer('branch_keys', numpy.array(keys, dtype=numpy.str_))
-            serializer('branch_signatures', numpy.array(
-                [self._branch_signatures[k] for k in keys],
-                dtype=numpy.str_))
-            keys = list(self._weight_scales)
-            serializer('weight_scale_keys', numpy.array(keys,
-                                                        dtype=numpy.str_))
-            serializer('weight_scale_values', numpy.array(
-                [self._weight_scales[k] for k in keys], dtype=numpy.float64))
-            if self.target is None and self._scales:
-                warnings.warn('GradientScaling without target= keys GEMM '
-                              'scales by object id; they cannot be restored '
-                              'in another process', RuntimeWarning)
-            keys = list(self._scales)
-            serializer('scale_keys', numpy.array(keys, dtype=numpy.str_))
-            serializer('scale_values', numpy.array(
-                [self._scales[k] for k in keys], dtype=numpy.float64))
+        """Saves or loads the state between steps (Trainer snapshots).
+
+        Exactly the state machines' state: the refresh schedule, the scale
+        table, the weight-path backoffs and the overflow guard, plus the
+        pass counter that telemetry uses. Telemetry (:meth:`report`) is not
+        state and is not saved.
+        """
+        if self._step is not None:
+            raise RuntimeError('GradientScaling: cannot serialize in the '
+                               'middle of a step')
+        if (not isinstance(serializer, chainer.serializer.Deserializer)
+                and self.target is None and self.table.scales):
+            import warnings
+            warnings.warn('GradientScaling without target= keys GEMM '
+                          'scales by object id; they cannot be restored '
+                          'in another process', RuntimeWarning)
+        self.iteration = int(serializer('iteration', self.iteration))
+        self.schedule.serialize(serializer['schedule'])
+        self.table.serialize(serializer['table'])
+        self.backoff.serialize(serializer['backoff'])
+        self.guard.serialize(serializer['guard'])
 
 
 def measured_underflow_rate(array, fmt):
@@ -700,29 +776,6 @@ def measured_underflow_rate(array, fmt):
     threshold = array.dtype.type(fmt.min / 2)
     at_most = int(xp.count_nonzero(xp.abs(array) <= threshold))
     return (at_most - (array.size - n_nonzero)) / n_nonzero
-
-
-def _accumulation_length(function, func_type, weight):
-    """N of the backward data GEMM: products summed per input gradient."""
-    if func_type is linear.LinearFunction:
-        return int(weight.shape[0])
-    kernel = int(numpy.prod(weight.shape[2:]))
-    if issubclass(func_type, _DECONVOLUTION_TYPES):
-        # W is (in_channels, out_channels / groups, k...).
-        return int(weight.shape[1]) * kernel
-    groups = int(getattr(function, 'groups', 1) or 1)
-    return int(weight.shape[0]) // groups * kernel
-
-
-def _select(gxs, indexes, n_inputs):
-    """Gradients for ``indexes`` from a backward's return value."""
-    gxs = tuple(gxs)
-    if len(gxs) == len(indexes):
-        return gxs
-    if len(gxs) == n_inputs:
-        return tuple(gxs[i] for i in indexes)
-    raise ValueError('backward returned {} gradients for indexes {}'.format(
-        len(gxs), indexes))
 
 
 # Exponents k for which 2**k is a normal number of the dtype.

@@ -127,7 +127,7 @@ class GemmSimulation(chainer.FunctionHook):
         self.target = target
         self._backward_depth = 0
         self._counts = {}
-        self._param_names = None
+        self._names = sites.SiteNames(target)
 
     def truncate(self, array):
         """Returns ``array`` rounded as it would be stored (a new array or
@@ -150,7 +150,7 @@ class GemmSimulation(chainer.FunctionHook):
             # refused), so a backward step that raised left the count up.
             self._backward_depth = 0
         if self._backward_depth == 0:
-            _wrap_forward_once(function, self._gemm_forward(function))
+            internals.wrap_forward_once(function, self._gemm_forward(function))
 
     def backward_preprocess(self, function, in_data, out_grad):
         self._backward_depth += 1
@@ -174,12 +174,12 @@ class GemmSimulation(chainer.FunctionHook):
                 x if i == _BIAS_INDEX and not self.round_bias
                 else self.truncate(x) for i, x in enumerate(inputs))
             outputs = inner(rounded)
-            retained = function._input_indexes_to_retain
+            retained = internals.retained_input_indexes(function)
             if retained:
                 layouts = function.input_layouts
-                function.get_retained_inputs = _RetainedInputs(
+                internals.set_retained_inputs(function, _RetainedInputs(
                     tuple(rounded[i] for i in retained),
-                    tuple(layouts[i] for i in retained))
+                    tuple(layouts[i] for i in retained)))
             return tuple(self.truncate(y) for y in outputs)
         return forward
 
@@ -219,16 +219,7 @@ class GemmSimulation(chainer.FunctionHook):
         count.underflowed += int(xp.count_nonzero((rounded == 0) & nonzero))
 
     def _site_name(self, function):
-        if self._param_names is None:
-            self._param_names = {} if self.target is None else {
-                id(p): path for path, p in self.target.namedparams()}
-        weight = internals.parameter_of(function.inputs[1])
-        if weight is None:
-            base = 'W@{:x}'.format(id(function.inputs[1]))
-        else:
-            base = self._param_names.get(id(weight)) or '{}@{:x}'.format(
-                weight.name or 'W', id(weight))
-        return '{}:{}'.format(base, type(function).__name__)
+        return self._names.gemm(function)
 
     def underflow_report(self):
         """Gradient values lost to rounding, per GEMM and operand.
@@ -399,26 +390,6 @@ class _RetainedInputs(object):
         return tuple(
             chainer.Variable(a, requires_grad=False, layout=layout)
             for a, layout in zip(self.arrays, self.layouts))
-
-
-def _wrap_forward_once(function, wrapper):
-    """Makes the next ``function.forward(inputs)`` call ``wrapper``.
-
-    ``FunctionNode.apply`` looks ``forward`` up on the instance; the wrapper
-    gets the method it wraps as its first argument and is removed before it
-    runs.
-    """
-    previous = function.__dict__.get('forward')
-    inner = previous or type(function).forward.__get__(function)
-
-    def forward(inputs):
-        if previous is None:
-            function.__dict__.pop('forward', None)
-        else:
-            function.forward = previous
-        return wrapper(inner, inputs)
-
-    function.forward = forward
 
 
 def _like(grad_var, array):

@@ -10,13 +10,15 @@ Every example script uses the same four pieces::
         model = MyModel()
     optimizer, scaler = training.setup_optimizer(
         chainer.optimizers.MomentumSGD(lr=0.1), model, config)
-    updater = training.ScalingUpdater(train_iter, optimizer, scaler)
+    updater = training.ScalingUpdater(train_iter, optimizer, scaler, config)
 
-:class:`ScalingUpdater` runs the scaler's backward, skips the step when the
-scaler says so, and otherwise divides every gradient by its own scale *in
-FP32* (on the FP32 master copy of FP16 parameters) before any optimizer hook
-(gradient clipping, weight decay, ...) or update rule sees it; Chainer's own
-update would show those hooks scaled gradients.
+A training step is :func:`train_step`: forward, the scaler's backward, the
+scaler's decision (:meth:`~gradient_scaling.scalers.Scaler.step`: combined
+over ranks; the update, on gradients divided by their own scale *in FP32*
+before any optimizer hook, or a skip), and, when the step is skipped, the
+link state the forward pass changed (BatchNorm's running statistics) put
+back: a skipped step changes nothing. :class:`ScalingUpdater` runs it for a
+Trainer; a hand-written loop calls it directly.
 """
 
 import gradient_scaling.compat  # NOQA
@@ -31,9 +33,19 @@ import chainer
 from chainer.dataset import convert
 from chainer.training import updaters
 
+from gradient_scaling import _chainer_internals as internals
+from gradient_scaling import _validate
 from gradient_scaling import formats
 from gradient_scaling import scalers
+from gradient_scaling import step as step_module
 from gradient_scaling.scalers import SCALING_MODES
+from gradient_scaling.update import apply_update  # NOQA: part of this API
+from gradient_scaling.update import serialize_fp32_masters
+
+__all__ = ['PRECISIONS', 'SIMULATED_FORMATS', 'SCALING_MODES',
+           'ScalingConfig', 'add_arguments', 'default_to_simulation_on_cpu',
+           'setup_optimizer', 'apply_update', 'train_step',
+           'ScalingUpdater', 'serialize_fp32_masters']
 
 PRECISIONS = ('fp32', 'mixed16', 'sim-fp16', 'sim-bf16', 'sim-fp8-e5m2',
               'sim-fp8-e4m3', 's2fp8')
@@ -95,10 +107,13 @@ class ScalingConfig(object):
                                  self.precision))
         if self.fmt is None:
             self.fmt = SIMULATED_FORMATS.get(self.precision, 'float16')
-        _positive_float(self.loss_scale)
-        _interval(self.dynamic_interval)
-        _rate(self.underflow_rate)
-        _interval(self.update_interval)
+        self.loss_scale = _validate.positive(self.loss_scale, 'loss_scale')
+        self.dynamic_interval = _validate.count(self.dynamic_interval,
+                                                'dynamic_interval')
+        self.underflow_rate = _validate.rate(self.underflow_rate,
+                                             'underflow_rate')
+        self.update_interval = _validate.count(self.update_interval,
+                                               'update_interval')
         formats.get(self.fmt)
 
     @classmethod
@@ -142,40 +157,28 @@ class ScalingConfig(object):
         return chainer.using_config('dtype', numpy.float32)
 
 
-def _positive_float(text):
-    try:
-        value = float(text)
-    except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(
-            'expected a positive number, got {!r}'.format(text))
-    if not value > 0:
-        raise argparse.ArgumentTypeError(
-            'the loss scale must be > 0, got {!r}'.format(text))
-    return value
+def _argument_type(convert, check, what, valid):
+    """An argparse type: ``text`` converted, then checked by ``check``."""
+    def parse(text):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError('{} must be {}, got {!r}'.format(
+                what, valid, text)) from None
+        try:
+            return check(value, what)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    parse.__name__ = what
+    return parse
 
 
-def _interval(text):
-    try:
-        value = int(text)
-    except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(
-            'expected an integer >= 1, got {!r}'.format(text))
-    if value < 1:
-        raise argparse.ArgumentTypeError(
-            'an interval must be an integer >= 1, got {!r}'.format(text))
-    return value
-
-
-def _rate(text):
-    try:
-        value = float(text)
-    except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(
-            'expected a number in (0, 1), got {!r}'.format(text))
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(
-            'the underflow rate must be in (0, 1), got {!r}'.format(text))
-    return value
+_positive_float = _argument_type(float, _validate.positive, 'the loss scale',
+                                 'a finite number > 0')
+_interval = _argument_type(int, _validate.count, 'an interval',
+                           'an integer >= 1')
+_rate = _argument_type(float, _validate.rate, 'the underflow rate',
+                       'a number in (0, 1)')
 
 
 def add_arguments(parser, default_scaling='gs'):
@@ -237,91 +240,61 @@ def setup_optimizer(optimizer, model, config):
     return optimizer, scalers.make_scaler(config, model, optimizer)
 
 
-class _MasterParams(object):
+def train_step(optimizer, scaler, loss_func, *args, config=None,
+               simulation=None, communicator=None, **kwargs):
+    """One training step; returns ``(skipped, observation)``.
 
-    def __init__(self, masters):
-        self._masters = masters
+    Forward (``loss_func(*args, **kwargs)``, under ``config``'s dtype and
+    the ``simulation`` hook, GS's hook inside it), the scaler's backward,
+    then :meth:`scaler.step <gradient_scaling.scalers.Scaler.step>`: the
+    update, or a skip. A skipped step changes nothing: the parameters, the
+    FP32 masters and the optimizer are not touched, and every persistent
+    value of every link (BatchNorm's running statistics), which the forward
+    pass changed, is put back.
 
-    def params(self, include_uninit=True):
-        return iter(self._masters)
+    Args:
+        optimizer (~chainer.GradientMethod): Set up by
+            :func:`setup_optimizer`; its target is the model.
+        scaler (~gradient_scaling.scalers.Scaler): From the same call.
+        loss_func (callable): Returns the loss Variable.
+        config (ScalingConfig): Optional; gives the dtype.
+        simulation (~chainer.FunctionHook): Optional low-precision
+            simulation (``config.simulation_hook()``).
+        communicator: Optional ChainerMN communicator.
 
+    Returns:
+        tuple: ``(skipped, observation)``, the scaler's ``scaling/...``
+        values as of the backward pass.
 
-class _MasterView(object):
-    """The optimizer as its hooks see it: its target yields FP32 masters."""
+    Raises:
+        ~gradient_scaling.step.GradientOverflowError: When overflow
+            persists (on every rank at once).
 
-    def __init__(self, optimizer, masters):
-        self._optimizer = optimizer
-        self.target = _MasterParams(masters)
-
-    def __getattr__(self, name):
-        return getattr(self._optimizer, name)
-
-
-def _unscaled_master(param, rule):
-    """The variable to update, holding the unscaled gradient."""
-    scale = param._loss_scale
-    param._loss_scale = None
-    if param.grad is None:
-        return param
-    if param.dtype == numpy.float16 and rule._use_fp32_update:
-        if rule._fp32_param is None:
-            rule._fp32_param = chainer.Parameter(
-                param.array.astype(numpy.float32), name=param.name)
-        master = rule._fp32_param
-        grad = param.grad.astype(numpy.float32)
-    else:
-        master = param
-        grad = param.grad
-    if scale is not None and scale != 1:
-        grad = grad / grad.dtype.type(scale) if scale < 65504 else \
-            (grad.astype(numpy.float32) / numpy.float32(scale)).astype(
-                grad.dtype)
-    master.grad = grad
-    master._loss_scale = None
-    return master
-
-
-def _call_optimizer_hooks(optimizer, timing, view, rules):
-    hooks = (optimizer._hookable._pre_update_hooks if timing == 'pre'
-             else optimizer._hookable._post_update_hooks)
-    for hook in hooks.values():
-        if getattr(hook, 'call_for_each_param', False):
-            for master in view.target.params():
-                hook(rules[id(master)], master)
-        else:
-            hook(view)
-
-
-def apply_update(optimizer):
-    """One optimizer step on unscaled FP32 gradients.
-
-    Like ``GradientMethod.update()`` without a loss function, except that
-    each gradient is divided by its parameter's ``_loss_scale`` (in FP32 on
-    the master copy of FP16 parameters) *before* the optimizer's hooks run,
-    so clipping and weight decay act on true gradients.
     """
-    optimizer.reallocate_cleared_grads()
-    pairs = []
-    rules = {}
-    for param in optimizer.target.params():
-        rule = param.update_rule
-        if rule is None:
-            continue
-        master = _unscaled_master(param, rule)
-        pairs.append((param, rule, master))
-        rules[id(master)] = rule
-    view = _MasterView(optimizer, [m for _, _, m in pairs])
-    _call_optimizer_hooks(optimizer, 'pre', view, rules)
-    optimizer.t += 1
-    for param, rule, master in pairs:
-        if master is param:
-            param.update()
-        elif rule.enabled:
-            rule.update(master)
-            param.array = master.array.astype(param.dtype)
-            master.grad = None
-    optimizer.reallocate_cleared_grads()
-    _call_optimizer_hooks(optimizer, 'post', view, rules)
+    model = optimizer.target
+    state = step_module.LinkState(model)
+    with contextlib.ExitStack() as stack:
+        if config is not None:
+            stack.enter_context(config.model_dtype())
+        if simulation is not None:
+            stack.enter_context(simulation)
+            if isinstance(scaler, scalers.GradientScalingScaler):
+                # Registered after the simulation, GS's backward wrapper is
+                # the outer one: it scales gradients before the simulation
+                # rounds them (entering and leaving a GEMM).
+                stack.enter_context(scaler.hook)
+        loss = loss_func(*args, **kwargs)
+        model.cleargrads()
+        scaler.backward(loss)
+        del loss
+    observation = scaler.observation(model)
+    skipped = True
+    try:
+        skipped = scaler.step(optimizer, communicator)
+    finally:
+        if skipped:
+            state.restore()
+    return skipped, observation
 
 
 class ScalingUpdater(updaters.StandardUpdater):
@@ -372,40 +345,20 @@ class ScalingUpdater(updaters.StandardUpdater):
         self.skips = 0
 
     def update_core(self):
-        iterator = self._iterators['main']
+        iterator = self.get_iterator('main')
         batch = iterator.next()
-        in_arrays = convert._call_converter(self.converter, batch,
-                                            self.input_device)
-        optimizer = self._optimizers['main']
-        model = optimizer.target
-        loss_func = self.loss_func or model
-        with contextlib.ExitStack() as stack:
-            if self.config is not None:
-                stack.enter_context(self.config.model_dtype())
-            if self.simulation is not None:
-                stack.enter_context(self.simulation)
-                if isinstance(self.scaler, scalers.GradientScalingScaler):
-                    # Registered after the simulation, GS's backward wrapper
-                    # is the outer one: it scales gradients before the
-                    # simulation rounds them (entering and leaving a GEMM).
-                    stack.enter_context(self.scaler.hook)
-            if isinstance(in_arrays, tuple):
-                loss = loss_func(*in_arrays)
-            elif isinstance(in_arrays, dict):
-                loss = loss_func(**in_arrays)
-            else:
-                loss = loss_func(in_arrays)
-            model.cleargrads()
-            self.scaler.backward(loss)
-            del loss
-        observation = self.scaler.observation(model)
+        in_arrays = internals.call_converter(self.converter, batch,
+                                             self.input_device)
+        optimizer = self.get_optimizer('main')
+        loss_func = self.loss_func or optimizer.target
+        args, kwargs = ((in_arrays, {}) if isinstance(in_arrays, tuple) else
+                        ((), in_arrays) if isinstance(in_arrays, dict) else
+                        ((in_arrays,), {}))
+        skipped, observation = train_step(
+            optimizer, self.scaler, loss_func, *args, config=self.config,
+            simulation=self.simulation, communicator=self.communicator,
+            **kwargs)
         observation.update(self._simulation_observation())
-        if self.communicator is not None:
-            self._all_reduce(model)
-        skipped = self.scaler.check_skip(optimizer)
-        if not skipped:
-            apply_update(optimizer)
-        self.scaler.after_step(optimizer, skipped)
         self.skips += int(skipped)
         observation['scaling/skipped'] = int(skipped)
         observation['scaling/skips'] = self.skips
@@ -427,40 +380,9 @@ class ScalingUpdater(updaters.StandardUpdater):
             'scaling/measured_underflow': sum(
                 c.underflowed for c in counts) / nonzero}
 
-    def _all_reduce(self, model):
-        if isinstance(self.scaler, scalers.GradientScalingScaler):
-            scalers.unify_across_ranks(model, self.communicator)
-        self.communicator.multi_node_mean_grad(model)
-
     def serialize(self, serializer):
         super().serialize(serializer)
         self.skips = int(serializer('scaling_skips', self.skips))
         self.scaler.serialize(serializer['scaler'])
-        for optimizer in self._optimizers.values():
+        for optimizer in self.get_all_optimizers().values():
             serialize_fp32_masters(optimizer, serializer['fp32_masters'])
-
-
-def serialize_fp32_masters(optimizer, serializer):
-    """Saves or loads the FP32 master copies of FP16 parameters.
-
-    Chainer's optimizer snapshot keeps the update rules' states but not
-    their FP32 master weights, so a resumed mixed16 run would restart from
-    the FP16 weights and drift from an uninterrupted one.
-    """
-    loading = isinstance(serializer, chainer.serializer.Deserializer)
-    for name, param in optimizer.target.namedparams():
-        rule = param.update_rule
-        if (rule is None or param.array is None or param.dtype !=
-                numpy.float16 or not rule._use_fp32_update):
-            continue
-        key = name.lstrip('/').replace('/', '.')
-        if loading:
-            value = serializer(key, None)
-            rule._fp32_param = chainer.Parameter(
-                param.device.send(numpy.asarray(value, numpy.float32)),
-                name=param.name)
-        else:
-            master = rule._fp32_param
-            serializer(key, param.array.astype(numpy.float32)
-                       if master is None else master.array)
-

@@ -166,37 +166,44 @@ def test_statistics_refresh_interval_and_stable_keys(every_construct):
     assert hook.iteration == 7
 
 
-def test_overflow_skips_update_and_refreshes(every_construct):
+def test_bare_hook_reports_each_pass_and_changes_nothing_on_data_faults(
+        every_construct):
     model, loss_fn = every_construct
-    x, t = every_construct_batch(np.random.default_rng(0))
-    opt = chainer.optimizers.MomentumSGD(lr=0.1)
-    opt.setup(model)
-    hook = GradientScaling(target=model, max_consecutive_overflows=3)
+    hook = GradientScaling(target=model, update_interval=2,
+                           max_consecutive_overflows=3)
 
     def poisoned():
         return loss_fn() * np.float64(np.inf)
 
     with hook:
-        opt.update(model, x, t)  # a clean step
-        before = {n: p.array.copy() for n, p in model.namedparams()}
-        with pytest.warns(RuntimeWarning, match='non-finite gradient'):
+        model.cleargrads()
+        loss_fn().backward()  # a clean refreshing step
+        assert hook.last_result.finite and not hook.skipped
+        table = dict(hook.table.scales)
+        records = hook.report()
+        age = hook.schedule.age
+        with pytest.warns(RuntimeWarning, match='loss, an input or a forward'):
             model.cleargrads()
             poisoned().backward()
-        assert hook.skipped and hook.overflow_count == 1
-        opt.update()
-        for n, p in model.namedparams():
-            np.testing.assert_array_equal(p.array, before[n], err_msg=n)
-        # The next clean pass refreshes statistics and updates again.
-        opt.update(model, x, t)
-        assert not hook.skipped and hook.consecutive_overflows == 0
-        assert {r.iteration for r in hook.report() if r.kind == 'gemm'} == {3}
-        assert any(not np.array_equal(p.array, before[n])
-                   for n, p in model.namedparams())
+        result = hook.last_result
+        assert hook.skipped and result.cause == 'data'
+        # Each parameter once, sorted.
+        assert list(result.parameters) == sorted(set(result.parameters))
+        assert len(result.parameters) == len(list(model.params()))
+        # A data fault changes no scale and no schedule.
+        assert hook.table.scales == table and hook.report() == records
+        assert hook.schedule.age == age and not hook.schedule.forced
+        assert hook.guard.skips == {'data': 1, 'scale': 0}
+        model.cleargrads()
+        loss_fn().backward()
+        assert not hook.skipped and hook.guard.stalled == 0
+        # The clean pass is the schedule's second step: cached scales.
+        assert {r.iteration for r in hook.report() if r.kind == 'gemm'} == {1}
         with pytest.warns(RuntimeWarning):
             for _ in range(2):
                 model.cleargrads()
                 poisoned().backward()
-        with pytest.raises(GradientOverflowError, match='3 consecutive'):
+        with pytest.raises(GradientOverflowError, match='3 steps in a row'):
             model.cleargrads()
             poisoned().backward()
 
@@ -212,8 +219,10 @@ def test_serialize_round_trip(every_construct, tmp_path):
     chainer.serializers.save_npz(path, hook)
     restored = GradientScaling(target=model, update_interval=100)
     chainer.serializers.load_npz(path, restored)
-    assert restored._scales == hook._scales and len(hook._scales) >= 6
-    assert restored.iteration == 2 and restored._last_refresh == 1
+    assert restored.table.scales == hook.table.scales
+    assert len(hook.table.scales) >= 6
+    assert restored.table.signatures == hook.table.signatures
+    assert restored.iteration == 2 and restored.schedule.age == 2
     # The restored hook reuses the cached scales: no refresh at pass 3.
     model.cleargrads()
     with restored:
@@ -225,8 +234,11 @@ def test_serialize_round_trip(every_construct, tmp_path):
 def test_report_and_csv(every_construct, tmp_path):
     model, loss_fn = every_construct
     hook = GradientScaling(target=model)
+    model.cleargrads()
     with hook:
         loss_fn().backward()
+    assert hook.last_result.finite
+    assert {r.kind for r in hook.report()} == {'gemm', 'cast', 'branch'}
     path = str(tmp_path / 'sites.csv')
     text = hook.to_csv(path)
     with open(path) as f:
@@ -243,8 +255,10 @@ def test_report_and_csv(every_construct, tmp_path):
 def test_observe_only_keeps_scales_at_one(every_construct):
     model, loss_fn = every_construct
     hook = GradientScaling(target=model, apply_scales=False)
+    model.cleargrads()  # a new Parameter's gradient is NaN until cleared
     with hook:
         loss_fn().backward()
+    assert hook.last_result.finite
     assert {p._loss_scale for p in model.params()} == {1.0}
     cast = [r for r in hook.report() if r.kind == 'cast'][0]
     assert cast.local_scale == 1.0

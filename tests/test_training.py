@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -131,7 +132,8 @@ def test_gs_and_fp32_reach_comparable_accuracy(tmp_path):
 
 def run_chainer_dynamic(config, steps, loss_factor):
     """Chainer's own optimizer.update with its dynamic loss scaling."""
-    model, optimizer, _ = build(config, loss_factor=loss_factor)
+    model, optimizer, _ = build(config, loss_factor=loss_factor,
+                                lr=0.1 / loss_factor)
     optimizer.loss_scaling(interval=config.dynamic_interval)
     x, t = chainer.dataset.concat_examples(digits('train')[:64])
     trace = []
@@ -144,23 +146,19 @@ def run_chainer_dynamic(config, steps, loss_factor):
 
 def test_dynamic_reproduces_chainer_trace():
     config = training.ScalingConfig(scaling='dynamic', dynamic_interval=3)
-    steps, factor = 30, 300.0  # large enough to overflow float16 early
-    import warnings
+    # Gradients x300 (the learning rate /300: the same training) overflow
+    # float16 early; the forward stays finite, so every skip is a scale one.
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')
+        steps, factor = 30, 300.0
         expected, reference = run_chainer_dynamic(config, steps, factor)
-        model, optimizer, scaler = build(config, loss_factor=factor)
+        model, optimizer, scaler = build(config, loss_factor=factor,
+                                         lr=0.1 / factor)
         x, t = chainer.dataset.concat_examples(digits('train')[:64])
         trace = []
         for _ in range(steps):
-            with config.model_dtype():
-                loss = model(x, t)
-                model.cleargrads()
-                scaler.backward(loss)
-            skipped = scaler.check_skip(optimizer)
-            if not skipped:
-                training.apply_update(optimizer)
-            scaler.after_step(optimizer, skipped)
+            training.train_step(optimizer, scaler, model, x, t,
+                                config=config)
             trace.append(optimizer._loss_scale)
     assert trace == expected
     assert min(np.diff(np.log2(trace))) < 0  # it did back off
@@ -170,20 +168,18 @@ def test_dynamic_reproduces_chainer_trace():
 
 def test_gradscaler_trace_on_forced_overflow():
     config = training.ScalingConfig(scaling='dynamic-gradscaler')
-    model, optimizer, _ = build(config, loss_factor=64.0)
+    # Gradients x64 (the learning rate /64): 2**16 overflows, the forward
+    # stays finite.
+    model, optimizer, _ = build(config, loss_factor=64.0, lr=0.1 / 64)
     scaler = scalers.GradScalerLossScaling(growth_interval=3)
     x, t = chainer.dataset.concat_examples(digits('train')[:64])
     trace, skips = [], []
-    with np.errstate(over='ignore', invalid='ignore'):
+    with np.errstate(over='ignore', invalid='ignore'), \
+            warnings.catch_warnings():
+        warnings.simplefilter('ignore')
         for _ in range(24):
-            with config.model_dtype():
-                loss = model(x, t)
-                model.cleargrads()
-                scaler.backward(loss)
-            skipped = scaler.check_skip(optimizer)
-            if not skipped:
-                training.apply_update(optimizer)
-            scaler.after_step(optimizer, skipped)
+            skipped, _ = training.train_step(optimizer, scaler, model, x, t,
+                                             config=config)
             trace.append(scaler.loss_scale)
             skips.append(skipped)
     # Independent replay of the documented state machine on the observed
@@ -198,6 +194,7 @@ def test_gradscaler_trace_on_forced_overflow():
                 scale, clean = scale * 2, 0
         expected.append(scale)
     assert trace == expected
+    assert scaler.guard.skips == {'data': 0, 'scale': sum(skips)}
     assert skips[0] and not all(skips)  # 2**16 overflows, it recovers
     assert sum(skips) >= 3  # growth hits the ceiling again
 
@@ -211,13 +208,11 @@ def test_clipping_sees_unscaled_fp32_gradients():
         model, optimizer, scaler = build(config, loss_factor=1e-3,
                                          lr=100.0, clip=1e-4)
         for _ in range(3):
-            loss = model(x, t)
-            model.cleargrads()
-            scaler.backward(loss)
-            assert not scaler.check_skip(optimizer)
+            skipped, observation = training.train_step(optimizer, scaler,
+                                                       model, x, t)
+            assert not skipped
             if mode == 'gs':
-                assert max(p._loss_scale for p in model.params()) > 1
-            training.apply_update(optimizer)
+                assert observation['scaling/max_scale'] > 1
         finals[mode] = [p.array.copy() for p in model.params()]
     for a, b in zip(finals['fp32'], finals['gs']):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
@@ -249,7 +244,7 @@ def test_snapshot_resume_is_identical_under_gs(tmp_path):
     resumed, model_b, scaler_b = trainer_for(str(tmp_path / 'b'), 20)
     chainer.serializers.load_npz(
         str(tmp_path / 'b' / 'snapshot_iter_10'), resumed)
-    assert scaler_b.hook.iteration == 10 and scaler_b.hook._scales
+    assert scaler_b.hook.iteration == 10 and scaler_b.hook.table.scales
     resumed.run()
     for (n, p), (_, q) in zip(sorted(model_a.namedparams()),
                               sorted(model_b.namedparams())):
@@ -272,8 +267,8 @@ def test_scale_history_writes_csv_and_figures(tmp_path):
 
 @pytest.mark.parametrize('argv, message', [
     (['--scaling', 'magic'], 'invalid choice'),
-    (['--loss-scale', '0'], 'must be > 0'),
-    (['--loss-scale', '-3'], 'must be > 0'),
+    (['--loss-scale', '0'], 'must be a finite number > 0'),
+    (['--loss-scale', '-3'], 'must be a finite number > 0'),
     (['--dynamic-interval', '0'], 'integer >= 1'),
     (['--underflow-rate', '1.5'], r'in \(0, 1\)'),
     (['--update-interval', 'x'], 'integer >= 1'),

@@ -1,0 +1,64 @@
+"""Argument checks shared by the library: one message style, NumPy-aware.
+
+Numbers may be Python or NumPy scalars (``numpy.float32(1e-3)``,
+``numpy.int64(5)``); booleans are not counts. Every error names the
+argument, the value received and what is valid.
+"""
+
+import math
+import numbers
+
+__all__ = ['count', 'rate', 'positive', 'greater_than_one', 'choice']
+
+
+def count(value, name, minimum=1):
+    """An integer >= ``minimum`` (bools refused), as a Python int."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
+            or value < minimum:
+        raise ValueError('{} must be an integer >= {}, got {!r}'.format(
+            name, minimum, value))
+    return int(value)
+
+
+def _real(value, name, what):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError('{} must be {}, got {!r}'.format(name, what, value))
+    value = float(value)
+    if math.isnan(value):
+        raise ValueError('{} must be {}, got {!r}'.format(name, what, value))
+    return value
+
+
+def rate(value, name):
+    """A number strictly between 0 and 1, as a Python float."""
+    what = 'a number in (0, 1)'
+    result = _real(value, name, what)
+    if not 0 < result < 1:
+        raise ValueError('{} must be {}, got {!r}'.format(name, what, value))
+    return result
+
+
+def positive(value, name):
+    """A finite number > 0, as a Python float."""
+    what = 'a finite number > 0'
+    result = _real(value, name, what)
+    if not 0 < result < math.inf:
+        raise ValueError('{} must be {}, got {!r}'.format(name, what, value))
+    return result
+
+
+def greater_than_one(value, name):
+    """A finite number > 1, as a Python float."""
+    what = 'a finite number > 1'
+    result = _real(value, name, what)
+    if not 1 < result < math.inf:
+        raise ValueError('{} must be {}, got {!r}'.format(name, what, value))
+    return result
+
+
+def choice(value, name, choices):
+    """One of ``choices`` (compared with ==)."""
+    if value not in choices:
+        raise ValueError('{} must be one of {}, got {!r}'.format(
+            name, ', '.join(repr(c) for c in choices), value))
+    return value
