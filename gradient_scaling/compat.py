@@ -25,6 +25,8 @@ import warnings
 
 import numpy
 
+__all__ = ['RESTORED', 'install']
+
 RESTORED = []
 
 _REMOVED_ALIASES = {

@@ -189,7 +189,7 @@ class GradientScaling(chainer.FunctionHook):
         >>> with hook:
         ...     optimizer.update(model, x, t)
         >>> [r.kind for r in hook.report()], hook.last_result.finite
-        (['gemm'], True)
+        (['cast'], True)
 
     Args:
         underflow_rate (float): Target underflow rate ``gamma'`` in (0, 1).
@@ -210,7 +210,9 @@ class GradientScaling(chainer.FunctionHook):
             nothing left to back off, before :class:`GradientOverflowError`.
         weight_backoff (float): Factor by which a parameter's weight-gradient
             path is scaled down when it overflows (an extension of the
-            paper, which scales only the data path).
+            paper, which scales only the data path). Generous on purpose:
+            the refresh forced by the overflow measures the path and
+            regrows it to ``weight_headroom`` at once.
         weight_backoff_floor (float): Smallest weight-path scale.
         weight_headroom (float): At a refresh, a backed-off weight path is
             regrown to keep its largest value this many times below the
@@ -226,7 +228,7 @@ class GradientScaling(chainer.FunctionHook):
     def __init__(self, underflow_rate=1e-3, fmt='float16', update_interval=1,
                  target=None, cast_rule='softmax', apply_scales=True,
                  measure_underflow=True, max_consecutive_overflows=10,
-                 weight_backoff=16.0, weight_backoff_floor=2.0 ** -24,
+                 weight_backoff=256.0, weight_backoff_floor=2.0 ** -24,
                  weight_headroom=4.0, scale_range=(2.0 ** -64, 2.0 ** 64)):
         self.underflow_rate = _validate.rate(underflow_rate,
                                              'underflow_rate')

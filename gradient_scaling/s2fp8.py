@@ -62,6 +62,8 @@ from gradient_scaling import formats
 from gradient_scaling import simulation
 from gradient_scaling.statistics import get_array_module
 
+__all__ = ['s2fp8_statistics', 's2fp8_truncate', 'S2FP8Simulation']
+
 # Largest log2|Y|: the paper's choice for E5M2, whose largest binade is 2**15.
 _LOG2_MAX = 15.0
 _E5M2 = formats.get('float8_e5m2')

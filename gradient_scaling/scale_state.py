@@ -161,7 +161,7 @@ class WeightPathBackoff(object):
 
     * an overflow attributed to it (its GEMM's incoming gradient and
       operands finite, its gradient not) divides ``gamma`` by ``factor``,
-      down to ``floor``;
+      down to ``floor``; the refresh this forces measures it right away;
     * at each refresh, a parameter with ``gamma < 1`` has the largest value
       of its gradient measured, and ``gamma`` is set to the largest power
       of two (at most 1) that keeps that value ``headroom`` times below the
@@ -188,7 +188,7 @@ class WeightPathBackoff(object):
 
     """
 
-    def __init__(self, factor=16.0, floor=2.0 ** -24, headroom=4.0):
+    def __init__(self, factor=256.0, floor=2.0 ** -24, headroom=4.0):
         self.factor = _validate.greater_than_one(factor, 'weight_backoff')
         self.floor = _validate.positive(floor, 'weight_backoff_floor')
         self.headroom = _validate.positive(headroom, 'weight_headroom')

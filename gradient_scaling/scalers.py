@@ -75,16 +75,18 @@ class Scaler(object):
         scales = [s for s in (internals.param_loss_scale(p)
                               for p in model.params() if p.grad is not None)
                   if s is not None]
-        values = {}
-        if scales:
-            values.update({'scaling/min_scale': min(scales),
-                           'scaling/max_scale': max(scales),
-                           'scaling/median_scale': float(numpy.median(
-                               scales))})
-        if self.guard is not None:
-            values['scaling/skips_data'] = self.guard.skips['data']
-            values['scaling/skips_scale'] = self.guard.skips['scale']
-        return values
+        if not scales:
+            return {}
+        return {'scaling/min_scale': min(scales),
+                'scaling/max_scale': max(scales),
+                'scaling/median_scale': float(numpy.median(scales))}
+
+    def skip_counts(self):
+        """``scaling/skips_data`` and ``_scale`` so far (checking scalers)."""
+        if self.guard is None:
+            return {}
+        return {'scaling/skips_' + cause: count
+                for cause, count in self.guard.skips.items()}
 
     def serialize(self, serializer):
         pass
@@ -333,7 +335,6 @@ class GradientScalingScaler(Scaler):
             values['scaling/worst_estimated_underflow'] = max(estimated)
         if measured:
             values['scaling/worst_measured_underflow'] = max(measured)
-        values['scaling/overflows'] = self.guard.skips['scale']
         return values
 
     def serialize(self, serializer):

@@ -62,6 +62,9 @@ from gradient_scaling import _chainer_internals as internals
 from gradient_scaling import formats
 from gradient_scaling import sites
 
+__all__ = ['UnderflowCount', 'GemmSimulation', 'LowPrecisionSimulation',
+           'round_nearest']
+
 _OPERAND_NAMES = ('x', 'W', 'b')
 _BIAS_INDEX = 2
 # Gradient Variable attributes GradientScaling reads back.

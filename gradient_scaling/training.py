@@ -263,8 +263,9 @@ def train_step(optimizer, scaler, loss_func, *args, config=None,
         communicator: Optional ChainerMN communicator.
 
     Returns:
-        tuple: ``(skipped, observation)``, the scaler's ``scaling/...``
-        values as of the backward pass.
+        tuple: ``(skipped, observation)``: the scaler's ``scaling/...``
+        values (scales as of the backward pass, skip counts by cause
+        after the step).
 
     Raises:
         ~gradient_scaling.step.GradientOverflowError: When overflow
@@ -294,6 +295,7 @@ def train_step(optimizer, scaler, loss_func, *args, config=None,
     finally:
         if skipped:
             state.restore()
+    observation.update(scaler.skip_counts())
     return skipped, observation
 
 

@@ -59,6 +59,11 @@ from scipy import special
 from gradient_scaling import formats
 from gradient_scaling import statistics
 
+__all__ = ['MIN_SCALE', 'MAX_SCALE', 'NonFiniteStatisticsError', 'pow2_ceil',
+           'pow2_floor', 'gemm_underflow_rate', 'lognormal_underflow_rate',
+           'gemm_scale_from_stats', 'gemm_scale', 'lognormal_scale_from_stats',
+           'softmax_cast_scale', 'unify_scales_from_max', 'unify_scales']
+
 
 #: Smallest scale returned. Scales and their reciprocals stay normal float32.
 MIN_SCALE = 2.0 ** -126

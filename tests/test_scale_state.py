@@ -1,0 +1,142 @@
+"""GS's state machines, each driven through every row of its table."""
+
+import gradient_scaling  # NOQA
+
+import numpy as np
+import pytest
+
+import chainer
+
+from gradient_scaling import scale_state
+from gradient_scaling.scale_state import RefreshSchedule
+from gradient_scaling.scale_state import ScaleTable
+from gradient_scaling.scale_state import StagedScales
+from gradient_scaling.scale_state import WeightPathBackoff
+
+
+def round_trip(obj, fresh, tmp_path):
+    path = str(tmp_path / 'state.npz')
+    chainer.serializers.save_npz(path, obj)
+    chainer.serializers.load_npz(path, fresh)
+    return fresh
+
+
+def test_refresh_schedule_transition_table(tmp_path):
+    s = RefreshSchedule(interval=3)
+    assert s.due() and s.age is None  # never computed
+    s.conclude(taken=False, refreshed=True, cause='data')
+    assert s.age is None and not s.forced  # data: unchanged
+    s.conclude(taken=True, refreshed=True)
+    assert (s.age, s.forced, s.due()) == (1, False, False)
+    s.conclude(taken=True, refreshed=False)
+    assert (s.age, s.due()) == (2, False)
+    s.conclude(taken=False, refreshed=False, cause='data')
+    assert (s.age, s.forced) == (2, False)
+    s.conclude(taken=True, refreshed=False)
+    assert (s.age, s.due()) == (3, True)  # age >= interval
+    s.conclude(taken=True, refreshed=True)
+    assert s.age == 1
+    s.conclude(taken=False, refreshed=False, cause='scale')
+    assert (s.age, s.forced, s.due()) == (1, True, True)  # forced
+    s.conclude(taken=True, refreshed=False)  # forced stays until a refresh
+    assert (s.age, s.forced) == (2, True)
+    restored = round_trip(s, RefreshSchedule(3), tmp_path)
+    assert (restored.age, restored.forced) == (2, True)
+    s.conclude(taken=True, refreshed=True)
+    assert (s.age, s.forced) == (1, False)
+
+
+def test_refresh_every_interval_steps():
+    s = RefreshSchedule(interval=4)
+    refreshes = []
+    for i in range(1, 13):
+        due = s.due()
+        if due:
+            refreshes.append(i)
+        s.conclude(taken=True, refreshed=due)
+    assert refreshes == [1, 5, 9]
+
+
+def test_scale_table_stages_commits_and_checks_signatures(tmp_path):
+    table = ScaleTable()
+    staged = StagedScales()
+    assert table.lookup(staged, 'a') is None
+    staged.stage('a', 4.0)
+    staged.stage('branch#0', 2.0, signature='1.0,8.0')
+    # staged values are visible within the step
+    assert table.lookup(staged, 'a') == 4.0
+    assert table.lookup(staged, 'branch#0', '1.0,8.0') == 2.0
+    assert table.lookup(staged, 'branch#0', '1.0,4.0') is None
+    assert table.scales == {}  # nothing committed yet
+    # a skipped step simply never commits
+    table.commit([staged])
+    assert table.scales == {'a': 4.0, 'branch#0': 2.0}
+    assert table.signatures == {'branch#0': '1.0,8.0'}
+    fresh = StagedScales()
+    assert table.lookup(fresh, 'a') == 4.0
+    assert table.lookup(fresh, 'branch#0', '2.0,8.0') is None
+    # several ranks: the smallest value of each key, with its signature
+    other = StagedScales()
+    other.stage('a', 8.0)
+    other.stage('branch#0', 1.0, signature='1.0,2.0')
+    other.stage('b', 0.5)
+    mine = StagedScales()
+    mine.stage('a', 2.0)
+    table.commit([mine, other])
+    assert table.scales == {'a': 2.0, 'branch#0': 1.0, 'b': 0.5}
+    assert table.signatures == {'branch#0': '1.0,2.0'}
+    restored = round_trip(table, ScaleTable(), tmp_path)
+    assert restored.scales == table.scales
+    assert restored.signatures == table.signatures
+
+
+def test_weight_path_backoff_transition_table(tmp_path):
+    b = WeightPathBackoff(factor=16, floor=2.0 ** -12, headroom=4)
+    assert b.scale('/W') == 1.0 and not b.managed('/W')
+    # skipped, p's path overflowed: / factor
+    assert b.back_off(['/W', '/b']) is True
+    assert b.scales == {'/W': 1 / 16, '/b': 1 / 16}
+    assert b.back_off(['/W'])
+    assert b.scale('/W') == 2.0 ** -8
+    # ... down to the floor, where nothing is lowered any more
+    assert b.back_off(['/W']) and b.scale('/W') == 2.0 ** -12
+    assert b.back_off(['/W']) is False and b.scale('/W') == 2.0 ** -12
+    # a refresh regrows from the measured largest value (format max 65504):
+    # keep it 4x below: 2**-12 * 65504 / (4 * 100) -> 2**-5
+    b.regrow({'/W': 100.0}, 65504.0)
+    assert b.scale('/W') == 2.0 ** -5
+    # gradients back to normal: back to 1, forgotten, after one refresh
+    b.regrow({'/W': 1e-3}, 65504.0)
+    assert not b.managed('/W') and b.scale('/W') == 1.0
+    # tight headroom lowers a managed path (never below the floor)
+    b.regrow({'/b': 60000.0}, 65504.0)
+    assert b.scale('/b') == 2.0 ** -6
+    b.regrow({'/b': 1e30}, 65504.0)
+    assert b.scale('/b') == 2.0 ** -12
+    # an all-zero gradient: forgotten; unmeasured or non-finite: unchanged
+    b.back_off(['/c'])
+    b.regrow({'/c': 0.0, '/b': float('nan')}, 65504.0)
+    assert not b.managed('/c') and b.scale('/b') == 2.0 ** -12
+    # unmanaged paths are never touched by a measurement
+    b.regrow({'/unmanaged': 1e9}, 65504.0)
+    assert not b.managed('/unmanaged')
+    restored = round_trip(b, WeightPathBackoff(), tmp_path)
+    assert restored.scales == b.scales
+
+
+@pytest.mark.parametrize('kwargs, message', [
+    ({'factor': 1.0}, 'weight_backoff'),
+    ({'floor': 0.0}, 'weight_backoff_floor'),
+    ({'headroom': 0.5}, 'weight_headroom'),
+    ({'floor': 2.0}, 'weight_backoff_floor'),
+])
+def test_weight_path_backoff_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        WeightPathBackoff(**kwargs)
+
+
+def test_refresh_interval_validation():
+    with pytest.raises(ValueError, match='update_interval'):
+        RefreshSchedule(True)
+    assert RefreshSchedule(np.int64(5)).interval == 5
+    assert scale_state.RefreshSchedule(1).due()

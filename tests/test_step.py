@@ -1,0 +1,141 @@
+"""The training step's shared parts: pass results, the guard, link state."""
+
+import gradient_scaling  # NOQA
+
+import warnings
+
+import numpy as np
+import pytest
+
+import chainer
+import chainer.links as L
+
+from gradient_scaling import step
+from gradient_scaling.step import GradientOverflowError
+from gradient_scaling.step import OverflowGuard
+from gradient_scaling.step import PassResult
+
+
+def bad(cause, *params, sites=(), weight_paths=()):
+    return PassResult(finite=False, cause=cause, parameters=params,
+                      sites=sites, weight_paths=weight_paths)
+
+
+def test_pass_result_refuses_inconsistent_fields():
+    with pytest.raises(ValueError, match='cause'):
+        PassResult(finite=False)
+    with pytest.raises(ValueError, match='cause'):
+        PassResult(finite=True, cause='data')
+    with pytest.raises(ValueError, match='cause must be one of'):
+        PassResult(finite=False, cause='gremlins')
+
+
+def test_combine_merges_names_and_prefers_scale():
+    assert PassResult.combine([PassResult(), PassResult()]) == PassResult()
+    combined = PassResult.combine([
+        PassResult(), bad('data', '/b', '/a'),
+        bad('scale', '/a', '/c', sites=('cast#0',), weight_paths=('/c',))])
+    assert combined == PassResult(
+        finite=False, cause='scale', parameters=('/a', '/b', '/c'),
+        sites=('cast#0',), weight_paths=('/c',))
+    assert PassResult.combine([bad('data', '/x'), bad('data', '/x')]) == \
+        bad('data', '/x')
+
+
+def test_describe_names_cause_parameters_and_sites():
+    text = bad('scale', *['/p{}'.format(i) for i in range(10)],
+               sites=('cast#0',), weight_paths=('/l3/W',)).describe()
+    assert 'overflowed' in text and '10 parameter(s)' in text
+    assert '/p7' in text and '/p8' not in text and '...' in text
+    assert 'cast#0' in text and '/l3/W' in text
+    assert 'not finite' in bad('data', '/W').describe()
+
+
+def test_guard_transition_table():
+    guard = OverflowGuard('mode', patience=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        # finite: taken, stalled back to 0
+        assert guard.observe(PassResult(), backed_off=True) is False
+        # not finite, backed off: skipped, stalled unchanged
+        assert guard.observe(bad('scale', '/W'), backed_off=True) is True
+        assert (guard.stalled, guard.skips) == (0, {'data': 0, 'scale': 1})
+        # not finite, nothing to back off: stalled + 1
+        assert guard.observe(bad('scale', '/W'), backed_off=False) is True
+        assert guard.stalled == 1
+        # a data fault is always stalled, whatever the scaler did
+        assert guard.observe(bad('data', '/W'), backed_off=True) is True
+        assert (guard.stalled, guard.skips) == (2, {'data': 1, 'scale': 2})
+        # a backed-off skip leaves stalled as it is
+        assert guard.observe(bad('scale', '/W'), backed_off=True) is True
+        assert guard.stalled == 2
+    assert len(caught) == 4
+    assert all('step skipped' in str(w.message) for w in caught)
+    # the patience-th stalled skip in a row raises, naming mode and scale
+    with pytest.raises(GradientOverflowError,
+                       match='3 steps in a row.*mode: step skipped.*'
+                       'loss scale 1'):
+        guard.observe(bad('data', '/W'), backed_off=False,
+                      scale_text='loss scale 1')
+    assert guard.total_skips == 5
+    # a finite step resets
+    assert guard.observe(PassResult(), backed_off=False) is False
+    assert guard.stalled == 0
+
+
+def test_guard_serializes_its_state(tmp_path):
+    guard = OverflowGuard('gs', patience=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        guard.observe(bad('data', '/W'), backed_off=False)
+        guard.observe(bad('scale', '/W'), backed_off=False)
+    path = str(tmp_path / 'guard.npz')
+    chainer.serializers.save_npz(path, guard)
+    restored = OverflowGuard('gs', patience=5)
+    chainer.serializers.load_npz(path, restored)
+    assert (restored.stalled, restored.skips) == (2, {'data': 1, 'scale': 1})
+
+
+@pytest.mark.parametrize('value', [0, -1, True, 2.5, '3'])
+def test_guard_patience_must_be_a_count(value):
+    with pytest.raises(ValueError, match='patience must be an integer >= 1'):
+        OverflowGuard('gs', patience=value)
+
+
+def test_guard_accepts_numpy_counts():
+    assert OverflowGuard('gs', patience=np.int64(4)).patience == 4
+
+
+def test_link_state_restores_batchnorm_statistics_in_place():
+    model = chainer.Sequential(L.Linear(3, 4), L.BatchNormalization(4))
+    bn = model[1]
+    x = np.random.default_rng(0).standard_normal((8, 3)).astype(np.float32)
+    bn(model[0](x), finetune=True)  # some history; finetune counts N
+    mean, var, n = bn.avg_mean, bn.avg_var, bn.N
+    saved = (mean.copy(), var.copy(), n)
+    state = step.LinkState(model)
+    bad_x = x.copy()
+    bad_x[0, 0] = np.nan
+    bn(model[0](bad_x), finetune=True)
+    assert np.isnan(bn.avg_mean).all() and bn.N == n + 1
+    state.restore()
+    assert bn.avg_mean is mean and bn.avg_var is var  # the same arrays
+    np.testing.assert_array_equal(bn.avg_mean, saved[0])
+    np.testing.assert_array_equal(bn.avg_var, saved[1])
+    assert bn.N == saved[2]
+
+
+def test_gradient_result_attributes_cause():
+    link = L.Linear(2, 2)
+    link.cleargrads()
+    link.W.grad = np.ones((2, 2), np.float32)
+    link.b.grad = np.array([1, np.inf], np.float32)
+    named = list(link.namedparams())
+    assert step.gradient_result([np.float32(1)], named) == \
+        bad('scale', '/b')
+    assert step.gradient_result([np.float32(np.nan)], named) == \
+        bad('data', '/b')
+    link.b.grad[:] = 0
+    assert step.gradient_result([np.float32(1)], named).finite
+    assert step.gradient_result([np.float32(np.inf)], named) == \
+        PassResult(finite=False, cause='data')
