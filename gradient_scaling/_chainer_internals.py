@@ -85,14 +85,16 @@ def function_type(func):
     return type(func)
 
 
-def wrap_backward_once(func, wrapper):
+def wrap_backward_once(func, wrapper, *args):
     """Makes the next ``func.backward(...)`` call ``wrapper`` instead.
 
     ``backprop_step`` looks ``backward`` up on the instance, so an instance
-    attribute shadows the class method for one call.  ``wrapper`` receives
-    the method it wraps as its first argument: the class's bound method, or
-    a wrapper another hook installed earlier for this pass (wrappers nest,
-    the latest outermost; each call restores the one below it).
+    attribute shadows the class method for one call.  ``wrapper`` is called
+    as ``wrapper(inner, target_input_indexes, grad_outputs, *args)``, where
+    ``inner`` is the method it wraps: the class's bound method, or a wrapper
+    another hook installed earlier for this pass (wrappers nest, the latest
+    outermost; each call restores the one below it). One closure per call:
+    this runs for every function node of every backward pass.
     """
     previous = func.__dict__.get('backward')
     inner = previous or type(func).backward.__get__(func)
@@ -102,7 +104,7 @@ def wrap_backward_once(func, wrapper):
             func.__dict__.pop('backward', None)
         else:
             func.backward = previous
-        return wrapper(inner, target_input_indexes, grad_outputs)
+        return wrapper(inner, target_input_indexes, grad_outputs, *args)
 
     func.backward = backward
 

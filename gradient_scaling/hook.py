@@ -37,6 +37,14 @@ __all__ = ['GradientScaling', 'GradientOverflowError', 'SiteRecord',
 
 CAST_RULES = ('softmax', 'all', 'none')
 
+# Where a gradient Variable carries its accumulated scale and whether it is
+# a softmax gradient (see _chainer_internals).
+_SCALE = internals.SCALE_ATTRIBUTE
+_SOFTMAX = internals.SOFTMAX_ATTRIBUTE
+# Rule kinds, by function class.
+_GEMM, _CAST, _SOFTMAX_KIND, _SHAPE_ONLY, _PLAIN = (
+    'gemm', 'cast', 'softmax', 'shape-only', 'plain')
+
 
 @dataclasses.dataclass
 class SiteRecord(object):
@@ -117,6 +125,7 @@ class _Step(object):
         self.new_pass()
 
     def new_pass(self):
+        self.roots = []  # the output nodes backward started from
         self.losses = []
         self.leaves = {}  # id -> leaf Variable, each once
         self.traces = {}  # id(parameter) -> [_Trace]
@@ -257,6 +266,8 @@ class GradientScaling(chainer.FunctionHook):
         self.in_backward = False
         self._records = {}  # site key -> SiteRecord, committed
         self._step = None
+        self._kinds = {}  # function class -> rule kind
+        self._gemm_names = {}  # id(weight Parameter) -> site name
 
     @property
     def update_interval(self):
@@ -293,13 +304,32 @@ class GradientScaling(chainer.FunctionHook):
                 'GradientScaling only supports Variable.backward and '
                 'chainer.backward (not chainer.grad): gradients would stay '
                 'scaled.')
-        if sites.is_gemm(function):
-            rule = self._gemm_backward(function, in_data)
-        elif self._is_up_cast(function):
-            rule = self._cast_backward(function)
+        # This runs for every function node of every pass: the rule is
+        # looked up by class, and one closure is made per node.
+        kind = self._kinds.get(type(function))
+        if kind is None:
+            cls = internals.function_type(function)
+            kind = self._kind_of(cls)
+            if cls is type(function):  # not an old-style Function
+                self._kinds[cls] = kind
+        if kind is _GEMM:
+            internals.wrap_backward_once(function, self._gemm_rule,
+                                         function, in_data)
+        elif kind is _CAST and self._is_up_cast(function):
+            internals.wrap_backward_once(function, self._cast_rule)
         else:
-            rule = self._plain_backward(function)
-        internals.wrap_backward_once(function, rule)
+            internals.wrap_backward_once(function, self._plain_rule, kind)
+
+    def _kind_of(self, cls):
+        if issubclass(cls, sites.GEMM_TYPES):
+            return _GEMM
+        if issubclass(cls, cast.Cast) and self.cast_rule != 'none':
+            return _CAST
+        if issubclass(cls, sites.SOFTMAX_TYPES):
+            return _SOFTMAX_KIND
+        if cls.__name__ in sites.SHAPE_ONLY_NAMES:
+            return _SHAPE_ONLY
+        return _PLAIN
 
     # -- steps and passes ----------------------------------------------------
 
@@ -322,6 +352,7 @@ class GradientScaling(chainer.FunctionHook):
         self.in_backward = True
         self.iteration += 1
         for node, grad in outputs:
+            self._step.roots.append(node)
             var = node.get_variable_or_none()
             if var is not None and var.array is not None:
                 self._step.losses.append(var.array)
@@ -368,7 +399,8 @@ class GradientScaling(chainer.FunctionHook):
         if not all(flags[:n]):
             cause = 'data'
         else:
-            traces = {id(v): step.traces.get(id(v), []) for v in bad}
+            traces = ({id(v): step.traces.get(id(v), []) for v in bad}
+                      if step.refresh else _operand_traces(step.roots, bad))
             operands = [a for ts in traces.values() for t in ts
                         for a in t.operands if a is not None]
             if operands and not all(statistics.finite_flags(operands)):
@@ -441,46 +473,50 @@ class GradientScaling(chainer.FunctionHook):
 
     # -- rules ------------------------------------------------------------
 
-    def _gemm_backward(self, function, in_data):
-        def backward(class_backward, indexes, grad_outputs):
-            gy, = grad_outputs
-            if gy is None:
-                return class_backward(indexes, grad_outputs)
-            step = self._step
-            if self._is_implicit_cast(gy):
-                gy = self._scale_cast_site(gy)
-            alpha = internals.gradient_scale(gy)
-            weight = in_data[1]
-            local = {}
-            record = incoming_finite = None
-            if 0 in indexes:
-                key = self._gemm_key(function)
-                local[0], record, incoming_finite = self._site_scale(
-                    key, 'gemm', alpha, lambda: self._gemm_estimate(
-                        gy.array, weight,
-                        sites.accumulation_length(function, weight)))
+    def _gemm_rule(self, class_backward, indexes, grad_outputs, function,
+                   in_data):
+        gy, = grad_outputs
+        if gy is None:
+            return class_backward(indexes, grad_outputs)
+        step = self._step
+        if self.cast_rule != 'none' and getattr(gy, _SOFTMAX, False) \
+                and gy.dtype.itemsize > 2:
+            # An FP32 model (simulated precision) has no FP16->FP32 cast
+            # before its softmax: the softmax gradient is stored in the low
+            # format where it enters the GEMM that produced the logits. That
+            # is the cast site, so the simulation rounds it after GS scaled
+            # it.
+            gy = self._scale_cast_site(gy)
+        alpha = getattr(gy, _SCALE, 1.0)
+        weight = in_data[1]
+        local = {}
+        record = incoming_finite = None
+        if 0 in indexes:
+            local[0], record, incoming_finite = self._site_scale(
+                self._gemm_key(function), 'gemm', alpha,
+                self._gemm_estimate, gy.array, weight, function)
+        params = None
+        if len(indexes) > (0 in indexes):
             params = {}
+            backoff = self.backoff.scales
             for i in indexes:
                 if i != 0:
-                    node = function.inputs[i]
-                    param = internals.parameter_of(node)
-                    params[i] = (param, self.names.parameter(param, node))
-                    local[i] = self._clamp(alpha, self.backoff.scale(
-                        params[i][1]))
-            result = self._backward_by_scale(class_backward, indexes, gy,
-                                             alpha, local,
-                                             len(function.inputs))
-            if record is not None:
-                self._measure(record, result[0])
-            if params:
-                if step.refresh and incoming_finite is None:
-                    incoming_finite = math.isfinite(
-                        statistics.max_abs(gy.array))
-                for i, (param, name) in params.items():
-                    self._trace(step, param, name, incoming_finite,
-                                (in_data[0], weight), result[i])
-            return tuple(result[i] for i in indexes)
-        return backward
+                    name = self._parameter_name(function.inputs[i])
+                    params[i] = name
+                    gamma = backoff.get(name, 1.0)
+                    local[i] = gamma if gamma == 1.0 else self._clamp(
+                        alpha, gamma)
+        result = self._backward_by_scale(class_backward, indexes, gy, alpha,
+                                         local, len(function.inputs))
+        if record is not None:
+            self._measure(record, result[0])
+        if params and step.refresh:
+            if incoming_finite is None:
+                incoming_finite = math.isfinite(statistics.max_abs(gy.array))
+            for i, name in params.items():
+                self._trace(step, function.inputs[i], name, incoming_finite,
+                            (in_data[0], weight), result[i])
+        return tuple(result[i] for i in indexes)
 
     def _backward_by_scale(self, class_backward, indexes, gy, alpha, local,
                            n_inputs):
@@ -490,49 +526,60 @@ class GradientScaling(chainer.FunctionHook):
         before it has run once; under a simulation one call also means one
         rounding of the shared scaled gradient.)
         """
-        groups = {}
-        for i in indexes:
-            groups.setdefault(local[i], []).append(i)
-        order = sorted(groups.items(), key=lambda item: 0 not in item[1])
+        values = list(local.values())
+        if values.count(values[0]) == len(values):
+            groups = ((values[0], indexes),)
+        else:
+            by_scale = {}
+            for i in indexes:
+                by_scale.setdefault(local[i], []).append(i)
+            groups = sorted(by_scale.items(), key=lambda g: 0 not in g[1])
         result = {}
-        for scale, group in order:
+        for scale, group in groups:
             group = tuple(group)
             gxs = sites.select_gradients(
                 class_backward(group, (_rescale(gy, scale),)), group,
                 n_inputs)
+            total = alpha * scale
             for i, gx in zip(group, gxs):
-                result[i] = self._tag(gx, alpha * scale)
+                if gx is not None:
+                    setattr(gx, _SCALE, total)
+                    setattr(gx, _SOFTMAX, False)
+                result[i] = gx
         return result
 
-    def _trace(self, step, param, name, incoming_finite, operands, grad):
+    def _trace(self, step, node, name, incoming_finite, operands, grad):
+        param = internals.parameter_of(node)
         if param is None:
             return
         step.traces.setdefault(id(param), []).append(
             _Trace(incoming_finite, operands))
-        if step.refresh and grad is not None and self.backoff.managed(name):
+        if grad is not None and self.backoff.managed(name):
             largest = statistics.max_abs(grad.array)
             step.weight_maxima[name] = max(
                 largest, step.weight_maxima.get(name, 0.0))
 
-    def _cast_backward(self, function):
-        def backward(class_backward, indexes, grad_outputs):
-            gy, = grad_outputs
-            if gy is not None and (self.cast_rule == 'all'
-                                   or internals.from_softmax(gy)):
-                gy = self._scale_cast_site(gy)
-            alpha = 1.0 if gy is None else internals.gradient_scale(gy)
-            gxs = class_backward(indexes, (gy,))
-            return tuple(self._tag(gx, alpha) for gx in gxs)
-        return backward
+    def _cast_rule(self, class_backward, indexes, grad_outputs):
+        gy, = grad_outputs
+        if gy is not None and (self.cast_rule == 'all'
+                               or getattr(gy, _SOFTMAX, False)):
+            gy = self._scale_cast_site(gy)
+        alpha = 1.0 if gy is None else getattr(gy, _SCALE, 1.0)
+        gxs = class_backward(indexes, (gy,))
+        for gx in gxs:
+            if gx is not None:
+                setattr(gx, _SCALE, alpha)
+                setattr(gx, _SOFTMAX, False)
+        return gxs
 
     def _scale_cast_site(self, gy):
         """Theorem 2 at a cast site: returns the rescaled gradient."""
         step = self._step
-        alpha = internals.gradient_scale(gy)
+        alpha = getattr(gy, _SCALE, 1.0)
         key = 'cast#{}'.format(step.cast_count)
         step.cast_count += 1
-        beta, record, _ = self._site_scale(
-            key, 'cast', alpha, lambda: self._cast_estimate(gy.array))
+        beta, record, _ = self._site_scale(key, 'cast', alpha,
+                                           self._cast_estimate, gy.array)
         if record is None and self.apply_scales:
             # A cached cast scale is often its cap, lambda_max / max|g| of
             # the batch it was computed from, and a more confident batch
@@ -547,57 +594,56 @@ class GradientScaling(chainer.FunctionHook):
         return scaled
 
     def _is_up_cast(self, function):
-        if self.cast_rule == 'none' or not isinstance(function, cast.Cast):
-            return False
         in_dtype, out_dtype = internals.cast_dtypes(function)
         return (in_dtype.kind == 'f' and out_dtype.kind == 'f'
                 and in_dtype.itemsize < out_dtype.itemsize)
 
-    def _is_implicit_cast(self, gy):
-        # An FP32 model (simulated precision) has no FP16->FP32 cast before
-        # its softmax: the softmax gradient is stored in the low format where
-        # it enters the GEMM that produced the logits. Treat that as the cast
-        # site, so the simulation rounds it after GS scaled it.
-        return (self.cast_rule != 'none' and internals.from_softmax(gy)
-                and gy.dtype.itemsize > 2)
-
-    def _plain_backward(self, function):
-        from_softmax = sites.is_softmax(function)
-        shape_only = sites.is_shape_only(function)
-
-        def backward(class_backward, indexes, grad_outputs):
+    def _plain_rule(self, class_backward, indexes, grad_outputs, kind):
+        if len(grad_outputs) == 1:
+            g = grad_outputs[0]
+            if g is None:
+                alpha, flag = 1.0, kind is _SOFTMAX_KIND
+            else:
+                alpha = getattr(g, _SCALE, 1.0)
+                flag = kind is _SOFTMAX_KIND or (kind is _SHAPE_ONLY and getattr(
+                    g, _SOFTMAX, False))
+        else:
             present = [g for g in grad_outputs if g is not None]
             if len(present) > 1:
                 alpha = self._unify(present)
                 grad_outputs = tuple(
                     None if g is None else _rescale(
-                        g, alpha / internals.gradient_scale(g))
+                        g, alpha / getattr(g, _SCALE, 1.0))
                     for g in grad_outputs)
-            elif present:
-                alpha = internals.gradient_scale(present[0])
             else:
-                alpha = 1.0
-            flag = from_softmax or (shape_only and bool(present) and all(
-                internals.from_softmax(g) for g in present))
-            gxs = class_backward(indexes, grad_outputs)
-            return tuple(self._tag(gx, alpha, flag) for gx in gxs)
-        return backward
+                alpha = getattr(present[0], _SCALE, 1.0) if present else 1.0
+            flag = kind is _SOFTMAX_KIND or (kind is _SHAPE_ONLY and bool(
+                present) and all(getattr(g, _SOFTMAX, False)
+                                 for g in present))
+        gxs = class_backward(indexes, grad_outputs)
+        for gx in gxs:
+            if gx is not None:
+                setattr(gx, _SCALE, alpha)
+                setattr(gx, _SOFTMAX, flag)
+        return gxs
 
     def combine(self, grad_list):
         """Sums the contributions to one variable at a common scale."""
-        if len(set(internals.gradient_scale(g) for g in grad_list)) > 1:
+        first = getattr(grad_list[0], _SCALE, 1.0)
+        if any(getattr(g, _SCALE, 1.0) != first for g in grad_list):
             common = self._unify(grad_list)
             grad_list[:] = [
-                _rescale(g, common / internals.gradient_scale(g))
+                _rescale(g, common / getattr(g, _SCALE, 1.0))
                 for g in grad_list]
         else:
-            common = internals.gradient_scale(grad_list[0])
-        flag = all(internals.from_softmax(g) for g in grad_list)
+            common = first
+        flag = all(getattr(g, _SOFTMAX, False) for g in grad_list)
         internals.original_reduce(grad_list)
-        self._tag(grad_list[0], common, flag)
+        setattr(grad_list[0], _SCALE, common)
+        setattr(grad_list[0], _SOFTMAX, flag)
 
     def _unify(self, grads):
-        scales = [internals.gradient_scale(g) for g in grads]
+        scales = [getattr(g, _SCALE, 1.0) for g in grads]
         if len(set(scales)) == 1:
             return scales[0]
         step = self._step
@@ -623,11 +669,17 @@ class GradientScaling(chainer.FunctionHook):
 
     # -- local scales -----------------------------------------------------
 
-    def _site_scale(self, key, kind, alpha, estimate):
-        """(beta, record to complete or None, incoming finite or None)."""
+    def _site_scale(self, key, kind, alpha, estimate, *args):
+        """(beta, record to complete or None, incoming finite or None).
+
+        ``estimate(*args)`` gives (beta, estimated rate, rate at scale 1)
+        on a refreshing pass (or a cache miss).
+        """
         step = self._step
         if not step.refresh:
-            cached = self.table.lookup(step.staged, key)
+            cached = step.staged.scales.get(key)
+            if cached is None:
+                cached = self.table.scales.get(key)
             if cached is not None:
                 return self._clamp(alpha, cached), None, None
         record = SiteRecord(name=key, kind=kind, input_scale=alpha,
@@ -636,7 +688,7 @@ class GradientScaling(chainer.FunctionHook):
         if previous is not None:
             record.overflow_count = previous.overflow_count
         try:
-            beta, estimated, estimated_at_one = estimate()
+            beta, estimated, estimated_at_one = estimate(*args)
         except underflow.NonFiniteStatisticsError:
             # Not staged: the step cannot be taken anyway.
             step.nonfinite_sites.append(key)
@@ -654,13 +706,17 @@ class GradientScaling(chainer.FunctionHook):
     def _clamp(self, alpha, beta):
         """``beta`` limited so that ``alpha * beta`` stays in scale_range."""
         low, high = self.scale_range
-        if alpha * beta > high:
+        product = alpha * beta
+        if low <= product <= high:
+            return beta
+        if product > high:
             return underflow.pow2_floor(high / alpha)
         if alpha * beta < low:
             return underflow.pow2_ceil(low / alpha)
         return beta
 
-    def _gemm_estimate(self, grad, weight, n):
+    def _gemm_estimate(self, grad, weight, function):
+        n = sites.accumulation_length(function, weight)
         g = statistics.tensor_statistics(grad, log=False)
         w = statistics.tensor_statistics(weight, log=False)
         if g.n_nonfinite or w.n_nonfinite:
@@ -695,17 +751,23 @@ class GradientScaling(chainer.FunctionHook):
             grad_var.array, self.fmt)
 
     def _gemm_key(self, function):
-        base = self.names.gemm(function)
+        # Names are cached by the weight node's variable: a GEMM site's
+        # name is its weight's link path, which does not change.
+        node = function.inputs[1]
+        weight = internals.parameter_of(node)
+        base = self._gemm_names.get(id(weight)) if weight is not None \
+            else None
+        if base is None:
+            base = self.names.gemm(function)
+            if weight is not None and isinstance(weight, chainer.Parameter):
+                self._gemm_names[id(weight)] = base
         occurrences = self._step.occurrences
         k = occurrences.get(base, 0)
         occurrences[base] = k + 1
         return base if k == 0 else '{}#{}'.format(base, k)
 
-    def _tag(self, grad_var, scale, from_softmax=False):
-        if grad_var is not None:
-            internals.set_gradient_scale(grad_var, scale)
-            internals.set_from_softmax(grad_var, from_softmax)
-        return grad_var
+    def _parameter_name(self, node):
+        return self.names.parameter(internals.parameter_of(node), node)
 
     # -- reporting and state ----------------------------------------------
 
@@ -756,6 +818,30 @@ class GradientScaling(chainer.FunctionHook):
         self.table.serialize(serializer['table'])
         self.backoff.serialize(serializer['backoff'])
         self.guard.serialize(serializer['guard'])
+
+
+def _operand_traces(roots, params):
+    """Traces (no incoming-gradient information) of the GEMMs of ``params``,
+    found by walking the graph from ``roots``: a cached pass records none,
+    and only a failed pass needs them."""
+    wanted = {id(p) for p in params}
+    traces = {key: [] for key in wanted}
+    seen = set()
+    todo = [n.creator_node for n in roots if n.creator_node is not None]
+    while todo:
+        func = todo.pop()
+        if id(func) in seen:
+            continue
+        seen.add(id(func))
+        if sites.is_gemm(func):
+            for node in func.inputs[1:]:
+                param = internals.parameter_of(node)
+                if param is not None and id(param) in wanted:
+                    traces[id(param)].append(_Trace(None, (
+                        func.inputs[0].data, func.inputs[1].data)))
+        todo.extend(node.creator_node for node in func.inputs
+                    if node.creator_node is not None)
+    return traces
 
 
 def measured_underflow_rate(array, fmt):
