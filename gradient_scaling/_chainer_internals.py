@@ -46,6 +46,8 @@ cannot key them).
 
 import gradient_scaling.compat  # NOQA
 
+import contextlib
+
 import numpy
 
 import chainer
@@ -246,6 +248,20 @@ def retained_input_indexes(func):
 def set_retained_inputs(func, getter):
     """Makes ``func.get_retained_inputs()`` return what ``getter()`` does."""
     func.get_retained_inputs = getter
+
+
+@contextlib.contextmanager
+def retained_inputs(func, getter):
+    """:func:`set_retained_inputs` for the duration of a ``with`` block."""
+    previous = func.__dict__.get('get_retained_inputs')
+    func.get_retained_inputs = getter
+    try:
+        yield
+    finally:
+        if previous is None:
+            del func.__dict__['get_retained_inputs']
+        else:
+            func.get_retained_inputs = previous
 
 
 def cast_dtypes(func):

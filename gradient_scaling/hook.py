@@ -23,6 +23,7 @@ from chainer.functions.array import cast
 
 from gradient_scaling import _chainer_internals as internals
 from gradient_scaling import _validate
+from gradient_scaling import estimators
 from gradient_scaling import formats
 from gradient_scaling import scale_state
 from gradient_scaling import sites
@@ -229,6 +230,14 @@ class GradientScaling(chainer.FunctionHook):
         scale_range (tuple of float): Floor and ceiling of every accumulated
             scale (powers of two, so that scales and their reciprocals stay
             normal float32 numbers with room to spare).
+        estimator (str): How a site's scale is chosen
+            (:mod:`gradient_scaling.estimators`): ``'model'`` (the paper),
+            ``'measured'`` (exact underflow of every power of two, from an
+            exponent histogram at each refresh), ``'hybrid'`` (the larger of
+            the two), ``'amax-current'`` / ``'amax-delayed'`` (Transformer
+            Engine's FP8 recipes).
+        amax_history (int): Steps the delayed amax recipe remembers.
+        amax_margin (int): Powers of two the amax recipes leave free.
 
     """
 
@@ -238,7 +247,8 @@ class GradientScaling(chainer.FunctionHook):
                  target=None, cast_rule='softmax', apply_scales=True,
                  measure_underflow=True, max_consecutive_overflows=10,
                  weight_backoff=256.0, weight_backoff_floor=2.0 ** -24,
-                 weight_headroom=4.0, scale_range=(2.0 ** -64, 2.0 ** 64)):
+                 weight_headroom=4.0, scale_range=(2.0 ** -64, 2.0 ** 64),
+                 estimator='model', amax_history=1024, amax_margin=0):
         self.underflow_rate = _validate.rate(underflow_rate,
                                              'underflow_rate')
         self.fmt = formats.get(fmt)
@@ -253,6 +263,11 @@ class GradientScaling(chainer.FunctionHook):
             raise ValueError('scale_range must be two powers of two around 1,'
                              ' got {!r}'.format(scale_range))
         self.scale_range = (low, high)
+        self.estimator = estimators.make_estimator(
+            _validate.choice(estimator, 'estimator', estimators.ESTIMATORS),
+            self.underflow_rate, self.fmt,
+            _validate.count(amax_history, 'amax_history'),
+            _validate.count(amax_margin, 'amax_margin', minimum=0))
         self.schedule = scale_state.RefreshSchedule(update_interval)
         self.table = scale_state.ScaleTable()
         self.backoff = scale_state.WeightPathBackoff(
@@ -440,6 +455,7 @@ class GradientScaling(chainer.FunctionHook):
         backed_off = False
         if result.finite:
             self.table.commit([p.staged for p in payloads])
+            self.estimator.commit([p.staged for p in payloads])
             if step.refresh:
                 maxima = {}
                 for p in payloads:
@@ -479,8 +495,9 @@ class GradientScaling(chainer.FunctionHook):
         if gy is None:
             return class_backward(indexes, grad_outputs)
         step = self._step
+        shares = self.estimator.scales_gemm_inputs
         if self.cast_rule != 'none' and getattr(gy, _SOFTMAX, False) \
-                and gy.dtype.itemsize > 2:
+                and gy.dtype.itemsize > 2 and not shares:
             # An FP32 model (simulated precision) has no FP16->FP32 cast
             # before its softmax: the softmax gradient is stored in the low
             # format where it enters the GEMM that produced the logits. That
@@ -491,24 +508,29 @@ class GradientScaling(chainer.FunctionHook):
         weight = in_data[1]
         local = {}
         record = incoming_finite = None
-        if 0 in indexes:
-            local[0], record, incoming_finite = self._site_scale(
-                self._gemm_key(function), 'gemm', alpha,
-                self._gemm_estimate, gy.array, weight, function)
+        beta = 1.0
+        if 0 in indexes or shares:
+            key = self._gemm_key(function)
+            beta, record, incoming_finite = self._site_scale(
+                key, 'gemm', alpha, self.estimator.gemm, gy.array, weight,
+                function, alpha, key, step.staged)
+            if 0 in indexes:
+                local[0] = beta
         params = None
         if len(indexes) > (0 in indexes):
             params = {}
             backoff = self.backoff.scales
+            shared = beta if shares else 1.0
             for i in indexes:
                 if i != 0:
                     name = self._parameter_name(function.inputs[i])
                     params[i] = name
-                    gamma = backoff.get(name, 1.0)
+                    gamma = shared * backoff.get(name, 1.0)
                     local[i] = gamma if gamma == 1.0 else self._clamp(
                         alpha, gamma)
         result = self._backward_by_scale(class_backward, indexes, gy, alpha,
                                          local, len(function.inputs))
-        if record is not None:
+        if record is not None and 0 in result:
             self._measure(record, result[0])
         if params and step.refresh:
             if incoming_finite is None:
@@ -578,8 +600,9 @@ class GradientScaling(chainer.FunctionHook):
         alpha = getattr(gy, _SCALE, 1.0)
         key = 'cast#{}'.format(step.cast_count)
         step.cast_count += 1
-        beta, record, _ = self._site_scale(key, 'cast', alpha,
-                                           self._cast_estimate, gy.array)
+        beta, record, _ = self._site_scale(
+            key, 'cast', alpha, self.estimator.cast, gy.array, alpha, key,
+            step.staged)
         if record is None and self.apply_scales:
             # A cached cast scale is often its cap, lambda_max / max|g| of
             # the batch it was computed from, and a more confident batch
@@ -676,7 +699,7 @@ class GradientScaling(chainer.FunctionHook):
         on a refreshing pass (or a cache miss).
         """
         step = self._step
-        if not step.refresh:
+        if not step.refresh and not self.estimator.every_pass:
             cached = step.staged.scales.get(key)
             if cached is None:
                 cached = self.table.scales.get(key)
@@ -714,35 +737,6 @@ class GradientScaling(chainer.FunctionHook):
         if alpha * beta < low:
             return underflow.pow2_ceil(low / alpha)
         return beta
-
-    def _gemm_estimate(self, grad, weight, function):
-        n = sites.accumulation_length(function, weight)
-        g = statistics.tensor_statistics(grad, log=False)
-        w = statistics.tensor_statistics(weight, log=False)
-        if g.n_nonfinite or w.n_nonfinite:
-            raise underflow.NonFiniteStatisticsError(
-                '{} non-finite gradient and {} non-finite weight values'
-                .format(g.n_nonfinite, w.n_nonfinite))
-        beta = underflow.gemm_scale_from_stats(
-            g.std, g.max_abs, w.std, w.max_abs, n, self.underflow_rate,
-            self.fmt)
-        sigma = math.sqrt(n) * g.std * w.std
-        return (beta, underflow.gemm_underflow_rate(sigma, beta, self.fmt),
-                underflow.gemm_underflow_rate(sigma, 1.0, self.fmt))
-
-    def _cast_estimate(self, grad):
-        g = statistics.tensor_statistics(grad, log=True)
-        if g.n_nonfinite:
-            raise underflow.NonFiniteStatisticsError(
-                '{} non-finite gradient values'.format(g.n_nonfinite))
-        beta = underflow.lognormal_scale_from_stats(
-            g.log_mean, g.log_std, g.max_abs, self.underflow_rate, self.fmt)
-        if g.nonzero == 0:
-            return beta, 0.0, 0.0
-        return (beta, underflow.lognormal_underflow_rate(
-            g.log_mean, g.log_std, beta, self.fmt),
-            underflow.lognormal_underflow_rate(
-                g.log_mean, g.log_std, 1.0, self.fmt))
 
     def _measure(self, record, grad_var):
         if not self.measure_underflow or grad_var is None:
@@ -818,6 +812,7 @@ class GradientScaling(chainer.FunctionHook):
         self.table.serialize(serializer['table'])
         self.backoff.serialize(serializer['backoff'])
         self.guard.serialize(serializer['guard'])
+        self.estimator.serialize(serializer['estimator'])
 
 
 def _operand_traces(roots, params):

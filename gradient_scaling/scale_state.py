@@ -141,6 +141,7 @@ class StagedScales(object):
     def __init__(self):
         self.scales = {}
         self.signatures = {}
+        self.amax = {}  # estimators that track maxima (amax recipes)
 
     def stage(self, key, scale, signature=None):
         self.scales[key] = scale

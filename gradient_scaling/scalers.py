@@ -21,7 +21,12 @@ state machine's transition. The modes:
 * :class:`GradScalerLossScaling` (``dynamic-gradscaler``): the semantics most
   users know today (PyTorch's GradScaler), with a floor and a ceiling.
 * :class:`GradientScalingScaler` (``gs``): the paper's method, the
-  :class:`~gradient_scaling.GradientScaling` hook around the backward.
+  :class:`~gradient_scaling.GradientScaling` hook around the backward
+  (``--gs-estimator`` picks the paper's model, the measured closed loop or
+  a hybrid).
+* ``amax-delayed`` / ``amax-current``: the same hook with Transformer
+  Engine's per-tensor amax recipes choosing the scales
+  (:mod:`gradient_scaling.estimators`): the FP8 baseline.
 
 The checking scalers share the overflow policy of
 :class:`~gradient_scaling.step.OverflowGuard`: a non-finite step is skipped
@@ -50,7 +55,7 @@ __all__ = ['SCALING_MODES', 'Scaler', 'NoScaling', 'FixedLossScaling',
            'GradientScalingScaler', 'make_scaler', 'unify_across_ranks']
 
 SCALING_MODES = ('fp32', 'none', 'fixed', 'dynamic', 'dynamic-gradscaler',
-                 'gs')
+                 'gs', 'amax-delayed', 'amax-current')
 
 
 class Scaler(object):
@@ -352,11 +357,17 @@ def make_scaler(config, model, optimizer):
         return ChainerDynamicLossScaling(optimizer, config.dynamic_interval)
     if mode == 'dynamic-gradscaler':
         return GradScalerLossScaling()
-    if mode == 'gs':
-        return GradientScalingScaler(GradientScaling(
+    if mode in ('gs', 'amax-delayed', 'amax-current'):
+        scaler = GradientScalingScaler(GradientScaling(
             underflow_rate=config.underflow_rate, fmt=config.fmt,
             update_interval=config.update_interval, target=model,
-            measure_underflow=config.measure_underflow))
+            measure_underflow=config.measure_underflow,
+            estimator=config.gs_estimator if mode == 'gs' else mode,
+            amax_history=config.amax_history,
+            amax_margin=config.amax_margin))
+        scaler.name = mode
+        scaler.hook.guard.mode = mode
+        return scaler
     raise ValueError('unknown scaling {!r}; valid: {}'.format(
         mode, ', '.join(SCALING_MODES)))
 

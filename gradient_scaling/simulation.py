@@ -80,7 +80,8 @@ class UnderflowCount(object):
     Attributes:
         site (str): Link path (or parameter name) of the weight and the
             function's class name.
-        operand (str): ``'x'``, ``'W'`` or ``'b'``: whose gradient.
+        operand (str): ``'x'``, ``'W'`` or ``'b'``: whose gradient; ``'gy'``
+            for the incoming gradient when only inputs are rounded.
         nonzero (int): Non-zero gradient values before rounding, summed
             over all backward passes measured.
         underflowed (int): Those of them that rounded to zero.
@@ -112,6 +113,10 @@ class GemmSimulation(chainer.FunctionHook):
             stored in the low-precision format in mixed16).
         round_incoming_gradients (bool): Round the gradient of the GEMM's
             output before the backward uses it.
+        round_outputs (bool): Round the gradients the backward GEMM
+            returns. ``False`` keeps them FP32, as Transformer Engine's FP8
+            recipe keeps GEMM outputs in higher precision (the amax modes);
+            underflow is then counted where the inputs are rounded.
         measure_underflow (bool): Count, per GEMM and operand, the gradient
             values that rounding turns into zeros (one more pass over each
             gradient); see :meth:`underflow_report`.
@@ -123,9 +128,10 @@ class GemmSimulation(chainer.FunctionHook):
     name = 'GemmSimulation'
 
     def __init__(self, round_bias=True, round_incoming_gradients=True,
-                 measure_underflow=False, target=None):
+                 measure_underflow=False, target=None, round_outputs=True):
         self.round_bias = round_bias
         self.round_incoming_gradients = round_incoming_gradients
+        self.round_outputs = round_outputs
         self.measure_underflow = measure_underflow
         self.target = target
         self._backward_depth = 0
@@ -192,10 +198,20 @@ class GemmSimulation(chainer.FunctionHook):
 
         def backward(inner, indexes, grad_outputs):
             if self.round_incoming_gradients:
-                grad_outputs = tuple(
-                    None if g is None else _like(g, self.truncate(g.array))
-                    for g in grad_outputs)
+                rounded = []
+                for g in grad_outputs:
+                    if g is not None:
+                        low = self.truncate(g.array)
+                        if site is not None and not self.round_outputs:
+                            # Only the inputs are stored in the format:
+                            # their rounding is where values are lost.
+                            self._count(site, 'gy', g.array, low)
+                        g = _like(g, low)
+                    rounded.append(g)
+                grad_outputs = tuple(rounded)
             gxs = tuple(inner(indexes, grad_outputs))
+            if not self.round_outputs:
+                return gxs
             operands = indexes if len(gxs) == len(indexes) else range(
                 n_inputs)
             result = []
@@ -203,7 +219,8 @@ class GemmSimulation(chainer.FunctionHook):
                 if gx is not None:
                     rounded = self.truncate(gx.array)
                     if site is not None:
-                        self._count(site, i, gx.array, rounded)
+                        self._count(site, _OPERAND_NAMES[i], gx.array,
+                                    rounded)
                     gx = _like(gx, rounded)
                 result.append(gx)
             return tuple(result)
@@ -211,10 +228,10 @@ class GemmSimulation(chainer.FunctionHook):
 
     # -- telemetry --------------------------------------------------------
 
-    def _count(self, site, index, array, rounded):
+    def _count(self, site, operand, array, rounded):
         xp = backend.get_array_module(array)
         nonzero = array != 0
-        key = (site, _OPERAND_NAMES[index])
+        key = (site, operand)
         count = self._counts.get(key)
         if count is None:
             count = self._counts[key] = UnderflowCount(*key)
@@ -277,6 +294,7 @@ class LowPrecisionSimulation(GemmSimulation):
         measure_underflow (bool): Count gradient values lost to rounding
             per GEMM (see :meth:`GemmSimulation.underflow_report`).
         target (~chainer.Link): Optional model, to name GEMMs by link path.
+        round_outputs (bool): See :class:`GemmSimulation`.
 
     """
 
@@ -284,10 +302,11 @@ class LowPrecisionSimulation(GemmSimulation):
 
     def __init__(self, fmt='float16', rounding='nearest', seed=None,
                  round_incoming_gradients=True, measure_underflow=False,
-                 target=None):
+                 target=None, round_outputs=True):
         super().__init__(round_bias=True,
                          round_incoming_gradients=round_incoming_gradients,
-                         measure_underflow=measure_underflow, target=target)
+                         measure_underflow=measure_underflow, target=target,
+                         round_outputs=round_outputs)
         self.fmt = formats.get(fmt)
         if rounding not in ('nearest', 'stochastic'):
             raise ValueError("rounding must be 'nearest' or 'stochastic', "

@@ -118,7 +118,8 @@ def data_gradient(function, grad_output):
 
     Runs the node's own backward once more (its retained inputs are still
     there during backprop), so a probe sees exactly the values the backward
-    GEMM outputs.
+    GEMM outputs: the class's method, not a one-shot wrapper a hook may
+    have installed on the node for this pass.
 
     Args:
         function: A GEMM function node.
@@ -128,8 +129,9 @@ def data_gradient(function, grad_output):
         ~chainer.Variable: Gradient of its input 0.
 
     """
-    gx, = select_gradients(function.backward((0,), (grad_output,)), (0,),
-                           len(function.inputs))
+    gx, = select_gradients(
+        type(function).backward(function, (0,), (grad_output,)), (0,),
+        len(function.inputs))
     return gx
 
 

@@ -35,6 +35,7 @@ from chainer.training import updaters
 
 from gradient_scaling import _chainer_internals as internals
 from gradient_scaling import _validate
+from gradient_scaling import estimators
 from gradient_scaling import formats
 from gradient_scaling import scalers
 from gradient_scaling import step as step_module
@@ -74,6 +75,11 @@ class ScalingConfig(object):
         update_interval (int): GS statistics refresh interval.
         fmt (str): Low-precision format of the gradients.
         measure_underflow (bool): GS measures actual underflow at refreshes.
+        gs_estimator (str): How GS picks a site's scale: ``'model'`` (the
+            paper), ``'measured'`` or ``'hybrid'``
+            (:mod:`gradient_scaling.estimators`).
+        amax_history (int): ``amax-delayed``: steps of amax remembered.
+        amax_margin (int): ``amax-*``: powers of two left below the max.
         count_underflow (bool): A simulation counts, whatever the scaling,
             the non-zero gradient values its rounding turns into zeros; the
             updater reports the fraction as ``scaling/measured_underflow``.
@@ -91,6 +97,9 @@ class ScalingConfig(object):
     measure_underflow: bool = True
     stochastic_rounding: bool = False
     count_underflow: bool = False
+    gs_estimator: str = 'model'
+    amax_history: int = 1024
+    amax_margin: int = 0
 
     def __post_init__(self):
         if self.scaling not in SCALING_MODES:
@@ -105,6 +114,13 @@ class ScalingConfig(object):
             raise ValueError('--scaling fp32 means FP32 training; it cannot '
                              'be combined with --precision {}'.format(
                                  self.precision))
+        if self.amax and (self.precision not in SIMULATED_FORMATS
+                          or self.precision == 's2fp8'):
+            raise ValueError(
+                '--scaling {} needs a simulated precision (sim-fp16, '
+                'sim-bf16, sim-fp8-e5m2, sim-fp8-e4m3): like Transformer '
+                'Engine it keeps GEMM outputs in FP32, which mixed16 cannot, '
+                'got --precision {}'.format(self.scaling, self.precision))
         if self.fmt is None:
             self.fmt = SIMULATED_FORMATS.get(self.precision, 'float16')
         self.loss_scale = _validate.positive(self.loss_scale, 'loss_scale')
@@ -115,6 +131,12 @@ class ScalingConfig(object):
         self.update_interval = _validate.count(self.update_interval,
                                                'update_interval')
         formats.get(self.fmt)
+        _validate.choice(self.gs_estimator, 'gs_estimator',
+                         estimators.ESTIMATORS[:3])
+        self.amax_history = _validate.count(self.amax_history,
+                                            'amax_history')
+        self.amax_margin = _validate.count(self.amax_margin, 'amax_margin',
+                                           minimum=0)
 
     @classmethod
     def from_args(cls, args):
@@ -126,7 +148,15 @@ class ScalingConfig(object):
                    update_interval=args.update_interval, fmt=args.format,
                    stochastic_rounding=getattr(args, 'stochastic_rounding',
                                                False),
-                   count_underflow=getattr(args, 'count_underflow', False))
+                   count_underflow=getattr(args, 'count_underflow', False),
+                   gs_estimator=getattr(args, 'gs_estimator', 'model'),
+                   amax_history=getattr(args, 'amax_history', 1024),
+                   amax_margin=getattr(args, 'amax_margin', 0))
+
+    @property
+    def amax(self):
+        """Transformer Engine's recipes: only GEMM inputs in the format."""
+        return self.scaling in ('amax-delayed', 'amax-current')
 
     @property
     def mixed_precision(self):
@@ -147,7 +177,8 @@ class ScalingConfig(object):
             return LowPrecisionSimulation(
                 SIMULATED_FORMATS[self.precision],
                 rounding='stochastic' if self.stochastic_rounding
-                else 'nearest', measure_underflow=self.count_underflow)
+                else 'nearest', measure_underflow=self.count_underflow,
+                round_outputs=not self.amax)
         return None
 
     def model_dtype(self):
@@ -179,6 +210,8 @@ _interval = _argument_type(int, _validate.count, 'an interval',
                            'an integer >= 1')
 _rate = _argument_type(float, _validate.rate, 'the underflow rate',
                        'a number in (0, 1)')
+_margin = _argument_type(int, lambda v, what: _validate.count(
+    v, what, minimum=0), 'the amax margin', 'an integer >= 0')
 
 
 def add_arguments(parser, default_scaling='gs'):
@@ -189,7 +222,9 @@ def add_arguments(parser, default_scaling='gs'):
         help='fp32: FP32 training; none: mixed16 without scaling; fixed: '
         'Fixed-LS (--loss-scale); dynamic: Chainer\'s Dyn-LS '
         '(--dynamic-interval); dynamic-gradscaler: GradScaler-style '
-        'dynamic scaling; gs: gradient scaling (default: %(default)s)')
+        'dynamic scaling; gs: gradient scaling; amax-delayed, amax-current: '
+        'Transformer Engine\'s per-tensor FP8 amax recipes (default: '
+        '%(default)s)')
     group.add_argument('--loss-scale', type=_positive_float, default=128.0,
                        help='Fixed-LS scale (default: %(default)s)')
     group.add_argument('--dynamic-interval', type=_interval, default=1000,
@@ -214,6 +249,19 @@ def add_arguments(parser, default_scaling='gs'):
                        'turns into zeros, for any --scaling, and report the '
                        'fraction as scaling/measured_underflow (GS always '
                        'does)')
+    group.add_argument('--gs-estimator', choices=estimators.ESTIMATORS[:3],
+                       default='model',
+                       help='how GS picks each scale: model (the paper\'s '
+                       'Theorems 1-2), measured (the exact underflow of '
+                       'every power of two, from an exponent histogram at '
+                       'each refresh), hybrid (the larger of the two) '
+                       '(default: %(default)s)')
+    group.add_argument('--amax-history', type=_interval, default=1024,
+                       help='amax-delayed: steps of amax remembered '
+                       '(default: %(default)s, as Transformer Engine)')
+    group.add_argument('--amax-margin', type=_margin, default=0,
+                       help='amax-*: powers of two left free below the '
+                       'format\'s maximum (default: %(default)s)')
     return group
 
 

@@ -62,7 +62,8 @@ from gradient_scaling import statistics
 __all__ = ['MIN_SCALE', 'MAX_SCALE', 'NonFiniteStatisticsError', 'pow2_ceil',
            'pow2_floor', 'gemm_underflow_rate', 'lognormal_underflow_rate',
            'gemm_scale_from_stats', 'gemm_scale', 'lognormal_scale_from_stats',
-           'softmax_cast_scale', 'unify_scales_from_max', 'unify_scales']
+           'softmax_cast_scale', 'unify_scales_from_max', 'unify_scales',
+           'gemm_cap', 'cast_cap']
 
 
 #: Smallest scale returned. Scales and their reciprocals stay normal float32.
@@ -216,11 +217,34 @@ def gemm_scale_from_stats(std_grad, max_grad, std_weight, max_weight,
             underflow_rate)))
         target = target / math.sqrt(n) / std_grad / std_weight
 
+    return _power_of_two_scale(target, _gemm_cap(max_grad, max_weight, n,
+                                                 fmt))
+
+
+def _gemm_cap(max_grad, max_weight, n, fmt):
     if max_grad == 0 or max_weight == 0:
-        cap = math.inf
-    else:
-        cap = fmt.max / n / max_grad / max_weight
-    return _power_of_two_scale(target, cap)
+        return math.inf
+    return fmt.max / n / max_grad / max_weight
+
+
+def gemm_cap(max_grad, max_weight, accumulation_length, fmt='float16'):
+    """The largest power-of-two scale of a GEMM's gradient that cannot
+    overflow: ``scale * N * max|dY| * max|W| <= lambda_max`` (Algorithm 1,
+    line 5); ``inf`` when either maximum is 0."""
+    fmt = formats.get(fmt)
+    n = _check_length(accumulation_length)
+    max_grad, max_weight = _check_statistics(max_grad=max_grad,
+                                             max_weight=max_weight)
+    return _power_of_two_cap(_gemm_cap(max_grad, max_weight, n, fmt))
+
+
+def cast_cap(max_abs, fmt='float16'):
+    """The largest power-of-two scale with ``scale * max|g| <= lambda_max``
+    (Algorithm 1, line 11); ``inf`` when ``max_abs`` is 0."""
+    fmt = formats.get(fmt)
+    max_abs, = _check_statistics(max_abs=max_abs)
+    return math.inf if max_abs == 0 else _power_of_two_cap(
+        fmt.max / max_abs)
 
 
 def gemm_scale(grad_output, weight, accumulation_length, underflow_rate=1e-3,
@@ -392,6 +416,12 @@ def _power_of_two_scale(target, cap):
     if cap < scale:
         scale = pow2_floor(cap) if cap >= MIN_SCALE else MIN_SCALE
     return scale
+
+
+def _power_of_two_cap(cap):
+    if cap == math.inf:
+        return math.inf
+    return min(pow2_floor(cap), MAX_SCALE) if cap >= MIN_SCALE else MIN_SCALE
 
 
 def _finite_statistics(x, name, log):

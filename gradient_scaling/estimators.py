@@ -1,0 +1,274 @@
+"""How a scaling site's local scale is chosen.
+
+:class:`~gradient_scaling.GradientScaling` decides *where* gradients are
+scaled (GEMM data paths, the softmax cast); an estimator decides *by how
+much*:
+
+* ``'model'`` (the paper, the default): the smallest power of two meeting
+  the target underflow rate under the distribution model, Theorem 1
+  (Gaussian GEMM output) or Theorem 2 (log-normal softmax gradient), capped
+  so that nothing can overflow (Algorithm 1, lines 5 and 11).
+* ``'measured'`` (closed loop): at a refresh, the site's output gradient at
+  scale 1 is histogrammed by binary exponent
+  (:mod:`gradient_scaling.histogram`), which gives the exact fraction of
+  its non-zero values that every power-of-two scale would lose; the
+  smallest one meeting the target (at least 1), under the same cap, is
+  chosen. The model's misses (a small accumulation length, the softmax
+  gradient's heavy tail) are corrected by construction, on the refresh
+  batch.
+* ``'hybrid'``: the larger of the model's and the measured scale, under
+  the cap: the measurement only ever raises the model's choice.
+* ``'amax-current'`` / ``'amax-delayed'``: Transformer Engine's FP8
+  recipes, the baseline today's FP8 users know. Every GEMM's incoming
+  gradient (the tensor TE quantizes) is scaled to
+  ``lambda_max / (amax * 2**margin)`` (rounded down to a power of two),
+  ``amax`` being its own largest magnitude (current scaling) or the largest
+  of the last ``amax_history`` steps' (delayed scaling; scale 1 before the
+  first step). The data and weight GEMMs share that scaled gradient, as in
+  TE. Computed every pass; ``update_interval`` does not apply.
+
+What the closed loop costs per refresh, and how it sees values that real
+mixed16 has already lost: the measured gradient must be the one *before*
+it is stored in the format. At a cast site it is (the FP32 softmax
+gradient). At a GEMM, mixed16 writes the data gradient in FP16, where the
+values that underflowed are zeros already, and the simulation rounds it
+before the hook sees it; so at a refresh the estimator runs the node's
+data GEMM once more in FP32, on FP32 copies of its operands (what the
+simulation rounded them to, under a simulation), and histograms that: one
+extra data GEMM and one pass over its output per site per refresh, i.e.
+about half a backward pass more every ``update_interval`` steps.
+"""
+
+import gradient_scaling.compat  # NOQA
+
+import math
+
+import numpy
+
+import chainer
+
+from gradient_scaling import _chainer_internals as internals
+from gradient_scaling import histogram
+from gradient_scaling import sites
+from gradient_scaling import statistics
+from gradient_scaling import underflow
+
+__all__ = ['ESTIMATORS', 'make_estimator', 'ModelEstimator',
+           'MeasuredEstimator', 'HybridEstimator', 'AmaxEstimator']
+
+ESTIMATORS = ('model', 'measured', 'hybrid', 'amax-current', 'amax-delayed')
+
+
+class ModelEstimator(object):
+
+    """The paper's rules: Theorem 1 at GEMMs, Theorem 2 at casts."""
+
+    name = 'model'
+    #: Computed at every pass (no cache, no refresh schedule).
+    every_pass = False
+    #: Scales every GEMM's incoming gradient, the tensor TE quantizes: the
+    #: weight-gradient path shares the data path's scale (instead of
+    #: keeping the incoming one, the paper) and the softmax gradient is
+    #: scaled as the input of the logits' GEMM.
+    scales_gemm_inputs = False
+
+    def __init__(self, underflow_rate, fmt):
+        self.underflow_rate = underflow_rate
+        self.fmt = fmt
+
+    def gemm(self, grad, weight, function, alpha, key, staged):
+        """(beta, estimated rate at beta, estimated rate at 1) of a GEMM's
+        data path, for the incoming gradient ``grad`` (at scale alpha)."""
+        n = sites.accumulation_length(function, weight)
+        g = _finite_stats(grad, log=False)
+        w = _finite_stats(weight, log=False)
+        beta = underflow.gemm_scale_from_stats(
+            g.std, g.max_abs, w.std, w.max_abs, n, self.underflow_rate,
+            self.fmt)
+        sigma = math.sqrt(n) * g.std * w.std
+        return (beta, underflow.gemm_underflow_rate(sigma, beta, self.fmt),
+                underflow.gemm_underflow_rate(sigma, 1.0, self.fmt))
+
+    def cast(self, grad, alpha, key, staged):
+        """The same for the gradient reaching a softmax cast."""
+        g = _finite_stats(grad, log=True)
+        beta = underflow.lognormal_scale_from_stats(
+            g.log_mean, g.log_std, g.max_abs, self.underflow_rate, self.fmt)
+        if g.nonzero == 0:
+            return beta, 0.0, 0.0
+        return (beta, underflow.lognormal_underflow_rate(
+            g.log_mean, g.log_std, beta, self.fmt),
+            underflow.lognormal_underflow_rate(
+                g.log_mean, g.log_std, 1.0, self.fmt))
+
+    def commit(self, staged_tables):
+        """State carried between steps (none here)."""
+
+    def serialize(self, serializer):
+        pass
+
+
+class MeasuredEstimator(ModelEstimator):
+
+    """Closed loop: the exact underflow of every power of two, measured."""
+
+    name = 'measured'
+
+    def gemm(self, grad, weight, function, alpha, key, staged):
+        w = _finite_stats(weight, log=False)
+        n = sites.accumulation_length(function, weight)
+        cap = underflow.gemm_cap(_finite_stats(grad, log=False).max_abs,
+                                 w.max_abs, n, self.fmt)
+        output = _fp32_data_gradient(function, grad)
+        return self._choose(histogram.exponent_histogram(output), cap,
+                            lambda: ModelEstimator.gemm(
+                                self, grad, weight, function, alpha, key,
+                                staged))
+
+    def cast(self, grad, alpha, key, staged):
+        h = histogram.exponent_histogram(grad)
+        return self._choose(h, underflow.cast_cap(h.max_abs, self.fmt),
+                            lambda: ModelEstimator.cast(self, grad, alpha,
+                                                        key, staged))
+
+    def _choose(self, h, cap, model):
+        """The smallest power of two (>= 1) meeting the rate, under cap."""
+        high = underflow.MAX_SCALE if cap == math.inf else cap
+        k = h.smallest_exponent(self.underflow_rate, self.fmt, low=0,
+                                high=int(math.log2(high)) if high >= 1
+                                else 0)
+        beta = min(math.ldexp(1.0, k), cap)
+        beta = self._combine(beta, model, cap)
+        k = math.frexp(beta)[1] - 1
+        return (beta, h.underflow_fraction(k, self.fmt),
+                h.underflow_fraction(0, self.fmt))
+
+    def _combine(self, measured, model, cap):
+        return measured
+
+
+class HybridEstimator(MeasuredEstimator):
+
+    """The model's scale, raised where the measurement says it loses more."""
+
+    name = 'hybrid'
+
+    def _combine(self, measured, model, cap):
+        return min(max(measured, model()[0]), cap)
+
+
+class AmaxEstimator(ModelEstimator):
+
+    """Transformer Engine's current and delayed amax scaling.
+
+    Args:
+        delayed (bool): Scale from the history (delayed) or from the tensor
+            itself (current).
+        history (int): Steps the delayed recipe remembers (TE: 1024).
+        margin (int): Powers of two left free below ``lambda_max`` (TE: 0).
+
+    """
+
+    every_pass = True
+    scales_gemm_inputs = True
+
+    def __init__(self, underflow_rate, fmt, delayed, history=1024,
+                 margin=0):
+        super().__init__(underflow_rate, fmt)
+        self.delayed = bool(delayed)
+        self.name = 'amax-delayed' if delayed else 'amax-current'
+        self.history = int(history)
+        self.margin = int(margin)
+        self.amax = {}  # site key -> list of amax values, oldest first
+
+    def gemm(self, grad, weight, function, alpha, key, staged):
+        return self._scale(grad, alpha, key, staged)
+
+    def cast(self, grad, alpha, key, staged):
+        return self._scale(grad, alpha, key, staged)
+
+    def _scale(self, grad, alpha, key, staged):
+        largest = statistics.max_abs(grad)
+        if not math.isfinite(largest):
+            raise underflow.NonFiniteStatisticsError(
+                'non-finite gradient at {}'.format(key))
+        amax = largest / alpha  # of the unscaled gradient
+        staged.amax[key] = max(amax, staged.amax.get(key, 0.0))
+        if self.delayed:
+            past = self.amax.get(key)
+            amax = max(past) if past else 0.0
+        if amax == 0:
+            total = 1.0  # TE's initial scale; nothing to scale by yet
+        else:
+            total = underflow.pow2_floor(
+                self.fmt.max / amax / math.ldexp(1.0, self.margin))
+        return underflow.pow2_floor(total / alpha), math.nan, math.nan
+
+    def commit(self, staged_tables):
+        keys = {k for t in staged_tables for k in t.amax}
+        for key in keys:
+            value = max(t.amax[key] for t in staged_tables if key in t.amax)
+            past = self.amax.setdefault(key, [])
+            past.append(value)
+            del past[:-self.history]
+
+    def serialize(self, serializer):
+        if isinstance(serializer, chainer.serializer.Deserializer):
+            keys = serializer('amax_keys', None)
+            lengths = serializer('amax_lengths', None)
+            values = serializer('amax_values', None)
+            self.amax = {}
+            start = 0
+            for key, length in zip(keys, lengths):
+                self.amax[str(key)] = [float(v) for v in
+                                       values[start:start + int(length)]]
+                start += int(length)
+            return
+        keys = list(self.amax)
+        serializer('amax_keys', numpy.array(keys, dtype=numpy.str_))
+        serializer('amax_lengths', numpy.array(
+            [len(self.amax[k]) for k in keys], dtype=numpy.int64))
+        serializer('amax_values', numpy.array(
+            [v for k in keys for v in self.amax[k]], dtype=numpy.float64))
+
+
+def make_estimator(name, underflow_rate, fmt, amax_history=1024,
+                   amax_margin=0):
+    """The estimator called ``name`` (one of :data:`ESTIMATORS`)."""
+    if name == 'model':
+        return ModelEstimator(underflow_rate, fmt)
+    if name == 'measured':
+        return MeasuredEstimator(underflow_rate, fmt)
+    if name == 'hybrid':
+        return HybridEstimator(underflow_rate, fmt)
+    if name in ('amax-current', 'amax-delayed'):
+        return AmaxEstimator(underflow_rate, fmt, name == 'amax-delayed',
+                             amax_history, amax_margin)
+    raise ValueError('estimator must be one of {}, got {!r}'.format(
+        ', '.join(ESTIMATORS), name))
+
+
+def _finite_stats(x, log):
+    stats = statistics.tensor_statistics(x, log=log)
+    if stats.n_nonfinite:
+        raise underflow.NonFiniteStatisticsError(
+            '{} non-finite values'.format(stats.n_nonfinite))
+    return stats
+
+
+def _fp32_data_gradient(function, grad):
+    """A GEMM node's data gradient for ``grad``, computed in FP32.
+
+    The node's own backward runs once more (the class method, not a
+    wrapper a hook installed for this pass) on FP32 copies of the operands
+    its forward retained (rounded ones under a simulation).
+    """
+    retained = function.get_retained_inputs()
+    wide = tuple(chainer.Variable(v.array.astype(numpy.float32,
+                                                 copy=False),
+                                  requires_grad=False) for v in retained)
+    with internals.retained_inputs(function, lambda: wide):
+        gxs = type(function).backward(function, (0,), (chainer.Variable(
+            grad.astype(numpy.float32, copy=False), requires_grad=False),))
+    gx, = sites.select_gradients(gxs, (0,), len(function.inputs))
+    return gx.array
