@@ -115,10 +115,9 @@ class MeasuredEstimator(ModelEstimator):
     name = 'measured'
 
     def gemm(self, grad, weight, function, alpha, key, staged):
-        w = _finite_stats(weight, log=False)
         n = sites.accumulation_length(function, weight)
-        cap = underflow.gemm_cap(_finite_stats(grad, log=False).max_abs,
-                                 w.max_abs, n, self.fmt)
+        cap = underflow.gemm_cap(_finite_max(grad), _finite_max(weight), n,
+                                 self.fmt)
         output = _fp32_data_gradient(function, grad)
         return self._choose(histogram.exponent_histogram(output), cap,
                             lambda: ModelEstimator.gemm(
@@ -188,11 +187,7 @@ class AmaxEstimator(ModelEstimator):
         return self._scale(grad, alpha, key, staged)
 
     def _scale(self, grad, alpha, key, staged):
-        largest = statistics.max_abs(grad)
-        if not math.isfinite(largest):
-            raise underflow.NonFiniteStatisticsError(
-                'non-finite gradient at {}'.format(key))
-        amax = largest / alpha  # of the unscaled gradient
+        amax = _finite_max(grad) / alpha  # of the unscaled gradient
         staged.amax[key] = max(amax, staged.amax.get(key, 0.0))
         if self.delayed:
             past = self.amax.get(key)
@@ -254,6 +249,13 @@ def _finite_stats(x, log):
         raise underflow.NonFiniteStatisticsError(
             '{} non-finite values'.format(stats.n_nonfinite))
     return stats
+
+
+def _finite_max(x):
+    largest = statistics.max_abs(x)
+    if not math.isfinite(largest):
+        raise underflow.NonFiniteStatisticsError('non-finite values')
+    return largest
 
 
 def _fp32_data_gradient(function, grad):
