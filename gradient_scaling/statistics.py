@@ -553,22 +553,28 @@ def _grid_size(n, multiprocessor_count):
 
 
 def _cupy_statistics(x, log):
-    import cupy
     n = int(x.size)
     if n == 0:
         return _combine_partials(numpy.zeros(_N_PARTIALS), n, log)
     # The kernel and its output buffer belong on the array's device, which
     # need not be the current one.
     with x.device:
-        x = cupy.ascontiguousarray(x)
-        blocks = _grid_size(n, _multiprocessor_count(x.device.id))
-        out = cupy.empty(blocks * _N_PARTIALS, dtype=numpy.float64)
-        kernel = _statistics_kernel(x.dtype.name, bool(log))
-        if x.dtype.name in _BITS_VIEWS:
-            x = x.view(_BITS_VIEWS[x.dtype.name])
-        kernel((blocks,), (_THREADS,), (x, numpy.int64(n), out))
-        partials = out.get()
+        partials = _launch_statistics_kernel(x, log).get()
     return _combine_partials(partials, n, log)
+
+
+def _launch_statistics_kernel(x, log):
+    """Launches the kernel on a non-empty CuPy array; returns its rows of
+    partials (on the device), under the current device."""
+    import cupy
+    x = cupy.ascontiguousarray(x)
+    blocks = _grid_size(x.size, _multiprocessor_count(x.device.id))
+    out = cupy.empty(blocks * _N_PARTIALS, dtype=numpy.float64)
+    kernel = _statistics_kernel(x.dtype.name, bool(log))
+    if x.dtype.name in _BITS_VIEWS:
+        x = x.view(_BITS_VIEWS[x.dtype.name])
+    kernel((blocks,), (_THREADS,), (x, numpy.int64(x.size), out))
+    return out
 
 
 def _combine_partials(out, count, log):
