@@ -24,6 +24,7 @@ from gradient_scaling import statistics
 sys.path.insert(0, os.path.dirname(__file__))
 from cuda_emulation import emulator  # NOQA
 from cuda_emulation import fake_cupy  # NOQA
+from test_statistics import softmax_like_gradient  # NOQA
 
 pytestmark = pytest.mark.skipif(emulator.compiler() is None,
                                 reason='needs g++ (or $CXX)')
@@ -162,18 +163,6 @@ def test_fake_device_check_catches_a_launch_on_the_wrong_device(cupy):
 
 # ---------------------------------------------------------------------------
 # Subnormals under -ftz=true: the defect the bit decoding fixes
-
-
-def softmax_like_gradient():
-    """d(mean cross-entropy)/d(logits) in float32 for confident logits:
-    the probabilities reach deep into float32's subnormals."""
-    rng = numpy.random.default_rng(0)
-    rows, classes = 1024, 1024
-    z = rng.standard_normal((rows, classes)) * 30
-    p = numpy.exp(z - z.max(axis=1, keepdims=True))
-    p /= p.sum(axis=1, keepdims=True)
-    p[numpy.arange(rows), rng.integers(0, classes, rows)] -= 1
-    return (p / rows).astype(numpy.float32)
 
 
 def test_softmax_like_float32_gradient_under_ftz(build_dir):
