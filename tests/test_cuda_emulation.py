@@ -9,6 +9,7 @@ device context, host-side merge) runs unchanged and is compared with the
 NumPy path.
 """
 
+import ctypes
 import math
 import os
 import re
@@ -225,7 +226,8 @@ static const unsigned char* synthetic_base;
 static long long synthetic_n;
 static double synthetic_value(const unsigned char* p) {
     const long long i = p - synthetic_base;
-    if (i == synthetic_n - 1) return __longlong_as_double(0x7ff8000000000000LL);
+    if (i == synthetic_n - 1)
+        return __longlong_as_double(0x7ff8000000000000LL);
     return i % 7 == 0 ? 0.0 : (double)i * 2.3283064365386963e-10;
 }
 #define LOAD(v) synthetic_value(&(v))
@@ -276,7 +278,6 @@ def test_indices_beyond_2_31_on_a_sparse_grid(build_dir):
     assert len(blocks) == 3
     source = SYNTHETIC_DEFINES + statistics._KERNEL_SOURCE
     kernel = emulator.compile_kernel(source, KERNEL, build_dir=build_dir)
-    import ctypes
     reserve = kernel._library.synthetic_reserve
     reserve.restype = ctypes.c_void_p
     reserve.argtypes = [ctypes.c_longlong]

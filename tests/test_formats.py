@@ -418,3 +418,23 @@ def test_cupy_equals_numpy(name):
     z = fmt.quantize(cupy.full(1000, x0), 'stochastic',
                      numpy.random.default_rng(0))
     assert isinstance(z, cupy.ndarray) and cupy.unique(z).size == 2
+
+
+@pytest.mark.gpu
+def test_cupy_rounds_on_the_arrays_device():
+    cupy = pytest.importorskip('cupy')
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 2:
+            pytest.skip('needs two CUDA devices')
+    except cupy.cuda.runtime.CUDARuntimeError:
+        pytest.skip('no CUDA device')
+    x = numpy.float32([1e-40, 3.1, -65519.0, numpy.nan])
+    with cupy.cuda.Device(1):
+        on_1 = cupy.asarray(x)
+    for name in _NAMES:
+        y = formats.get(name).quantize(on_1, 'stochastic')
+        assert y.device.id == 1
+        z = formats.get(name).quantize(on_1)
+        assert z.device.id == 1
+        _assert_bitwise_equal(x, cupy.asnumpy(z), formats.get(name)
+                              .quantize(x))
