@@ -31,12 +31,15 @@ pytestmark = pytest.mark.skipif(emulator.compiler() is None,
                                 reason='needs g++ (or $CXX)')
 
 KERNEL = 'tensor_statistics_kernel'
-# The statistics kernel as it was before it decoded float32 from its bits:
-# the float32 load widened to double is cvt.ftz.f64.f32 under -ftz=true.
-OLD_FLOAT32_DEFINES = (
-    '#define IN_T float\n#define LOAD(v) ((double)(v))\n'
-    '#define LOG(a) ((double)logf((float)(a)))\n#define WITH_LOG {}\n'
-    '#define THREADS {}\n')
+
+
+def old_float32_source(with_log):
+    """The kernel as it read float32 before it decoded the bits: the load
+    widened to double is cvt.ftz.f64.f32 under -ftz=true."""
+    return statistics._kernel_source_for(
+        'float', '((double)(v))', '((double)logf((float)(a)))', with_log)
+
+
 MULTIPROCESSORS = 4
 
 
@@ -178,8 +181,7 @@ def test_softmax_like_float32_gradient_under_ftz(build_dir):
         statistics._kernel_source('float32', True))
     assert_same_statistics(fixed, expected, numpy.float32)
 
-    old_source = OLD_FLOAT32_DEFINES.format(1, statistics._THREADS) + \
-        statistics._KERNEL_SOURCE
+    old_source = old_float32_source(True)
     old = emulated_statistics(g, build_dir, old_source, ftz=True)
     # The old kernel read every float32 subnormal as zero ...
     assert old.nonzero == expected.nonzero - n_subnormal
@@ -216,9 +218,8 @@ def test_subnormals_only(build_dir, dtype):
 # ---------------------------------------------------------------------------
 # 64-bit index arithmetic, without 2**32 elements
 
-SYNTHETIC_DEFINES = r'''
+SYNTHETIC_PRELUDE = r'''
 #include <sys/mman.h>
-#define IN_T unsigned char
 /* The value at x[i] is made from the address &x[i] (never read): i / 2**32,
    zero where i % 7 == 0, NaN at the last index. x points into a reserved,
    inaccessible range of n bytes, so the addresses are real. */
@@ -230,10 +231,6 @@ static double synthetic_value(const unsigned char* p) {
         return __longlong_as_double(0x7ff8000000000000LL);
     return i % 7 == 0 ? 0.0 : (double)i * 2.3283064365386963e-10;
 }
-#define LOAD(v) synthetic_value(&(v))
-#define LOG(a) log(a)
-#define WITH_LOG 1
-#define THREADS 256
 extern "C" const unsigned char* synthetic_reserve(long long n) {
     void* p = mmap(nullptr, (size_t)n, PROT_NONE,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -267,16 +264,17 @@ def synthetic_block_rows(n, blocks, grid):
 
 def test_indices_beyond_2_31_on_a_sparse_grid(build_dir):
     # n > 2**32 elements on an H200-sized grid (132 multiprocessors): every
-    # thread walks ~16,000 grid strides, past 2**31 and 2**32. Only a few
+    # thread walks ~48,000 grid strides, past 2**31 and 2**32. Only a few
     # blocks are run (all 256 threads each, so the block reduction is real):
     # the first, the one holding the NaN at n - 1, and the last.
     n = 3 * 2 ** 31 + 12345
     grid = statistics._grid_size(n, 132)
-    assert grid == 1056
+    assert grid == 132 * statistics._BLOCKS_PER_MULTIPROCESSOR
     stride = grid * statistics._THREADS
     blocks = sorted({0, ((n - 1) % stride) // statistics._THREADS, grid - 1})
     assert len(blocks) == 3
-    source = SYNTHETIC_DEFINES + statistics._KERNEL_SOURCE
+    source = SYNTHETIC_PRELUDE + statistics._kernel_source_for(
+        'unsigned char', 'synthetic_value(&(v))', 'log(a)', True)
     kernel = emulator.compile_kernel(source, KERNEL, build_dir=build_dir)
     reserve = kernel._library.synthetic_reserve
     reserve.restype = ctypes.c_void_p
@@ -367,11 +365,35 @@ def test_ptx_reads_no_value_in_single_precision(tmp_path, dtype):
     # magnitudes (the float32 kernel sends subnormals to log in double).
     ptx = nvcc_ptx(statistics._kernel_source(dtype, False), tmp_path, dtype)
     assert single_precision_instructions(ptx) == []
-    old = nvcc_ptx(OLD_FLOAT32_DEFINES.format(0, statistics._THREADS)
-                   + statistics._KERNEL_SOURCE, tmp_path, 'old')
+    old = nvcc_ptx(old_float32_source(False), tmp_path, 'old')
     assert 'cvt.ftz.f64.f32' in single_precision_instructions(old)
     if dtype == 'float32':
         with_log = nvcc_ptx(statistics._kernel_source(dtype, True), tmp_path,
                             'log')
         # The subnormal test is made in double, against 2**-126.
         assert re.search(r'setp\.\w+\.f64\s.*0d3810000000000000', with_log)
+
+
+@pytest.mark.parametrize('dtype', ['float16', 'float32', 'float64'])
+def test_blocks_per_multiprocessor_are_resident_at_once(tmp_path, dtype):
+    # The grid is sized to run in one wave: _BLOCKS_PER_MULTIPROCESSOR blocks
+    # of _THREADS threads must fit in an SM's 65536 registers (allocated in
+    # units of 8 per thread) and its 228 KB of shared memory (sm_90).
+    nvcc = shutil.which('nvcc')
+    if nvcc is None:
+        pytest.skip('nvcc not found')
+    path = tmp_path / 'k.cu'
+    path.write_text(statistics._kernel_source(dtype, True))
+    result = subprocess.run(
+        [nvcc, '-cubin', '-arch=sm_90', '-ftz=true', '-Xptxas', '-v',
+         str(path), '-o', str(tmp_path / 'k.cubin')], check=True,
+        capture_output=True, text=True, timeout=300)
+    registers = int(re.search(r'Used (\d+) registers', result.stderr)
+                    .group(1))
+    shared = int(re.search(r'(\d+) bytes smem', result.stderr).group(1))
+    blocks = statistics._BLOCKS_PER_MULTIPROCESSOR
+    assert blocks * statistics._THREADS * (-(-registers // 8) * 8) <= 65536
+    assert blocks * shared <= 228 * 1024
+    # ... and the loads of one thread are issued together.
+    ptx = nvcc_ptx(statistics._kernel_source(dtype, True), tmp_path, 'k')
+    assert len(re.findall(r'ld\.global', ptx)) == statistics._UNROLL
