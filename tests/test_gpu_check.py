@@ -87,3 +87,24 @@ def test_missing_wheels_and_frameworks_are_reported(tmp_path):
     assert '| install | FAIL (1) |' in summary
     assert 'build/wheels lacks the wheels' in summary
     assert result.returncode == len(STEPS)
+
+
+def test_scales_summary(tmp_path):
+    # What gpu_check.sh prints for an example: the latest iteration's sites.
+    path = tmp_path / 'scales.csv'
+    path.write_text(
+        'iteration,site,kind,local_scale,output_scale,'
+        'estimated_underflow_rate,measured_underflow_rate\n'
+        '10,/conv1/W,gemm,1.0,1.0,0.0,0.0\n'
+        '20,/conv1/W,gemm,4.0,4.0,0.0,0.0\n'
+        '20,/conv2/W,gemm,2.0,2.0,0.0,0.0\n'
+        '20,cast#0,cast,1024.0,1024.0,0.001,0.002\n')
+    pytest.importorskip('chainer')
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, 'scripts', 'gpu_smoke.py'),
+         'scales', str(path)], capture_output=True, text=True, check=True,
+        timeout=120)
+    first, *sites = result.stdout.splitlines()
+    assert first.endswith('iteration 20, 3 sites (1 cast, 2 gemm), log2 '
+                          'local scale min 1 median 2 max 10')
+    assert [line.split()[-1] for line in sites] == ['2^2', '2^1', '2^10']
