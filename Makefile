@@ -52,7 +52,7 @@ PY312_TESTS := tests/test_formats.py tests/test_underflow.py \
 	tests/test_statistics.py tests/test_hook.py tests/test_hook_chainercv.py \
 	tests/test_training.py tests/test_simulation.py tests/test_s2fp8.py \
 	tests/test_compat.py tests/test_nms_gpu_post.py \
-	tests/test_cuda_emulation.py
+	tests/test_cuda_emulation.py tests/test_gpu_check.py
 test-py312:
 	$(MAKE) test PYTHON=$(PY312) PYTEST_ARGS='$(PY312_TESTS) $(PYTEST_ARGS)'
 

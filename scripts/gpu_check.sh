@@ -92,9 +92,11 @@ has_flag() {
     "$PYTHON" "$1" --help 2>/dev/null | grep -q -- "$2"
 }
 
+# gradient_scaling first: on Python 3.12 its compat module restores what
+# chainer 7.8.1 imports (numpy.distutils, pkg_resources).
 install_wheels() {
-    if "$PYTHON" -c 'import chainer, chainercv' 2>/dev/null; then
-        "$PYTHON" -c 'import chainer, chainercv; print("already installed: chainer", chainer.__version__, "chainercv", chainercv.__version__)'
+    if "$PYTHON" -c 'import gradient_scaling, chainer, chainercv' 2>/dev/null; then
+        "$PYTHON" -c 'import gradient_scaling, chainer, chainercv; print("already installed: chainer", chainer.__version__, "chainercv", chainercv.__version__)'
         return
     fi
     local wheels=(build/wheels/chainer-7.8.1-*.whl build/wheels/chainercv-0.13.1-*.whl)
