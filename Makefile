@@ -15,7 +15,7 @@ WHEELS := build/wheels
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-all clean
+.PHONY: setup demo test test-all test-py312 clean
 
 setup: $(STAMP)
 
@@ -44,6 +44,17 @@ test: setup
 
 test-all: setup
 	$(MAKE) test PYTEST_ARGS='--run-slow $(PYTEST_ARGS)'
+
+# The library's tests on Python 3.12 with NumPy 2 (the GPU machine's
+# versions), in .venv-python3.12; .ci/run runs them where python3.12 exists.
+PY312 ?= python3.12
+PY312_TESTS := tests/test_formats.py tests/test_underflow.py \
+	tests/test_statistics.py tests/test_hook.py tests/test_hook_chainercv.py \
+	tests/test_training.py tests/test_simulation.py tests/test_s2fp8.py \
+	tests/test_compat.py tests/test_nms_gpu_post.py \
+	tests/test_cuda_emulation.py tests/test_gpu_check.py
+test-py312:
+	$(MAKE) test PYTHON=$(PY312) PYTEST_ARGS='$(PY312_TESTS) $(PYTEST_ARGS)'
 
 clean:
 	rm -rf build .venv .venv-* *.egg-info

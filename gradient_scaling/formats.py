@@ -27,6 +27,7 @@ import math
 
 import numpy
 
+from gradient_scaling.statistics import device_scope
 from gradient_scaling.statistics import get_array_module
 
 
@@ -107,7 +108,10 @@ class Format(object):
 
         For float32 inputs the result is bit-for-bit what
         ``x.astype(ml_dtypes.<format>).astype(x.dtype)`` gives (and
-        ``x.astype(numpy.float16)`` for float16). For float64 inputs it is
+        ``x.astype(numpy.float16)`` for float16), on CuPy too: there float32
+        is rounded with integer operations on its bit patterns, which
+        CuPy's ``-ftz=true`` cannot flush (bfloat16 keeps values that are
+        float32 subnormals). For float64 inputs it is
         the exact rounding of the float64 value, which ``numpy.float16``
         casts also give; ``ml_dtypes`` 0.5.4 instead casts float64 to float32
         first for bfloat16 and FP8, a double rounding that differs for
@@ -137,13 +141,77 @@ class Format(object):
             raise TypeError(
                 'quantize needs a floating-point array (float16, float32 or '
                 'float64), got dtype {}'.format(x.dtype))
-        work = x if x.dtype.itemsize >= 4 else x.astype(numpy.float32)
         # Overflow to inf is the defined result here, not an accident.
-        with numpy.errstate(over='ignore', invalid='ignore'):
-            y = self._quantize(xp, work, rounding, rng)
-        return y.astype(x.dtype, copy=False)
+        with numpy.errstate(over='ignore', invalid='ignore'), \
+                device_scope(x):
+            work = x if x.dtype.itemsize >= 4 else x.astype(numpy.float32)
+            if work.dtype == numpy.float32 and _rounds_on_bits(xp):
+                y = self._quantize_bits(xp, work, rounding, rng)
+            else:
+                y = self._quantize_arithmetic(xp, work, rounding, rng)
+            return y.astype(x.dtype, copy=False)
 
-    def _quantize(self, xp, work, rounding, rng):
+    def _quantize_bits(self, xp, work, rounding, rng):
+        """Rounding of float32 values on their bit patterns.
+
+        Integer arithmetic only: CuPy compiles its kernels with -ftz=true,
+        under which float32 arithmetic reads and writes subnormals as zero,
+        and bfloat16 keeps values (down to 2**-133) that are float32
+        subnormals. A float32 magnitude is ``significand * 2**(binade -
+        150)`` with ``magnitude_bits = significand + (binade - 1) * 2**23``
+        (binade: the exponent field, 1 for subnormals); rounding the
+        significand to a multiple of the format's quantum, ``2**shift``
+        units, and adding back the same offset gives the rounded value's
+        bits, also when rounding carries into the next binade. Only a result
+        of zero, and (stochastically) a round up from below half the
+        smallest value, need their own encoding.
+        """
+        u32 = numpy.uint32
+        bits = work.view(u32)
+        magnitude = bits & u32(0x7FFFFFFF)
+        field = magnitude >> u32(23)
+        binade = xp.maximum(field, u32(1)).astype(numpy.int32)
+        significand = (magnitude & u32(0x7FFFFF)) | (
+            (field > 0).astype(u32) << u32(23))
+        # 2**shift significand units make the quantum at this binade; at
+        # shift >= 25 even the largest significand (< 2**24) is below half of
+        # it.
+        shift = (xp.maximum(binade, self.min_exponent + 127) - binade
+                 + (23 - self.mantissa_bits))
+        s = xp.minimum(shift, 25).astype(u32)
+        low = (significand >> s) << s
+        if rounding == 'nearest':
+            # Add just under half a quantum, plus one if the kept part is odd
+            # (ties to even).
+            odd = (significand >> s) & u32(1)
+            rounded = ((significand + ((u32(1) << (s - u32(1))) - u32(1))
+                        + odd) >> s) << s
+        else:
+            if rng is None:
+                rng = xp.random.default_rng()
+            u = xp.asarray(rng.random(work.shape))
+            # The dropped fraction of a quantum, exact in float64 (no flag
+            # flushes double).
+            up = u < xp.ldexp((significand - low).astype(numpy.float64),
+                              -shift)
+            rounded = low + (up.astype(u32) << xp.minimum(s, u32(24)))
+        result = xp.where(rounded == 0, u32(0),
+                          magnitude - significand + rounded)
+        if rounding != 'nearest':
+            smallest = u32(numpy.float32(self.min).view(u32))
+            result = xp.where(shift >= 25, up.astype(u32) * smallest,
+                              result)
+        overflow = numpy.float32(numpy.inf if self.has_inf else numpy.nan)
+        largest = numpy.float32(self.max).view(u32)
+        result = xp.where(result > largest, overflow.view(u32), result)
+        result |= bits & u32(0x80000000)
+        # NaN stays the NaN it was.
+        result = xp.where(magnitude > u32(0x7F800000), bits, result)
+        return result.view(numpy.float32)
+
+    def _quantize_arithmetic(self, xp, work, rounding, rng):
+        """Rounding with float arithmetic in the working dtype: exact in
+        float64, and in float32 where subnormals are not flushed (NumPy)."""
         magnitude = xp.abs(work)
         # magnitude = m * 2**e with 0.5 <= m < 1, so its binade is 2**(e-1);
         # below the normal range the spacing stays that of the subnormals.
@@ -174,6 +242,14 @@ class Format(object):
 
 
 _FORMATS = {row[0]: Format(*row) for row in _TABLE}
+
+
+def _rounds_on_bits(xp):
+    """Whether float32 is rounded on its bit patterns rather than with float
+    arithmetic: on CuPy, whose -ftz=true flushes float32 subnormals (bfloat16
+    keeps values that are float32 subnormals); not on NumPy, where float
+    arithmetic is exact and 2.4x faster. Tests run both on NumPy."""
+    return xp is not numpy
 
 
 def names():

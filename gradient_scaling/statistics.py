@@ -12,7 +12,10 @@ returns plain Python numbers:
   inputs (as exact as the input, and ten times faster than float64);
 * on CuPy, with one CUDA kernel (declared once below) that reads the tensor
   once and writes one row of partial sums per block, followed by a single
-  device-to-host transfer of those rows.
+  device-to-host transfer of those rows. The kernel decodes float16 and
+  float32 from their bits, so that CuPy's ``-ftz=true`` cannot turn float32
+  subnormals (common in softmax gradients) into zeros, and it runs on the
+  array's device.
 
 .. admonition:: Example
 
@@ -25,6 +28,7 @@ returns plain Python numbers:
 """
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import math
@@ -56,6 +60,25 @@ def get_array_module(x):
         import cupy
         return cupy
     return numpy
+
+
+def device_scope(x):
+    """Returns a context manager under which CuPy work on ``x`` belongs.
+
+    CuPy launches kernels and allocates on the *current* device, which need
+    not be the one holding ``x``; this is ``x.device`` for CuPy arrays and
+    does nothing for NumPy ones.
+
+    Args:
+        x: Array or any object.
+
+    Returns:
+        A context manager.
+
+    """
+    if get_array_module(x) is numpy:
+        return contextlib.nullcontext()
+    return x.device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,24 +166,43 @@ def max_abs(x):
     x = xp.asarray(x)
     if x.size == 0:
         return 0.0
-    if x.dtype == numpy.float16:
-        # Without the sign bit, float16 bit patterns order like magnitudes,
-        # and integer reductions are many times faster than NumPy's float16
-        # ones; patterns above that of inf are NaN.
-        bits = x.view(numpy.uint16) & numpy.uint16(0x7fff)
-        largest = int(bits.max())
-        if largest > 0x7c00:
-            return math.nan
-        return float(numpy.uint16(largest).view(numpy.float16))
-    # max and min avoid materialising |x|; both propagate NaN. They are
-    # widened before negation so unsigned and boolean arrays work too.
-    extremes = xp.stack([x.max(), x.min()]).astype(numpy.float64)
-    if xp is not numpy:
-        extremes = extremes.get()
+    with device_scope(x):
+        # float16 everywhere (NumPy's float16 reductions are slow) and
+        # float32 on CuPy (whose -ftz=true max reads subnormals as zero) are
+        # reduced as integers.
+        if x.dtype == numpy.float16 or (x.dtype == numpy.float32
+                                        and xp is not numpy):
+            return _max_abs_of_bits(x)
+        # max and min avoid materialising |x|; both propagate NaN. They are
+        # widened before negation so unsigned and boolean arrays work too.
+        extremes = xp.stack([x.max(), x.min()]).astype(numpy.float64)
+        if xp is not numpy:
+            extremes = extremes.get()
     high, low = extremes.tolist()
     if math.isnan(high) or math.isnan(low):
         return math.nan
     return max(high, -low)
+
+
+# Per dtype: the unsigned integer of its width, the mask that clears the
+# sign bit, and the pattern of inf.
+_MAGNITUDE_BITS = {
+    numpy.dtype(numpy.float16): (numpy.uint16, 0x7fff, 0x7c00),
+    numpy.dtype(numpy.float32): (numpy.uint32, 0x7fffffff, 0x7f800000),
+}
+
+
+def _max_abs_of_bits(x):
+    """max(|x|) of a float16 or float32 array from its bit patterns.
+
+    Without the sign bit, bit patterns order like magnitudes; patterns
+    above that of inf are NaN.
+    """
+    uint, mask, inf = _MAGNITUDE_BITS[x.dtype]
+    largest = int((x.view(uint) & uint(mask)).max())
+    if largest > inf:
+        return math.nan
+    return float(uint(largest).view(x.dtype))
 
 
 def finite_flags(arrays):
@@ -188,7 +230,8 @@ def finite_flags(arrays):
     xp = get_array_module(arrays[0])
     sums = []
     # A sum overflowing, or meeting inf - inf, is an expected outcome here.
-    with numpy.errstate(over='ignore', invalid='ignore'):
+    with numpy.errstate(over='ignore', invalid='ignore'), \
+            device_scope(arrays[0]):
         for a in arrays:
             if a.dtype == numpy.float16 and xp is numpy:
                 # Patterns of inf and NaN are those >= 0x7c00 without sign.
@@ -206,10 +249,10 @@ def finite_flags(arrays):
             flags = [math.isfinite(x) for x in sums]
         else:
             flags = xp.isfinite(xp.stack(sums)).get().tolist()
-    for i, finite in enumerate(flags):
-        exact = xp is numpy and arrays[i].dtype == numpy.float16
-        if not finite and not exact:
-            flags[i] = bool(xp.isfinite(arrays[i]).all())
+        for i, finite in enumerate(flags):
+            exact = xp is numpy and arrays[i].dtype == numpy.float16
+            if not finite and not exact:
+                flags[i] = bool(xp.isfinite(arrays[i]).all())
     return flags
 
 
@@ -322,26 +365,70 @@ def _numpy_statistics(x, log):
 # cancel when the mean is large compared with the spread; it turns the sums
 # into (count, mean, M2) once, and the block merges those with Chan et al.'s
 # formula into one row of _N_PARTIALS doubles; the host merges the rows.
-# float16 is read as raw bits and widened in the kernel, which needs no CUDA
-# headers.
+#
+# CuPy compiles every kernel with -ftz=true: single-precision arithmetic,
+# comparisons and float <-> double conversions flush subnormal inputs and
+# results to zero (cvt.ftz.f64.f32). Softmax-like float32 gradients are full
+# of float32 subnormals, so float16 and float32 are read as raw bits and
+# decoded to double with integer operations (which need no CUDA headers
+# either); all arithmetic on the values is double, which no flag flushes.
+# The only single-precision operation left is logf of a normal float32
+# magnitude (as exact as the input, and several times faster than log).
 _N_PARTIALS = 8  # n_finite, mean, m2, max_abs, nonzero, log_mean, log_m2,
 #                  n_nonfinite
 _THREADS = 256
+# Elements each thread loads before it uses any: 4 blocks x 256 threads x 8
+# loads keep 32 KB (float32) in flight per multiprocessor, about what HBM3's
+# latency-bandwidth product asks for.
+_UNROLL = 8
+# Blocks per multiprocessor: as many as are resident at once (nvcc 13 for
+# sm_90: at most 62 registers a thread, so 4 x 256 threads fit in an SM's
+# 65536 registers; tested), so that the grid runs in one wave; more would
+# leave a partial second wave and lengthen the host-side merge.
+_BLOCKS_PER_MULTIPROCESSOR = 4
 
-_KERNEL_SOURCE = r'''
-__device__ inline float half_bits_to_float(unsigned short h) {
-    unsigned int sign = ((unsigned int)h & 0x8000u) << 16;
-    unsigned int exponent = ((unsigned int)h >> 10) & 0x1fu;
-    unsigned int mantissa = (unsigned int)h & 0x3ffu;
+_KERNEL_SOURCE = r"""
+__device__ inline double half_bits_to_double(unsigned short h) {
+    const double magnitude_bits_scale = 5.9604644775390625e-08; /* 2**-24 */
+    const unsigned int exponent = ((unsigned int)h >> 10) & 0x1fu;
+    const unsigned int mantissa = (unsigned int)h & 0x3ffu;
+    double magnitude;
     if (exponent == 0) {
-        /* zero or subnormal: mantissa * 2**-24, exact in float */
-        float f = (float)mantissa * 5.9604644775390625e-08f;
-        return sign ? -f : f;
+        /* zero or subnormal: mantissa * 2**-24, exact in double */
+        magnitude = (double)mantissa * magnitude_bits_scale;
+    } else if (exponent == 31) {
+        magnitude = mantissa ? __longlong_as_double(0x7ff8000000000000LL)
+                             : __longlong_as_double(0x7ff0000000000000LL);
+    } else {
+        /* (1024 + mantissa) * 2**(exponent - 25), exact in double */
+        magnitude = (double)(0x400u | mantissa) * magnitude_bits_scale
+                    * (double)(1u << (exponent - 1));
     }
-    if (exponent == 31) {
-        return __int_as_float(sign | 0x7f800000u | (mantissa << 13));
+    return (h & 0x8000u) ? -magnitude : magnitude;
+}
+
+__device__ inline double float_bits_to_double(unsigned int f) {
+    const unsigned int exponent = (f >> 23) & 0xffu;
+    const unsigned long long mantissa = f & 0x7fffffu;
+    if (exponent == 0) {
+        /* zero or subnormal: mantissa * 2**-149, exact in double */
+        const double magnitude = (double)mantissa * 1.401298464324817e-45;
+        return (f & 0x80000000u) ? -magnitude : magnitude;
     }
-    return __int_as_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+    /* re-biased exponent (127 -> 1023) and the mantissa's 23 bits on top
+       of double's 52; inf and NaN keep the all-ones exponent */
+    const unsigned long long wide_exponent =
+        exponent == 0xffu ? 0x7ffull : (unsigned long long)exponent + 896ull;
+    return __longlong_as_double((long long)(
+        ((unsigned long long)(f >> 31) << 63) | (wide_exponent << 52)
+        | (mantissa << 29)));
+}
+
+/* ln a of a positive float32 value held in a double: logf where the float
+   is normal, log (double) for float32 subnormals, which logf would read as
+   zero under -ftz=true. */
+__device__ inline double log_of_float(double a) {
+    return a < 1.1754943508222875e-38 ? log(a) : (double)logf((float)a);
 }
 
 __device__ inline bool is_finite(double v) {
@@ -374,28 +461,42 @@ extern "C" __global__ void tensor_statistics_kernel(
     double nonzero = 0.0, log_shift = 0.0, log_s = 0.0, log_ss = 0.0;
     double n_nonfinite = 0.0;
     const long long stride = (long long)gridDim.x * blockDim.x;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-            i < n; i += stride) {
-        const double v = LOAD(x[i]);
-        if (!is_finite(v)) {
-            n_nonfinite += 1.0;
-            continue;
+    for (long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+            first < n; first += UNROLL * stride) {
+        /* UNROLL independent loads in flight before any value is used:
+           with one outstanding load per thread, memory latency, not
+           bandwidth, would set the pace. The values are then taken in the
+           same order as by a plain grid-stride loop. */
+        double loaded[UNROLL];
+#pragma unroll
+        for (int k = 0; k < UNROLL; ++k) {
+            const long long i = first + k * stride;
+            loaded[k] = i < n ? LOAD(x[i]) : 0.0;
         }
-        if (n_finite == 0.0) shift = v;
-        const double d = v - shift;
-        const double a = fabs(v);
-        n_finite += 1.0;
-        s += d;
-        ss += d * d;
-        largest = fmax(largest, a);
-        if (a != 0.0) {
-            if (WITH_LOG) {
-                const double l = LOG(a);
-                if (nonzero == 0.0) log_shift = l;
-                log_s += l - log_shift;
-                log_ss += (l - log_shift) * (l - log_shift);
+#pragma unroll
+        for (int k = 0; k < UNROLL; ++k) {
+            if (first + k * stride >= n) break;
+            const double v = loaded[k];
+            if (!is_finite(v)) {
+                n_nonfinite += 1.0;
+                continue;
             }
-            nonzero += 1.0;
+            if (n_finite == 0.0) shift = v;
+            const double d = v - shift;
+            const double a = fabs(v);
+            n_finite += 1.0;
+            s += d;
+            ss += d * d;
+            largest = fmax(largest, a);
+            if (a != 0.0) {
+                if (WITH_LOG) {
+                    const double l = LOG(a);
+                    if (nonzero == 0.0) log_shift = l;
+                    log_s += l - log_shift;
+                    log_ss += (l - log_shift) * (l - log_shift);
+                }
+                nonzero += 1.0;
+            }
         }
     }
     const unsigned int t = threadIdx.x;
@@ -427,28 +528,39 @@ extern "C" __global__ void tensor_statistics_kernel(
         out[(long long)blockIdx.x * 8 + t] = partial[t][0];
     }
 }
-'''
+"""
 
-# How each input dtype is read and how ln|x| is taken: in float for float16
-# and float32 (accurate to its ulp, as exact as the input), in double for
-# float64.
+# How each input dtype is passed (its bits, for float16 and float32), read
+# and how ln|x| is taken: in float for float16 and float32 (accurate to its
+# ulp, as exact as the input), in double for float64.
 _KERNEL_TYPES = {
-    'float16': ('unsigned short', '((double)half_bits_to_float(v))',
+    'float16': ('unsigned short', 'half_bits_to_double(v)',
                 '((double)logf((float)(a)))'),
-    'float32': ('float', '((double)(v))', '((double)logf((float)(a)))'),
+    'float32': ('unsigned int', 'float_bits_to_double(v)',
+                'log_of_float(a)'),
     'float64': ('double', '(v)', 'log(a)'),
 }
+_BITS_VIEWS = {'float16': numpy.uint16, 'float32': numpy.uint32}
+
+
+def _kernel_source(dtype_name, with_log):
+    """The CUDA source of the statistics kernel for one input dtype."""
+    return _kernel_source_for(*_KERNEL_TYPES[dtype_name], with_log=with_log)
+
+
+def _kernel_source_for(in_type, load, log, with_log):
+    """The kernel's source for a given element type, decoding and log."""
+    defines = (
+        '#define IN_T {}\n#define LOAD(v) {}\n#define LOG(a) {}\n'
+        '#define WITH_LOG {}\n#define THREADS {}\n#define UNROLL {}\n'
+    ).format(in_type, load, log, int(bool(with_log)), _THREADS, _UNROLL)
+    return defines + _KERNEL_SOURCE
 
 
 @functools.lru_cache(maxsize=None)
 def _statistics_kernel(dtype_name, with_log):
     import cupy
-    in_type, load, log = _KERNEL_TYPES[dtype_name]
-    defines = (
-        '#define IN_T {}\n#define LOAD(v) {}\n#define LOG(a) {}\n'
-        '#define WITH_LOG {}\n#define THREADS {}\n').format(
-            in_type, load, log, int(with_log), _THREADS)
-    return cupy.RawKernel(defines + _KERNEL_SOURCE,
+    return cupy.RawKernel(_kernel_source(dtype_name, with_log),
                           'tensor_statistics_kernel')
 
 
@@ -458,22 +570,35 @@ def _multiprocessor_count(device_id):
     return cupy.cuda.Device(device_id).attributes['MultiProcessorCount']
 
 
+def _grid_size(n, multiprocessor_count):
+    """Blocks of the statistics kernel for ``n`` elements."""
+    return max(1, min(-(-n // _THREADS),
+                      _BLOCKS_PER_MULTIPROCESSOR * multiprocessor_count))
+
+
 def _cupy_statistics(x, log):
-    import cupy
     n = int(x.size)
     if n == 0:
         return _combine_partials(numpy.zeros(_N_PARTIALS), n, log)
+    # The kernel and its output buffer belong on the array's device, which
+    # need not be the current one.
+    with x.device:
+        partials = _launch_statistics_kernel(x, log).get()
+    return _combine_partials(partials, n, log)
+
+
+def _launch_statistics_kernel(x, log):
+    """Launches the kernel on a non-empty CuPy array; returns its rows of
+    partials (on the device), under the current device."""
+    import cupy
     x = cupy.ascontiguousarray(x)
-    # A few blocks per multiprocessor hide memory latency; more would only
-    # lengthen the host-side merge.
-    blocks = max(1, min(-(-n // _THREADS),
-                        8 * _multiprocessor_count(x.device.id)))
+    blocks = _grid_size(x.size, _multiprocessor_count(x.device.id))
     out = cupy.empty(blocks * _N_PARTIALS, dtype=numpy.float64)
     kernel = _statistics_kernel(x.dtype.name, bool(log))
-    if x.dtype == numpy.float16:
-        x = x.view(numpy.uint16)
-    kernel((blocks,), (_THREADS,), (x, numpy.int64(n), out))
-    return _combine_partials(out.get(), n, log)
+    if x.dtype.name in _BITS_VIEWS:
+        x = x.view(_BITS_VIEWS[x.dtype.name])
+    kernel((blocks,), (_THREADS,), (x, numpy.int64(x.size), out))
+    return out
 
 
 def _combine_partials(out, count, log):

@@ -28,6 +28,16 @@ _NAMES = tuple(_DTYPES)
 _UINT = {2: numpy.uint16, 4: numpy.uint32, 8: numpy.uint64}
 
 
+@pytest.fixture(params=['arithmetic', 'bits'])
+def float32_rounding(request, monkeypatch):
+    """Runs a test with each of quantize's float32 algorithms on NumPy: float
+    arithmetic (NumPy's) and integer operations on the bit patterns (CuPy's,
+    immune to its -ftz=true)."""
+    monkeypatch.setattr(formats, '_rounds_on_bits',
+                        lambda xp: request.param == 'bits')
+    return request.param
+
+
 def _round_to_odd_float32(x):
     # Truncate to float32, then set the last bit if anything was dropped.
     with numpy.errstate(over='ignore'):
@@ -150,6 +160,7 @@ def test_format_is_immutable():
 @pytest.mark.parametrize('name', _NAMES)
 @pytest.mark.parametrize('dtype', [numpy.float32, numpy.float64])
 @pytest.mark.parametrize('source', _NAMES)
+@pytest.mark.usefixtures('float32_rounding')
 def test_all_bit_patterns(name, dtype, source):
     # Every value of every format (incl. inf, NaN), rounded to every format.
     with numpy.errstate(invalid='ignore'):
@@ -159,6 +170,7 @@ def test_all_bit_patterns(name, dtype, source):
 
 @pytest.mark.parametrize('name', _NAMES)
 @pytest.mark.parametrize('dtype', [numpy.float32, numpy.float64])
+@pytest.mark.usefixtures('float32_rounding')
 def test_midpoints_and_their_neighbours(name, dtype):
     grid = _grid(name)
     midpoints = (grid[:-1] + grid[1:]) / 2  # exact in float64 and float32
@@ -177,6 +189,7 @@ def test_midpoints_and_their_neighbours(name, dtype):
     numpy.testing.assert_array_equal(q, numpy.where(even_is_low, low, high))
 
 
+@pytest.mark.usefixtures('float32_rounding')
 def test_overflow_boundaries():
     fp16 = formats.get('float16')
     x = numpy.array([65504, 65519.99, 65520, -65520, 1e6], numpy.float32)
@@ -192,6 +205,7 @@ def test_overflow_boundaries():
     assert y.tolist() == [57344.0, numpy.inf]
 
 
+@pytest.mark.usefixtures('float32_rounding')
 def test_signed_zero_and_nan_preserved():
     for name in _NAMES:
         fmt = formats.get(name)
@@ -203,6 +217,7 @@ def test_signed_zero_and_nan_preserved():
 
 
 @pytest.mark.parametrize('name', _NAMES)
+@pytest.mark.usefixtures('float32_rounding')
 def test_random_float32_spanning_every_binade(name):
     rng = numpy.random.default_rng(12345)
     n = 1 << 20
@@ -228,12 +243,42 @@ def test_random_float64_not_representable_in_float32(name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize('name', _NAMES)
+@pytest.mark.usefixtures('float32_rounding')
 def test_random_float32_many(name):
     rng = numpy.random.default_rng(7)
     for _ in range(8):
         bits = rng.integers(0, 2 ** 32, 1 << 22, dtype=numpy.uint64).astype(
             numpy.uint32).view(numpy.float32)
         _check(bits, name)
+
+
+@pytest.mark.parametrize('sign', [0, 0x80000000])
+def test_bits_bfloat16_of_every_float32_subnormal(monkeypatch, sign):
+    # What CuPy's -ftz=true broke: bfloat16 keeps values down to 2**-133,
+    # which are float32 subnormals. All 2**23 of them, on the bit path.
+    monkeypatch.setattr(formats, '_rounds_on_bits', lambda xp: True)
+    bits = numpy.arange(2 ** 23, dtype=numpy.uint32) | numpy.uint32(sign)
+    x = bits.view(numpy.float32)
+    _check(x, 'bfloat16')
+    kept = formats.get('bfloat16').quantize(x) != 0
+    # All but 0 .. 2**-134 (the tie rounds to even, zero): 2**15 + 1 values.
+    assert kept.sum() == 2 ** 23 - 2 ** 15 - 1
+
+
+@pytest.mark.parametrize('name', _NAMES)
+def test_bits_and_arithmetic_round_stochastically_alike(monkeypatch, name):
+    # Same generator, same draws, same rounding decisions: bit for bit.
+    rng = numpy.random.default_rng(8)
+    x = (rng.choice([-1.0, 1.0], 1 << 16) * numpy.exp2(
+        rng.uniform(-150, 20, 1 << 16))).astype(numpy.float32)
+    fmt = formats.get(name)
+    results = []
+    for on_bits in (False, True):
+        monkeypatch.setattr(formats, '_rounds_on_bits', lambda xp: on_bits)
+        results.append(fmt.quantize(x, 'stochastic',
+                                    numpy.random.default_rng(9)))
+    numpy.testing.assert_array_equal(results[0].view(numpy.uint32),
+                                     results[1].view(numpy.uint32))
 
 
 def test_float64_rounds_once_unlike_ml_dtypes():
@@ -246,6 +291,7 @@ def test_float64_rounds_once_unlike_ml_dtypes():
     assert formats.get('float8_e4m3').quantize(y)[0] == 1.125
 
 
+@pytest.mark.usefixtures('float32_rounding')
 def test_float16_input():
     x = _all_patterns('float16')
     for name in ('float16', 'float8_e5m2', 'float8_e4m3'):
@@ -255,6 +301,7 @@ def test_float16_input():
         _assert_bitwise_equal(x, actual, expected)
 
 
+@pytest.mark.usefixtures('float32_rounding')
 def test_shape_and_scalar_arrays():
     fmt = formats.get('float8_e5m2')
     x = numpy.full((2, 3, 4), 3.1, numpy.float32)
@@ -278,6 +325,7 @@ def test_quantize_rejects_bad_arguments():
 
 
 @pytest.mark.parametrize('name', _NAMES)
+@pytest.mark.usefixtures('float32_rounding')
 def test_stochastic_rounding_gives_a_neighbour(name):
     fmt = formats.get(name)
     grid = _grid(name)
@@ -308,6 +356,7 @@ def test_stochastic_rounding_gives_a_neighbour(name):
 
 
 @pytest.mark.parametrize('name', _NAMES)
+@pytest.mark.usefixtures('float32_rounding')
 def test_stochastic_rounding_is_unbiased(name):
     fmt = formats.get(name)
     rng = numpy.random.default_rng(11)
@@ -326,6 +375,7 @@ def test_stochastic_rounding_is_unbiased(name):
         assert abs(y.mean() - x0) < tolerance
 
 
+@pytest.mark.usefixtures('float32_rounding')
 def test_stochastic_rounding_keeps_representable_values_and_seeds():
     fmt = formats.get('float8_e4m3')
     x = _grid('float8_e4m3')[:-1].astype(numpy.float32)
@@ -368,3 +418,23 @@ def test_cupy_equals_numpy(name):
     z = fmt.quantize(cupy.full(1000, x0), 'stochastic',
                      numpy.random.default_rng(0))
     assert isinstance(z, cupy.ndarray) and cupy.unique(z).size == 2
+
+
+@pytest.mark.gpu
+def test_cupy_rounds_on_the_arrays_device():
+    cupy = pytest.importorskip('cupy')
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 2:
+            pytest.skip('needs two CUDA devices')
+    except cupy.cuda.runtime.CUDARuntimeError:
+        pytest.skip('no CUDA device')
+    x = numpy.float32([1e-40, 3.1, -65519.0, numpy.nan])
+    with cupy.cuda.Device(1):
+        on_1 = cupy.asarray(x)
+    for name in _NAMES:
+        y = formats.get(name).quantize(on_1, 'stochastic')
+        assert y.device.id == 1
+        z = formats.get(name).quantize(on_1)
+        assert z.device.id == 1
+        _assert_bitwise_equal(x, cupy.asnumpy(z), formats.get(name)
+                              .quantize(x))

@@ -17,7 +17,9 @@ import chainer.functions as F
 from chainercv.links import ResNet50
 from chainercv.links import SegNetBasic
 from chainercv.links import SSD300
+from chainercv.links.model.ssd import Multibox
 from chainercv.links.model.ssd import multibox_loss
+from chainercv.links.model.ssd import SSD
 
 from gradient_scaling import GradientScaling
 from gradient_scaling import measured_underflow_rate
@@ -88,6 +90,73 @@ def test_ssd300_multibox_loss_exact():
     hook = check_exact(model, loss, min_sites=30)
     # The multibox heads branch off the backbone: contributions meet.
     assert any(r.kind == 'branch' for r in hook.report())
+
+
+class SumsToArrays(np.ndarray):
+
+    """Labels whose sums are 0-d arrays, as CuPy's sums are.
+
+    ChainerCV's ``multibox_loss`` divides by ``positive.sum()``: on the CPU a
+    NumPy scalar, a ``MulConstant`` node; on the GPU a 0-d CuPy array, a
+    ``Div`` node with the count as a second input. This builds the GPU's
+    graph on the CPU.
+    """
+
+    def sum(self, *args, **kwargs):
+        return np.asarray(np.ndarray.sum(np.asarray(self), *args, **kwargs))
+
+
+def function_labels(variable):
+    """Labels of every function node in the graph that produced it."""
+    seen, labels, stack = set(), [], [variable.creator_node]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        labels.append(node.label)
+        stack.extend(x.creator_node for x in node.inputs)
+    return labels
+
+
+def test_multibox_loss_gpu_graph_exact():
+    # ChainerCV's SSD with a small (64x64) extractor stands in for SSD300
+    # (test above), whose float64 backward takes a minute here; the loss is
+    # ChainerCV's, unchanged.
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir))
+    from chainer_links.small_ssd import SmallSSDExtractor
+
+    rng = np.random.default_rng(3)
+    np.random.seed(3)
+    extractor = SmallSSDExtractor(64)
+    model = SSD(extractor, Multibox(n_class=4, aspect_ratios=((2,),) * 4),
+                steps=tuple(64 / g for g in extractor.grids),
+                sizes=(9.6, 19.2, 32, 48, 64), mean=0)
+    x = rng.uniform(0, 255, (2, 3, 64, 64))
+    bbox = np.array([[4, 6, 30, 40], [20, 20, 60, 62]], np.float32)
+    gt_locs, gt_labels = model.coder.encode(bbox, np.array([0, 2], np.int32))
+    gt_locs = np.stack([gt_locs] * 2).astype(np.float64)
+    gt_labels = np.stack([gt_labels] * 2)
+
+    def loss(labels):
+        locs, confs = model(x)
+        loc_loss, conf_loss = multibox_loss(
+            locs, fp32_softmax_input(confs), gt_locs, labels, 3)
+        return 1e-4 * (loc_loss + conf_loss)
+
+    cpu_graph = function_labels(loss(gt_labels))
+    gpu_graph = function_labels(loss(gt_labels.view(SumsToArrays)))
+    assert '_ / _' not in cpu_graph and '_ / _' in gpu_graph
+    assert gpu_graph.count('_ / _') == 2  # loc_loss and conf_loss
+    hook = check_exact(model, lambda: loss(gt_labels.view(SumsToArrays)),
+                       min_sites=10)
+    # The divisions pass the scale through to both losses' branches.
+    assert any(r.kind == 'branch' for r in hook.report())
+    # Same gradients as the CPU's graph.
+    assert_same_grads(plain_grads(model, lambda: loss(gt_labels)),
+                      scaled_grads(model, lambda: loss(
+                          gt_labels.view(SumsToArrays)), GradientScaling(
+                              target=model)))
 
 
 def test_segnet_mixed16_underflow_effect():

@@ -184,6 +184,32 @@ def test_max_abs_float16_all_patterns():
     assert math.isnan(statistics.max_abs(x))
 
 
+def test_max_abs_of_float32_bits():
+    # The CuPy path for float32 (integer reduction of the bit patterns, immune
+    # to -ftz=true), run on NumPy arrays.
+    rng = numpy.random.default_rng(6)
+    bits = rng.integers(0, 2 ** 32, 1 << 16, dtype=numpy.uint64).astype(
+        numpy.uint32).view(numpy.float32)
+    finite = bits[numpy.isfinite(bits)]
+    tiny = numpy.finfo(numpy.float32).tiny
+    subnormal = finite[numpy.abs(finite) < tiny]
+    assert subnormal.size > 100
+    for part in (finite, subnormal, -numpy.abs(subnormal), finite[::-3]):
+        expected = float(numpy.abs(part.astype(numpy.float64)).max())
+        assert statistics._max_abs_of_bits(part) == expected
+        assert statistics.max_abs(part) == expected
+    assert statistics._max_abs_of_bits(numpy.float32([1, -numpy.inf])) \
+        == math.inf
+    assert math.isnan(statistics._max_abs_of_bits(bits))
+    assert statistics._max_abs_of_bits(numpy.float32([-0.0, 0.0])) == 0.0
+
+
+def test_device_scope_of_numpy_arrays_does_nothing():
+    # NumPy 2 arrays have a .device ('cpu'); it must not be entered.
+    with statistics.device_scope(numpy.ones(3)) as scope:
+        assert scope is None
+
+
 def test_get_array_module_without_cupy():
     assert statistics.get_array_module(numpy.ones(2)) is numpy
     assert statistics.get_array_module([1, 2]) is numpy
@@ -238,6 +264,48 @@ def test_cupy_kernel_matches_numpy(dtype, n, log):
             expected.log_std, rel=rtol, abs=rtol)
     else:
         assert actual.log_mean is None and actual.log_std is None
+
+
+def softmax_like_gradient():
+    """d(mean cross-entropy)/d(logits) in float32 for confident logits: the
+    probabilities reach deep into float32's subnormals (40% of the
+    non-zeros), which CuPy's -ftz=true would read as zero."""
+    rng = numpy.random.default_rng(0)
+    rows, classes = 1024, 1024
+    z = rng.standard_normal((rows, classes)) * 30
+    p = numpy.exp(z - z.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    p[numpy.arange(rows), rng.integers(0, classes, rows)] -= 1
+    return (p / rows).astype(numpy.float32)
+
+
+@pytest.mark.gpu
+def test_cupy_float32_subnormals_count():
+    cupy = _cupy_or_skip()
+    g = softmax_like_gradient()
+    expected = statistics.tensor_statistics(g)
+    actual = statistics.tensor_statistics(cupy.asarray(g))
+    assert actual.nonzero == expected.nonzero
+    assert actual.log_mean == pytest.approx(expected.log_mean, rel=1e-6)
+    assert actual.log_std == pytest.approx(expected.log_std, rel=1e-6)
+    tiny = numpy.float32(1e-40)
+    assert statistics.max_abs(cupy.asarray([tiny, -tiny / 2])) == float(tiny)
+
+
+@pytest.mark.gpu
+def test_cupy_uses_the_arrays_device():
+    cupy = _cupy_or_skip()
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip('needs two CUDA devices')
+    x = _gradient_like(100000, numpy.random.default_rng(7), numpy.float32)
+    with cupy.cuda.Device(1):
+        on_1 = cupy.asarray(x)
+    assert cupy.cuda.Device().id == 0
+    actual = statistics.tensor_statistics(on_1)
+    assert actual.nonzero == statistics.tensor_statistics(x).nonzero
+    assert statistics.max_abs(on_1) == float(numpy.abs(x).max())
+    assert statistics.finite_flags([on_1]) == [True]
+    assert cupy.cuda.Device().id == 0
 
 
 @pytest.mark.gpu

@@ -1,0 +1,195 @@
+#!/usr/bin/env bash
+# The first check on a GPU machine, in one call: for a CUDA machine with
+# CuPy and Python 3.12 but no internet (the project's H200 device machine).
+#
+#   make setup                     # here: builds build/wheels (1.4 MB)
+#   # carry the working tree *and* build/wheels to the GPU machine, then:
+#   bash scripts/gpu_check.sh      # from the repository root
+#
+# Everything else it needs (numpy, scipy, cupy, ml_dtypes, pytest,
+# matplotlib, opencv, Pillow) is expected on the machine; the two frozen
+# packages (chainer 7.8.1, chainercv 0.13.1) are installed from build/wheels
+# unless chainer is importable already. Nothing is downloaded.
+#
+# Steps, each timed, each run whatever happened before, within a total
+# budget of GPU_CHECK_BUDGET seconds (default 450, under 8 minutes):
+#   install, info          the wheels; versions, device, CUDA/cuDNN as Chainer sees them
+#   gpu-tests              pytest -m gpu
+#   kernels, smoke-train   scripts/gpu_smoke.py kernels / train
+#   statistics-bandwidth   scripts/benchmark_statistics.py --device gpu (64 MB float32)
+#   benchmark              scripts/benchmark.py --gpu 0, small_cnn resnet50 ssd300, fp32 + mixed16
+#   example-*              20 iterations of every example with --gpu 0 --scaling gs,
+#                          and their per-site scales
+# then one summary table. Logs and results go to $OUT if set, else to
+# results/gpu/<date>; the exit status is the number of steps not ok.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+GPU=${GPU:-0}
+BUDGET=${GPU_CHECK_BUDGET:-450}
+LOGDIR=${OUT:-results/gpu/$(date -u +%Y%m%d-%H%M%S)}
+mkdir -p "$LOGDIR"
+LOGDIR=$(cd "$LOGDIR" && pwd)
+SUMMARY=$LOGDIR/summary.md
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1 MPLBACKEND=Agg
+START=$SECONDS
+PARTIAL=
+STEPS=()
+FAILED=0
+
+# step NAME CAP_SECONDS COMMAND...: runs COMMAND (under `timeout`, at most
+# CAP_SECONDS and what is left of the budget), logs to $LOGDIR/NAME.log,
+# records status (FAIL too when check_NAME LOG fails), seconds and a note
+# (the log's last line, or what note_NAME LOG prints).
+step() {
+    local name=$1 cap=$2
+    shift 2
+    local log=$LOGDIR/$name.log left=$((BUDGET - (SECONDS - START)))
+    local limit=$((cap < left ? cap : left)) status note t0=$SECONDS rc
+    if ((limit < 5)); then
+        STEPS+=("$name|skipped|0|budget of ${BUDGET} s spent")
+        FAILED=$((FAILED + 1))
+        echo "=== $name: skipped, budget spent"
+        return
+    fi
+    echo "=== $name (at most ${limit} s): $*"
+    if declare -F "$1" >/dev/null; then  # a function of this script
+        ("$@") >"$log" 2>&1
+    else
+        timeout --kill-after=10 "$limit" "$@" >"$log" 2>&1
+    fi
+    rc=$?
+    if ((rc == 0)); then
+        status=ok
+    elif ((rc == 124 || rc == 137)); then
+        status="timeout"
+    else
+        status="FAIL ($rc)"
+    fi
+    if [[ $status == ok ]] && declare -F "check_$name" >/dev/null &&
+        ! "check_$name" "$log"; then
+        status="FAIL (check)"
+    fi
+    if declare -F "note_$name" >/dev/null; then
+        note=$("note_$name" "$log" 2>/dev/null)
+    fi
+    note=${note:-$(grep -v '^\s*$' "$log" | tail -n 1 | cut -c1-150)}
+    if [[ $PARTIAL ]]; then
+        [[ $status == ok ]] && status=partial
+        note="$PARTIAL; $note"
+    fi
+    PARTIAL=
+    [[ $status == ok ]] || FAILED=$((FAILED + 1))
+    STEPS+=("$name|$status|$((SECONDS - t0))|${note//|//}")
+    echo "    $status in $((SECONDS - t0)) s: $note"
+}
+
+# Whether SCRIPT's --help mentions FLAG (flags it lacks today are named
+# in the summary instead of failing the whole step).
+has_flag() {
+    "$PYTHON" "$1" --help 2>/dev/null | grep -q -- "$2"
+}
+
+# gradient_scaling first: on Python 3.12 its compat module restores what
+# chainer 7.8.1 imports (numpy.distutils, pkg_resources).
+install_wheels() {
+    if "$PYTHON" -c 'import gradient_scaling, chainer, chainercv' 2>/dev/null; then
+        "$PYTHON" -c 'import gradient_scaling, chainer, chainercv; print("already installed: chainer", chainer.__version__, "chainercv", chainercv.__version__)'
+        return
+    fi
+    local wheels=(build/wheels/chainer-7.8.1-*.whl build/wheels/chainercv-0.13.1-*.whl)
+    if [[ ! -e ${wheels[0]} || ! -e ${wheels[1]} ]]; then
+        echo "chainer is not importable and build/wheels lacks the wheels:" \
+            "run make setup where there is internet and carry build/wheels"
+        return 1
+    fi
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile \
+        --target "$LOGDIR/site" "${wheels[@]}" || return 1
+    PYTHONPATH=$LOGDIR/site:$PYTHONPATH "$PYTHON" -c 'import gradient_scaling, chainer, chainercv; print("installed: chainer", chainer.__version__, "chainercv", chainercv.__version__)'
+}
+
+# A pytest run that skipped everything (no device) did not check anything.
+check_gpu_tests() { grep -qE '[0-9]+ passed' "$1"; }
+
+note_info() { grep -E '^device|^cuda' "$1" | tr '\n' ' '; }
+note_gpu_tests() { grep -E '(passed|failed|error)' "$1" | tail -n 1; }
+note_kernels() { grep -c '== NumPy' "$1" | sed 's/$/ comparisons == NumPy/'; }
+note_smoke_train() { grep -E 'ms/iter' "$1" | sed 's/ *: loss.*, / /' | tr -s ' ' | tr '\n' ';'; }
+note_statistics_bandwidth() { grep -E '^statistics kernel at' "$1"; }
+note_benchmark() {
+    grep -E '^\| resnet50 \| mixed16 \| gs@100 ' "$LOGDIR/benchmark.md" |
+        awk -F'|' '{print "resnet50 mixed16 gs@100/none wall " $7}'
+}
+example_note() {
+    grep -E '^Final' "$1" | tail -n 1 | tr '\n' ' '
+    if [[ -f $2/scales.csv ]]; then
+        "$PYTHON" scripts/gpu_smoke.py scales "$2/scales.csv" | head -n 1 |
+            sed 's/.*iteration/iteration/'
+    fi
+}
+note_example_ssd300() { example_note "$1" "$LOGDIR/ssd300"; }
+note_example_segnet() { example_note "$1" "$LOGDIR/segnet"; }
+note_example_resnet50() { example_note "$1" "$LOGDIR/resnet50"; }
+note_example_cifar() { example_note "$1" "$LOGDIR/cifar"; }
+
+step install 60 install_wheels
+if [[ -d $LOGDIR/site ]]; then
+    export PYTHONPATH=$LOGDIR/site:$PYTHONPATH
+fi
+step info 60 "$PYTHON" scripts/gpu_smoke.py info --gpu "$GPU"
+step gpu_tests 150 "$PYTHON" -m pytest -q -m gpu tests -p no:cacheprovider
+step kernels 60 "$PYTHON" scripts/gpu_smoke.py kernels --gpu "$GPU"
+step smoke_train 60 "$PYTHON" scripts/gpu_smoke.py train --gpu "$GPU"
+step statistics_bandwidth 60 "$PYTHON" scripts/benchmark_statistics.py \
+    --device gpu --size $((2 ** 24)) --dtype float32
+
+# GS's cost: the targets are about ResNet-50 at batch 32 (benchmark.py's
+# own GPU shapes are smaller); that needs --shape MODEL=BATCHxSIZE.
+BENCH=(--gpu "$GPU" --models small_cnn resnet50 ssd300
+       --precisions fp32 mixed16 --intervals 1 10 100 --repeat 3
+       --memory-repeat 1 --out "$LOGDIR/benchmark.md")
+if has_flag scripts/benchmark.py --shape; then
+    BENCH+=(--shape resnet50=32x224 ssd300=8x300)
+else
+    PARTIAL="benchmark.py has no --shape: ResNet-50 at its default batch, not 32"
+fi
+step benchmark 150 "$PYTHON" scripts/benchmark.py "${BENCH[@]}"
+
+# The examples: 20 iterations with GS refreshing every 10 (so that the
+# scales are written at 10 and 20), SSD300 at 300x300, SegNetBasic at
+# CamVid's 360x480 where the script can generate such images.
+EXAMPLE=(--gpu "$GPU" --scaling gs --iteration 20 --update-interval 10
+         --log-interval 10 --no-plot)
+step example_ssd300 90 "$PYTHON" examples/ssd/train.py "${EXAMPLE[@]}" \
+    --model ssd300 --batchsize 8 --out "$LOGDIR/ssd300"
+SEGNET=(--batchsize 4 --embedded-size 40 8)
+if has_flag examples/segnet/train.py --embedded-image-size; then
+    SEGNET+=(--embedded-image-size 360 480)
+else
+    PARTIAL="segnet has no --embedded-image-size: ran at 32x48, not 360x480"
+fi
+step example_segnet 90 "$PYTHON" examples/segnet/train.py "${EXAMPLE[@]}" \
+    "${SEGNET[@]}" --out "$LOGDIR/segnet"
+step example_resnet50 90 "$PYTHON" examples/classification/train_imagenet_multi.py \
+    "${EXAMPLE[@]}" --arch resnet50 --batchsize 32 --embedded-size 640 64 \
+    --out "$LOGDIR/resnet50"
+step example_cifar 60 "$PYTHON" examples/cifar/train.py "${EXAMPLE[@]}" \
+    --embedded-size 640 128 --out "$LOGDIR/cifar"
+
+{
+    echo "# GPU check, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    echo
+    echo "\`bash scripts/gpu_check.sh\`, logs in \`$LOGDIR\`, $((SECONDS - START)) s in all."
+    echo
+    echo "| step | status | seconds | note |"
+    echo "|---|---|---|---|"
+    for row in "${STEPS[@]}"; do
+        IFS='|' read -r name status seconds note <<<"$row"
+        echo "| $name | $status | $seconds | $note |"
+    done
+} >"$SUMMARY"
+echo
+cat "$SUMMARY"
+exit "$FAILED"

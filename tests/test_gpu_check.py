@@ -1,0 +1,110 @@
+"""scripts/gpu_check.sh on a machine without a GPU: its mechanics.
+
+Every GPU step fails here, so this checks what matters when one fails on
+the GPU machine: the script goes on to the next step, times each, keeps to
+its budget, prints one summary table, and exits with the number of steps
+that were not ok.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
+STEPS = ['install', 'info', 'gpu_tests', 'kernels', 'smoke_train',
+         'statistics_bandwidth', 'benchmark', 'example_ssd300',
+         'example_segnet', 'example_resnet50', 'example_cifar']
+
+pytestmark = pytest.mark.skipif(
+    shutil.which('bash') is None or shutil.which('timeout') is None,
+    reason='needs bash and timeout')
+
+
+def run_check(tmp_path, budget, **env):
+    environment = dict(os.environ, PYTHON=sys.executable,
+                       OUT=str(tmp_path / 'gpu'),
+                       GPU_CHECK_BUDGET=str(budget), **env)
+    result = subprocess.run(['bash', os.path.join('scripts', 'gpu_check.sh')],
+                            cwd=ROOT, env=environment, capture_output=True,
+                            text=True, timeout=600)
+    summary = (tmp_path / 'gpu' / 'summary.md').read_text()
+    rows = re.findall(r'^\| (\w+) \| ([^|]+) \| (\d+) \| (.*) \|$', summary,
+                      re.MULTILINE)
+    return result, summary, {name: (status, int(seconds), note)
+                             for name, status, seconds, note in rows
+                             if name != 'step'}
+
+
+def test_continues_after_failures_and_summarises(tmp_path):
+    pytest.importorskip('chainer')
+    try:
+        import cupy  # NOQA
+        pytest.skip('CuPy is installed: this test is for machines without')
+    except ImportError:
+        pass
+    result, summary, rows = run_check(tmp_path, budget=300)
+    assert list(rows) == STEPS
+    # chainer is importable, so nothing needs installing; every GPU step
+    # failed on its own, none stopped the others.
+    assert rows['install'][0] == 'ok'
+    assert 'already installed: chainer 7.8.1' in rows['install'][2]
+    for name in STEPS[1:]:
+        assert rows[name][0].startswith('FAIL'), (name, rows[name])
+        assert (tmp_path / 'gpu' / (name + '.log')).exists()
+    # pytest -m gpu skips everything here: that is not a pass.
+    assert rows['gpu_tests'][0] == 'FAIL (check)'
+    assert 'cupy' in rows['info'][2].lower()
+    assert result.returncode == len(STEPS) - 1
+    assert summary in result.stdout  # printed as well as written
+
+
+def test_budget_skips_the_remaining_steps(tmp_path):
+    pytest.importorskip('chainer')
+    result, _, rows = run_check(tmp_path, budget=1)
+    assert list(rows) == STEPS
+    assert all(status == 'skipped' for status, _, _ in rows.values())
+    assert result.returncode == len(STEPS)
+
+
+def test_missing_wheels_and_frameworks_are_reported(tmp_path):
+    # An interpreter without chainer and a checkout without build/wheels:
+    # the install step says what to do, and the script still finishes.
+    python = tmp_path / 'python3'
+    python.write_text('#!/bin/sh\nexit 1\n')
+    python.chmod(0o755)
+    workdir = tmp_path / 'checkout'
+    shutil.copytree(os.path.join(ROOT, 'scripts'), workdir / 'scripts')
+    environment = dict(os.environ, PYTHON=str(python),
+                       OUT=str(tmp_path / 'gpu'), GPU_CHECK_BUDGET='60')
+    result = subprocess.run(['bash', 'scripts/gpu_check.sh'], cwd=workdir,
+                            env=environment, capture_output=True, text=True,
+                            timeout=300)
+    summary = (tmp_path / 'gpu' / 'summary.md').read_text()
+    assert '| install | FAIL (1) |' in summary
+    assert 'build/wheels lacks the wheels' in summary
+    assert result.returncode == len(STEPS)
+
+
+def test_scales_summary(tmp_path):
+    # What gpu_check.sh prints for an example: the latest iteration's sites.
+    path = tmp_path / 'scales.csv'
+    path.write_text(
+        'iteration,site,kind,local_scale,output_scale,'
+        'estimated_underflow_rate,measured_underflow_rate\n'
+        '10,/conv1/W,gemm,1.0,1.0,0.0,0.0\n'
+        '20,/conv1/W,gemm,4.0,4.0,0.0,0.0\n'
+        '20,/conv2/W,gemm,2.0,2.0,0.0,0.0\n'
+        '20,cast#0,cast,1024.0,1024.0,0.001,0.002\n')
+    pytest.importorskip('chainer')
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, 'scripts', 'gpu_smoke.py'),
+         'scales', str(path)], capture_output=True, text=True, check=True,
+        timeout=120)
+    first, *sites = result.stdout.splitlines()
+    assert first.endswith('iteration 20, 3 sites (1 cast, 2 gemm), log2 '
+                          'local scale min 1 median 2 max 10')
+    assert [line.split()[-1] for line in sites] == ['2^2', '2^1', '2^10']
