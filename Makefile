@@ -25,6 +25,9 @@ $(STAMP): setup.py Makefile tools/build_frozen_wheels.py tools/chainercv_patch/_
 	$(PY) tools/build_frozen_wheels.py --wheel-dir $(WHEELS) --sdist-dir build/sdists
 	$(PY) -m pip install -q --find-links $(WHEELS) --only-binary chainer,chainercv \
 		--no-build-isolation -e '.[test]'
+	@# pip keeps an installed chainercv of the same version: a rebuilt wheel
+	@# (a new tools/chainercv_patch) must replace it.
+	$(PY) -m pip install -q --no-deps --force-reinstall $(WHEELS)/chainercv-0.13.1-py3-none-any.whl
 	@# mpi4py needs an MPI library (Debian: openmpi-bin libopenmpi-dev); the
 	@# MPI tests are skipped without it.
 	-$(PY) -m pip install -q 'mpi4py>=3.1' || echo 'mpi4py not installed: MPI tests will be skipped'

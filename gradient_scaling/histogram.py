@@ -36,6 +36,7 @@ import math
 import numpy
 
 from gradient_scaling import formats
+from gradient_scaling.statistics import device_scope
 from gradient_scaling.statistics import get_array_module
 
 __all__ = ['ExponentHistogram', 'exponent_histogram', 'overflow_threshold']
@@ -135,7 +136,11 @@ def exponent_histogram(x):
     float32 (exactly). On CuPy the counts come back with one transfer.
     """
     xp = get_array_module(x)
-    x = xp.asarray(x).reshape(-1)
+    with device_scope(x):
+        return _histogram(xp, xp.asarray(x).reshape(-1))
+
+
+def _histogram(xp, x):
     if x.dtype == numpy.float16:
         x = x.astype(numpy.float32)
     if x.dtype not in _LAYOUTS:

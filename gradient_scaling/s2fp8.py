@@ -60,7 +60,9 @@ import numpy
 
 from gradient_scaling import formats
 from gradient_scaling import simulation
+from gradient_scaling.statistics import device_scope
 from gradient_scaling.statistics import get_array_module
+from gradient_scaling.statistics import widen_exactly
 
 __all__ = ['s2fp8_statistics', 's2fp8_truncate', 'S2FP8Simulation']
 
@@ -71,7 +73,7 @@ _E5M2 = formats.get('float8_e5m2')
 
 def _log2_statistics(xp, x):
     """(mu, m, all_equal) over the finite non-zero entries, or None."""
-    magnitude = xp.abs(x.astype(numpy.float64, copy=False))
+    magnitude = xp.abs(widen_exactly(x))
     logs = xp.log2(magnitude[(magnitude != 0) & xp.isfinite(magnitude)])
     if logs.size == 0:
         return None
@@ -91,7 +93,8 @@ def s2fp8_statistics(x):
 
     """
     xp = get_array_module(x)
-    stats = _log2_statistics(xp, xp.asarray(x))
+    with device_scope(x):
+        stats = _log2_statistics(xp, xp.asarray(x))
     if stats is None:
         return 1.0, 0.0
     mu, m, all_equal = stats
@@ -117,12 +120,17 @@ def s2fp8_truncate(x):
     if x.dtype.kind != 'f':
         raise TypeError('s2fp8_truncate needs a floating-point array, got '
                         'dtype {}'.format(x.dtype))
+    with device_scope(x):
+        return _truncate(xp, x)
+
+
+def _truncate(xp, x):
     stats = _log2_statistics(xp, x)
     if stats is None or stats[2]:
         return x.copy()
     mu, m, _ = stats
     alpha = _LOG2_MAX / (m - mu)
-    magnitude = xp.abs(x.astype(numpy.float64, copy=False))
+    magnitude = xp.abs(widen_exactly(x))
     # Y = 2**beta |X|**alpha with beta = -alpha mu: shift by 2**-mu first
     # (an exact ldexp by its integer part, then its fraction, so that even
     # float64 tensors near the ends of their range do not overflow).

@@ -45,6 +45,7 @@ from chainer import backend
 
 from gradient_scaling import _chainer_internals as internals
 from gradient_scaling import _validate
+from gradient_scaling import statistics
 from gradient_scaling import step as step_module
 from gradient_scaling.hook import GradientScaling
 from gradient_scaling.step import PassResult
@@ -390,5 +391,6 @@ def unify_across_ranks(model, communicator):
         if mine != target:
             xp = backend.get_array_module(p.grad)
             exponent = math.frexp(target / mine)[1] - 1
-            p.grad = xp.ldexp(p.grad, numpy.int32(exponent))
+            with statistics.device_scope(p.grad):
+                p.grad = xp.ldexp(p.grad, numpy.int32(exponent))
         internals.set_param_loss_scale(p, float(target))

@@ -61,6 +61,7 @@ from chainer import backend
 from gradient_scaling import _chainer_internals as internals
 from gradient_scaling import formats
 from gradient_scaling import sites
+from gradient_scaling import statistics
 
 __all__ = ['UnderflowCount', 'GemmSimulation', 'LowPrecisionSimulation',
            'round_nearest']
@@ -230,13 +231,17 @@ class GemmSimulation(chainer.FunctionHook):
 
     def _count(self, site, operand, array, rounded):
         xp = backend.get_array_module(array)
-        nonzero = array != 0
         key = (site, operand)
         count = self._counts.get(key)
         if count is None:
             count = self._counts[key] = UnderflowCount(*key)
-        count.nonzero += int(xp.count_nonzero(nonzero))
-        count.underflowed += int(xp.count_nonzero((rounded == 0) & nonzero))
+        with statistics.device_scope(array):
+            # Bit-exact masks: CuPy flushes float32 subnormals in float
+            # comparisons, and a bfloat16 result may be one.
+            nonzero = statistics.nonzero_mask(array)
+            count.nonzero += int(xp.count_nonzero(nonzero))
+            count.underflowed += int(xp.count_nonzero(
+                nonzero & ~statistics.nonzero_mask(rounded)))
 
     def _site_name(self, function):
         return self._names.gemm(function)
@@ -316,13 +321,15 @@ class LowPrecisionSimulation(GemmSimulation):
         self._rngs = {}
 
     def truncate(self, array):
-        if self.rounding == 'nearest':
-            return round_nearest(array, self.fmt)
-        xp = backend.get_array_module(array)
-        rng = self._rngs.get(xp.__name__)
-        if rng is None:
-            rng = self._rngs[xp.__name__] = xp.random.default_rng(self.seed)
-        return self.fmt.quantize(array, 'stochastic', rng)
+        with statistics.device_scope(array):
+            if self.rounding == 'nearest':
+                return round_nearest(array, self.fmt)
+            xp = backend.get_array_module(array)
+            rng = self._rngs.get(xp.__name__)
+            if rng is None:
+                rng = self._rngs[xp.__name__] = xp.random.default_rng(
+                    self.seed)
+            return self.fmt.quantize(array, 'stochastic', rng)
 
 
 def round_nearest(array, fmt):

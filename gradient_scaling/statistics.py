@@ -192,6 +192,55 @@ _MAGNITUDE_BITS = {
 }
 
 
+def nonzero_mask(x):
+    """``x != 0``, exact for subnormals on CuPy too.
+
+    CuPy compiles its kernels with ``-ftz=true``, so a float32 comparison
+    reads a subnormal as zero; float16 and float32 CuPy arrays are compared
+    on their bit patterns (without the sign) instead.
+    """
+    xp = get_array_module(x)
+    if xp is numpy or x.dtype not in _MAGNITUDE_BITS:
+        return x != 0
+    uint, mask, _ = _MAGNITUDE_BITS[x.dtype]
+    return (x.view(uint) & uint(mask)) != 0
+
+
+def widen_exactly(x):
+    """``x`` as float64, exact for subnormals on CuPy too.
+
+    NumPy's cast is exact. On CuPy a float32 (or float16) subnormal would
+    be flushed to zero by the cast, so float16 and float32 are decoded from
+    their bit patterns with integer operations and float64 arithmetic,
+    which ``-ftz=true`` leaves alone.
+    """
+    xp = get_array_module(x)
+    if xp is numpy or x.dtype not in _MAGNITUDE_BITS:
+        return x.astype(numpy.float64)
+    return _decode_to_float64(xp, x)
+
+
+def _decode_to_float64(xp, x):
+    """float16/float32 -> float64 from the bit patterns (any array module)."""
+    if x.dtype == numpy.float16:
+        uint, mantissa_bits, bias, field_max = numpy.uint16, 10, 15, 0x1f
+    else:
+        uint, mantissa_bits, bias, field_max = numpy.uint32, 23, 127, 0xff
+    bits = x.view(uint)
+    field = ((bits >> uint(mantissa_bits)) & uint(field_max)).astype(
+        numpy.int32)
+    mantissa = (bits & uint((1 << mantissa_bits) - 1)).astype(numpy.float64)
+    normal = field != 0
+    significand = xp.where(normal, mantissa + 2.0 ** mantissa_bits, mantissa)
+    exponent = xp.maximum(field, 1) - (bias + mantissa_bits)
+    magnitude = xp.ldexp(significand, exponent)
+    special = field == field_max
+    magnitude = xp.where(special, xp.where(mantissa == 0, numpy.inf,
+                                           numpy.nan), magnitude)
+    negative = (bits >> uint(8 * x.dtype.itemsize - 1)) != 0
+    return xp.where(negative, -magnitude, magnitude)
+
+
 def _max_abs_of_bits(x):
     """max(|x|) of a float16 or float32 array from its bit patterns.
 

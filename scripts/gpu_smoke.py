@@ -134,17 +134,16 @@ def train(mode, device, iterations, batch):
     t = (x[:, 0].mean(axis=(1, 2)) > 0).astype(np.int32)
     x, t = device.send(x), device.send(t)
     losses = []
+
+    def loss_func(x, t):
+        loss = model(x, t)
+        losses.append(float(loss.array))
+        return loss
+
     start = time.perf_counter()
     for _ in range(iterations):
-        with config.model_dtype():
-            loss = model(x, t)
-            model.cleargrads()
-            scaler.backward(loss)
-        skipped = scaler.check_skip(optimizer)
-        if not skipped:
-            training.apply_update(optimizer)
-        scaler.after_step(optimizer, skipped)
-        losses.append(float(loss.array))
+        training.train_step(optimizer, scaler, loss_func, x, t,
+                            config=config)
     device.device.synchronize()
     elapsed = time.perf_counter() - start
     print('{:>20}: loss {:.4f} -> {:.4f}, {:.1f} ms/iter'.format(

@@ -316,3 +316,27 @@ def test_cupy_non_contiguous_and_max_abs():
     _assert_close(statistics.tensor_statistics(cupy.asarray(x).T[::2, 1::3]),
                   _reference(view), rtol=1e-10)
     assert statistics.max_abs(cupy.asarray(view)) == numpy.abs(view).max()
+
+
+def test_bit_decoding_to_float64_is_exact_for_every_pattern():
+    """The FTZ-proof CuPy widening, run on NumPy: every float16 pattern and
+    every float32 subnormal, plus normals, both signs, inf and NaN."""
+    from gradient_scaling.statistics import _decode_to_float64
+    halves = numpy.arange(2 ** 16, dtype=numpy.uint16).view(numpy.float16)
+    rng = numpy.random.default_rng(0)
+    singles = numpy.concatenate([
+        numpy.arange(2 ** 23, dtype=numpy.uint32),                 # subnormals
+        rng.integers(0, 2 ** 32, 2 ** 20, dtype=numpy.uint32),  # anything
+        numpy.array([0x7f800000, 0xff800000, 0x7fc00000, 0x80000000],
+                 numpy.uint32)]).view(numpy.float32)
+    for x in (halves, singles):
+        got = _decode_to_float64(numpy, x)
+        want = x.astype(numpy.float64)
+        assert got.dtype == numpy.float64
+        numpy.testing.assert_array_equal(got, want)
+        numpy.testing.assert_array_equal(numpy.signbit(got), numpy.signbit(want))
+
+
+def test_nonzero_mask_matches_comparison():
+    x = numpy.array([0.0, -0.0, 1e-45, -1e-40, 1.0, numpy.nan], numpy.float32)
+    numpy.testing.assert_array_equal(statistics.nonzero_mask(x), x != 0)

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import zipfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PACKAGES = {'chainer': '7.8.1', 'chainercv': '0.13.1'}
@@ -43,6 +44,25 @@ def existing_wheel(wheel_dir, name, version):
     found = glob.glob(os.path.join(
         wheel_dir, '{}-{}-*.whl'.format(name, version)))
     return found[0] if found else None
+
+
+PATCHED = {'chainercv': ('chainercv/utils/bbox/_nms_gpu_post.py',
+                         os.path.join(HERE, 'chainercv_patch',
+                                      '_nms_gpu_post.py'))}
+
+
+def is_stale(wheel, name):
+    """Whether a wheel holds another version of our patched module."""
+    if name not in PATCHED:
+        return False
+    member, source = PATCHED[name]
+    with open(source, 'rb') as f:
+        wanted = f.read()
+    try:
+        with zipfile.ZipFile(wheel) as z:
+            return z.read(member) != wanted
+    except (KeyError, zipfile.BadZipFile):
+        return True
 
 
 def download_sdist(name, version, sdist_dir):
@@ -101,7 +121,7 @@ def main():
     os.makedirs(args.sdist_dir, exist_ok=True)
     for name, version in PACKAGES.items():
         wheel = existing_wheel(args.wheel_dir, name, version)
-        if wheel and args.force:
+        if wheel and (args.force or is_stale(wheel, name)):
             os.remove(wheel)
             wheel = None
         if wheel is None:
