@@ -81,11 +81,13 @@ class ModelEstimator(object):
         data path, for the incoming gradient ``grad`` (at scale alpha)."""
         n = sites.accumulation_length(function, weight)
         g = _finite_stats(grad, log=False)
-        w = _finite_stats(weight, log=False)
+        w_std, w_max = statistics.spread_and_max(weight)
+        if not math.isfinite(w_max):
+            raise underflow.NonFiniteStatisticsError('non-finite weights')
         beta = underflow.gemm_scale_from_stats(
-            g.std, g.max_abs, w.std, w.max_abs, n, self.underflow_rate,
+            g.std, g.max_abs, w_std, w_max, n, self.underflow_rate,
             self.fmt)
-        sigma = math.sqrt(n) * g.std * w.std
+        sigma = math.sqrt(n) * g.std * w_std
         return (beta, underflow.gemm_underflow_rate(sigma, beta, self.fmt),
                 underflow.gemm_underflow_rate(sigma, 1.0, self.fmt))
 

@@ -340,3 +340,20 @@ def test_bit_decoding_to_float64_is_exact_for_every_pattern():
 def test_nonzero_mask_matches_comparison():
     x = numpy.array([0.0, -0.0, 1e-45, -1e-40, 1.0, numpy.nan], numpy.float32)
     numpy.testing.assert_array_equal(statistics.nonzero_mask(x), x != 0)
+
+
+def test_spread_and_max_exact_max_sampled_spread():
+    rng = numpy.random.default_rng(0)
+    small = rng.standard_normal(1000).astype(numpy.float32)
+    std, largest = statistics.spread_and_max(small)
+    assert std == statistics.tensor_statistics(small).std
+    assert largest == float(numpy.abs(small).max())
+    big = (rng.standard_normal((512, 512, 3, 3)) * 0.02).astype(
+        numpy.float32)
+    big.reshape(-1)[12345] = 0.5  # not in the sample; the max must see it
+    std, largest = statistics.spread_and_max(big)
+    assert largest == 0.5
+    exact = big.astype(numpy.float64).std()
+    assert abs(std - exact) / exact < 0.02
+    big.reshape(-1)[7] = numpy.nan
+    assert math.isnan(statistics.spread_and_max(big)[1])
