@@ -129,18 +129,20 @@ def _reduce(grad_list):
 
 
 def _grad_var_from_alive_node(node):
-    var = node.get_variable_or_none()
     gv = _original['_grad_var_from_alive_node'](node)
-    if gv is not None and var is not None:
-        # An existing gradient (accumulation over several backward passes)
-        # carries the scale it was stored with.
-        set_gradient_scale(gv, var._loss_scale or 1.0)
+    if gv is not None:
+        var = node.get_variable_or_none()
+        if var is not None:
+            # An existing gradient (accumulation over several backward
+            # passes) carries the scale it was stored with.
+            set_gradient_scale(gv, var._loss_scale or 1.0)
     return gv
 
 
 def _set_grad_var_without_check(self, gv):
     _original['_set_grad_var_without_check'](self, gv)
-    if _handler is not None and _handler.in_backward:
+    # Chainer clears a leaf's gradient (None) before it sets the sum.
+    if gv is not None and _handler is not None and _handler.in_backward:
         _handler.leaf_received(self)
 
 
