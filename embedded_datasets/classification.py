@@ -6,6 +6,9 @@ from embedded_datasets.detection import GeneratedDataset
 from embedded_datasets.detection import noisy_background
 from embedded_datasets.detection import shape_mask
 
+__all__ = ['shapes_classification_label_names', 'erode', 'saturated_colour',
+           'ShapesClassificationDataset']
+
 
 _shapes = ('rectangle', 'ellipse', 'triangle', 'diamond', 'cross')
 _styles = ('filled', 'outline')

@@ -11,6 +11,10 @@ import gradient_scaling  # NOQA: compat must precede chainer
 
 import chainer
 
+__all__ = ['shapes_label_names', 'shape_mask', 'noisy_background',
+           'place_boxes', 'class_colour', 'generate_scene', 'mask_bbox',
+           'GeneratedDataset', 'ShapesDetectionDataset']
+
 
 shapes_label_names = ('rectangle', 'ellipse', 'triangle')
 

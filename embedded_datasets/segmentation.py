@@ -6,6 +6,9 @@ from embedded_datasets.detection import generate_scene
 from embedded_datasets.detection import GeneratedDataset
 from embedded_datasets.detection import shapes_label_names
 
+__all__ = ['shapes_segmentation_label_names', 'ShapesSegmentationDataset',
+           'class_weights']
+
 
 shapes_segmentation_label_names = ('background',) + shapes_label_names
 
