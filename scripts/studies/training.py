@@ -3,8 +3,11 @@
 The shapes of Tables 1-3 and Figure 1 of Zhao et al. (IJCAI 2020) at CPU
 scale: every run is one of the example scripts (``examples/*/train*.py``)
 on its embedded data, started as a subprocess with one thread, several at a
-time.  Used by ``scripts/reproduce.py`` (subcommands ``detection``,
-``classification`` and ``segmentation``).
+time.  ``python scripts/reproduce.py detection classification ...``: FP32,
+no scaling, Fixed-LS, Dyn-LS and GS, several seeds (``--seeds``), mean +-
+std; the studies of several subcommands share one queue of runs
+(``--jobs`` at a time, seed by seed).  :mod:`studies.s2fp8` is one more
+such study, of ``examples/cifar/train.py``.
 
 A run's directory (``<runs-dir>/<study>/<variant>-b<batch>-s<seed>``) keeps
 the script's LogReport ``log`` and its ``stdout.log``; ``run.json``, written
@@ -15,7 +18,6 @@ and model files are deleted once a run finishes (ResNet-18's are 45 MB).
 
 import collections
 import concurrent.futures
-import csv
 import json
 import math
 import os
@@ -28,11 +30,19 @@ import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from studies.common import log
+from studies.common import pyplot
+from studies.common import ROOT
+from studies.common import write_csv
 
-Variant = collections.namedtuple('Variant', 'name args loss_scale')
+__all__ = ['Variant', 'Study', 'STUDIES', 'add_arguments', 'run_studies']
+
+# A variant's own --precision (None: its study's) is for a study of
+# precisions (S2FP8's); the paper's studies compare scalings in one.
+Variant = collections.namedtuple('Variant', 'name args loss_scale precision')
+Variant.__new__.__defaults__ = (None,)
 Study = collections.namedtuple(
-    'Study', 'name title script metric metric_label batchsizes common '
+    'Study', 'name table title script metric metric_label batchsizes common '
     'variants paper paper_columns precision')
 Study.__new__.__defaults__ = ('sim-fp16',)
 
@@ -56,7 +66,8 @@ def _variants(fixed_scales, dynamic_intervals):
 # steps, so with its default 1000 it never grows in runs this short: the
 # interval 10 variant is the one that behaves as it does at full length.
 STUDIES = collections.OrderedDict((s.name, s) for s in [
-    Study('detection', 'SSD (small, 64x64) on the embedded detection data',
+    Study('detection', 'Table 2 / Figure 1',
+          'SSD (small, 64x64) on the embedded detection data',
           'examples/ssd/train.py', 'validation/main/map', 'VOC07 mAP',
           [8, 32],
           ['--iteration', '200', '--step', '140', '180', '--lr', '1e-2',
@@ -69,14 +80,15 @@ STUDIES = collections.OrderedDict((s.name, s) for s in [
           ['paper SSD512 b8', 'paper SSD512 b32', 'paper SSD300 b8']),
     # FP16 hardly underflows in the small SSD; FP8 E5M2 (smallest subnormal
     # 2**-16 against FP16's 2**-24) does, so the methods differ there.
-    Study('detection-fp8', 'SSD (small, 64x64) on the embedded detection '
-          'data, simulated FP8 E5M2', 'examples/ssd/train.py',
+    Study('detection-fp8', 'Table 2 / Figure 1 in FP8',
+          'SSD (small, 64x64) on the embedded detection data, simulated FP8 '
+          'E5M2', 'examples/ssd/train.py',
           'validation/main/map', 'VOC07 mAP', [8],
           ['--iteration', '200', '--step', '140', '180', '--lr', '1e-2',
            '--eval-interval', '50', '--update-interval', '10'],
           _variants([2 ** 3, 2 ** 7, 2 ** 11, 2 ** 15, 2 ** 19], [1000, 10]),
           {}, [], 'sim-fp8-e5m2'),
-    Study('classification',
+    Study('classification', 'Table 1',
           'ResNet-18 on the embedded classification data (32x32)',
           'examples/classification/train_imagenet_multi.py',
           'validation/main/accuracy', 'top-1 accuracy', [32],
@@ -88,8 +100,9 @@ STUDIES = collections.OrderedDict((s.name, s) for s in [
            'Dyn-LS (interval 10)': ('71.39', '76.12'),
            'GS': ('71.48', '76.07')},
           ['paper ResNet-18', 'paper ResNet-50']),
-    Study('segmentation', 'SegNetBasic on the embedded segmentation data '
-          '(32x48)', 'examples/segnet/train.py', 'validation/main/miou',
+    Study('segmentation', 'Table 3', 'SegNetBasic on the embedded '
+          'segmentation data (32x48)', 'examples/segnet/train.py',
+          'validation/main/miou',
           'mIoU', [4],
           ['--iteration', '200', '--eval-interval', '50',
            '--update-interval', '10'],
@@ -100,8 +113,9 @@ STUDIES = collections.OrderedDict((s.name, s) for s in [
     # The loss normalised as for the paper's batch (12 x 360 x 480 pixels,
     # lr and weight decay compensated): FP32 training is the same, but the
     # softmax gradients are as small as at the paper's scale.
-    Study('segmentation-paper-loss', 'SegNetBasic on the embedded '
-          'segmentation data, loss normalised as for 12x360x480 pixels',
+    Study('segmentation-paper-loss', 'Table 3, paper-scale loss',
+          'SegNetBasic on the embedded segmentation data, loss normalised '
+          'as for 12x360x480 pixels',
           'examples/segnet/train.py', 'validation/main/miou', 'mIoU', [4],
           ['--iteration', '200', '--eval-interval', '50',
            '--update-interval', '10', '--loss-pixels', '2073600'],
@@ -111,11 +125,8 @@ STUDIES = collections.OrderedDict((s.name, s) for s in [
 ])
 
 
-FORMAT_NAMES = {'sim-fp16': 'float16', 'sim-fp8-e5m2': 'FP8 E5M2'}
-
-
-def log(*args):
-    print(time.strftime('%H:%M:%S'), *args, flush=True)
+FORMAT_NAMES = {'sim-fp16': 'float16', 'sim-fp8-e5m2': 'FP8 E5M2',
+                's2fp8': 'S2FP8'}
 
 
 def slug(text):
@@ -141,10 +152,15 @@ class Run(object):
         return '{} {} batch {} seed {}'.format(
             self.study.name, self.variant.name, self.batchsize, self.seed)
 
+    @property
+    def precision(self):
+        if self.variant.args[1] == 'fp32':
+            return 'fp32'
+        return self.variant.precision or self.study.precision
+
     def argv(self):
-        precision = (['--precision', self.study.precision,
-                      '--count-underflow']
-                     if self.variant.args[1] != 'fp32' else [])
+        precision = (['--precision', self.precision, '--count-underflow']
+                     if self.precision != 'fp32' else [])
         return ([sys.executable, os.path.join(ROOT, self.study.script)]
                 + self.study.common + self.variant.args + precision
                 + ['--batchsize', str(self.batchsize), '--seed',
@@ -201,6 +217,8 @@ class Run(object):
                   errors='replace') as f:
             stdout = f.read()
         skips = re.findall(r'\((\d+) skipped steps\)', stdout)
+        # The start line says which data were used (after a fall-back).
+        data = re.findall(r' on (\S+) data: ', stdout)
         curve = [(e['iteration'], e[self.study.metric]) for e in entries
                  if self.study.metric in e]
         losses = [e['main/loss'] for e in entries if 'main/loss' in e]
@@ -214,6 +232,7 @@ class Run(object):
                 'skipped_steps': int(skips[-1]) if skips else None,
                 'final_loss': losses[-1] if losses else None,
                 'underflow': float(np.mean(lost)) if lost else None,
+                'data': data[0] if data else None,
                 'command': self.command()}
 
 
@@ -317,42 +336,73 @@ def best_fixed(study, stats, batchsize):
 
 
 def write_summary(study, records, path, command, runs_dir, wall):
+    """The study's Markdown table (``path``) from its finished runs."""
     stats = aggregate(records)
-    seeds = sorted({r['seed'] for r in records})
     batchsizes = [b for b in study.batchsizes
                   if any(r['batchsize'] == b for r in records)]
+    lines = (_description(study, records, command, runs_dir, wall)
+             + _table(study, stats, batchsizes))
+    if any(v.loss_scale is not None for v in study.variants):
+        best = [best_fixed(study, stats, b) for b in batchsizes]
+        lines += ['', 'Best Fixed-LS: ' + ', '.join(
+            'batch {}: {}'.format(b, name) for b, name in
+            zip(batchsizes, best)) + '.']
+    with open(path, 'w') as f:
+        f.write('\n'.join(lines) + '\n')
+    print('\n'.join(lines))
+    return stats
+
+
+def _precisions(study):
+    """How the summary names the low precision its runs simulate."""
+    names = []
+    for v in study.variants:
+        precision = v.precision or study.precision
+        if v.args[1] != 'fp32' and precision not in names:
+            names.append(precision)
+    if len(names) == 1:
+        return '`--precision {}`: values rounded to {}'.format(
+            names[0], FORMAT_NAMES[names[0]])
+    return 'each variant\'s `--precision`: values rounded to {}'.format(
+        ', '.join(FORMAT_NAMES[n] for n in names))
+
+
+def _description(study, records, command, runs_dir, wall):
+    seeds = sorted({r['seed'] for r in records})
     example = next((r for r in records if r['variant'] == 'GS'), records[0])
+    real = sorted({r.get('data') for r in records} - {None, 'embedded'})
     lines = [
-        '# {} ({}) at CPU scale: {}'.format(
-            {'detection': 'Table 2 / Figure 1',
-             'detection-fp8': 'Table 2 / Figure 1 in FP8',
-             'classification': 'Table 1',
-             'segmentation': 'Table 3',
-             'segmentation-paper-loss': 'Table 3, paper-scale loss'}[
-                 study.name], study.name,
-            study.title), '',
+        '# {} ({}) at CPU scale: {}'.format(study.table, study.name,
+                                            study.title), '',
         'Command: `{}`'.format(command), '',
         'Each cell: {} in percent after the last iteration, mean ± '
-        'standard deviation over seeds {} (each seed: its own generated '
-        'data, initial weights and batch order, the same for every '
-        'variant); "diverged": runs whose loss became NaN; skipped: mean '
-        'steps skipped for overflow per run; lost: mean fraction of the '
-        'non-zero gradient values (entering and leaving every GEMM) that '
-        'rounding turned into zeros, over the run (`--count-underflow`). '
-        'Low precision is simulated in FP32 (`--precision {}`: values '
-        'rounded to {} where mixed precision stores them); real float16 on '
-        'a CPU would be 60-115x slower. Evaluation runs in FP32.'.format(
-            study.metric_label, ', '.join(map(str, seeds)), study.precision,
-            FORMAT_NAMES[study.precision]), '',
+        'standard deviation over seeds {} (each seed: its own {}initial '
+        'weights and batch order, the same for every variant); '
+        '"diverged": runs whose loss became NaN; skipped: mean steps '
+        'skipped for overflow per run; lost: mean fraction of the non-zero '
+        'gradient values (entering and leaving every GEMM) that rounding '
+        'turned into zeros, over the run (`--count-underflow`). Low '
+        'precision is simulated in FP32 ({} where mixed precision stores '
+        'them); real float16 on a CPU would be 60-115x slower. Evaluation '
+        'runs in FP32.'.format(
+            study.metric_label, ', '.join(map(str, seeds)),
+            '' if real else 'generated data, ', _precisions(study)), '',
         'Every run is `python {}` with, for {}: `{}`'.format(
             study.script, example['variant'],
-            example['command'].split(' ', 1)[1]), '',
+            example['command'].split(' ', 1)[1]), '']
+    if real:
+        lines += ['Data: {} (as the runs\' start lines say).'.format(
+            ', '.join(real)), '']
+    return lines + [
         'Machine: CPU only, 2 cores, one thread per run and two runs at a '
         'time. Total CPU time of the runs: {:.0f} min; wall time of this '
         'invocation (finished runs are reused): {:.0f} min. Logs: `{}`.'
         .format(sum(r['seconds'] for r in records) / 60, wall / 60,
                 os.path.relpath(os.path.join(runs_dir, study.name), ROOT)),
         '']
+
+
+def _table(study, stats, batchsizes):
     header = ['variant']
     seeds_per_batch = {}
     for b in batchsizes:
@@ -363,8 +413,7 @@ def write_summary(study, records, path, command, runs_dir, wall):
                        else ''),
                    'skipped (b{})'.format(b), 'lost (b{})'.format(b)]
     header += study.paper_columns
-    lines += ['| ' + ' | '.join(header) + ' |',
-              '|' + '---|' * len(header)]
+    lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
     for v in study.variants:
         row = [v.name]
         for b in batchsizes:
@@ -379,31 +428,12 @@ def write_summary(study, records, path, command, runs_dir, wall):
         row += list(study.paper.get(v.name, ('',) * len(
             study.paper_columns)))
         lines.append('| ' + ' | '.join(row) + ' |')
-    if any(v.loss_scale is not None for v in study.variants):
-        best = [best_fixed(study, stats, b) for b in batchsizes]
-        lines += ['', 'Best Fixed-LS: ' + ', '.join(
-            'batch {}: {}'.format(b, name) for b, name in
-            zip(batchsizes, best)) + '.']
-    with open(path, 'w') as f:
-        f.write('\n'.join(lines) + '\n')
-    print('\n'.join(lines))
-    return stats
+    return lines
 
 
 RUN_FIELDS = ['study', 'variant', 'batchsize', 'seed', 'metric',
               'skipped_steps', 'final_loss', 'underflow', 'seconds',
-              'returncode', 'curve', 'command']
-
-
-def write_csv(path, rows):
-    """``rows`` (dicts with the same keys) as CSV, replacing ``path`` whole."""
-    tmp = path + '.tmp'
-    with open(tmp, 'w', newline='') as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]),
-                                lineterminator='\n')
-        writer.writeheader()
-        writer.writerows(rows)
-    os.replace(tmp, path)
+              'returncode', 'curve', 'data', 'command']
 
 
 def write_runs_csv(records, path):
@@ -428,9 +458,7 @@ def mean_curve(records, variant, batchsize):
 
 
 def plot(study, records, stats, path):
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     batchsizes = [b for b in study.batchsizes
                   if any(r['batchsize'] == b for r in records)]
     fixed = [v for v in study.variants if v.loss_scale is not None
@@ -506,29 +534,54 @@ def plot(study, records, stats, path):
     plt.close(fig)
 
 
-def run_studies(names, seeds, jobs, out, runs_dir, command, variants=None,
-                batchsizes=None, extra_args=(), train=True):
-    """Trains what is missing, then writes each study's table and plot
-    from the finished runs (``train=False``: only writes them)."""
+def add_arguments(group):
+    """The options of the training studies."""
+    group.add_argument('--seeds', type=int, nargs='+', default=[0, 1],
+                       help='training studies: seeds (each its own data '
+                       'and initialisation)')
+    group.add_argument('--jobs', type=int, default=os.cpu_count() or 1,
+                       help='training studies: runs at a time, one thread '
+                       'each (default: the number of CPUs)')
+    group.add_argument('--runs-dir',
+                       default=os.path.join(ROOT, 'result', 'reproduce'),
+                       help='training studies: where runs keep their logs')
+    group.add_argument('--variants', nargs='+', default=None,
+                       help='training studies: only these variants (names '
+                       'as in the tables, e.g. GS "Fixed-LS (128)")')
+    group.add_argument('--batchsizes', type=int, nargs='+', default=None,
+                       help='training studies: only these batch sizes')
+    group.add_argument('--run-args', default='',
+                       help='training studies: arguments appended to every '
+                       'run\'s command, e.g. "--iteration 20" (a finished '
+                       'run is reused only for the same command)')
+    group.add_argument('--summarise-only', action='store_true',
+                       help='training studies: write the tables and plots '
+                       'from the finished runs, train nothing')
+
+
+def run_studies(studies, args, command):
+    """Trains what is missing of ``studies`` (seed by seed, ``--jobs`` at a
+    time), then writes each one's table, runs CSV and plot from its
+    finished runs (``--summarise-only``: only writes them)."""
     start = time.time()
-    studies = [STUDIES[n] for n in names]
-    if batchsizes:
+    if args.batchsizes:
         studies = [s._replace(batchsizes=[b for b in s.batchsizes
-                                          if b in batchsizes]
-                              or list(batchsizes)) for s in studies]
-    runs = plan(studies, seeds, runs_dir, variants, extra_args)
-    if train:
-        execute(runs, jobs)
-    else:
+                                          if b in args.batchsizes]
+                              or list(args.batchsizes)) for s in studies]
+    runs = plan(studies, args.seeds, args.runs_dir, args.variants,
+                args.run_args.split())
+    if args.summarise_only:
         log('{} of {} planned runs finished; not training the others'.format(
             sum(r.finished() for r in runs), len(runs)))
+    else:
+        execute(runs, args.jobs)
     for study in studies:
         records = [r.load() for r in runs if r.study.name == study.name
                    and r.finished()]
         if not records:
             continue
-        base = os.path.join(out, study.name)
+        base = os.path.join(args.out, study.name)
         stats = write_summary(study, records, base + '.md', command,
-                              runs_dir, time.time() - start)
+                              args.runs_dir, time.time() - start)
         write_runs_csv(records, base + '_runs.csv')
         plot(study, records, stats, base + '.png')
