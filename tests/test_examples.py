@@ -144,7 +144,6 @@ def test_smoke(example, scaling, tmp_path, capsys):
         assert len(rows) > 2
 
 
-
 @pytest.mark.parametrize('example', sorted(SMOKE))
 def test_same_seed_same_run(example, tmp_path):
     """--seed fixes the run: ChainerCV's augmentation draws from Python's
@@ -159,7 +158,6 @@ def test_same_seed_same_run(example, tmp_path):
         run(example, out, '--scaling', 'none', '--seed', '3')
         losses.append([entry['main/loss'] for entry in read_log(out)])
     assert losses[0] == losses[1] == losses[2]
-
 
 
 # Each script's own options, in the order --help lists them, with their
