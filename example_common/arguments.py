@@ -26,7 +26,7 @@ import chainer
 
 from gradient_scaling import training as gs_training
 
-__all__ = ['make_parser', 'add_embedded_size', 'add_run_options',
+__all__ = ['make_parser', 'add_dataset', 'add_embedded_size', 'add_run_options',
            'check_options', 'apply_defaults', 'seed_generators',
            'use_device']
 
@@ -41,6 +41,23 @@ def make_parser(doc):
     return argparse.ArgumentParser(
         description=doc.split('\n\n')[0],
         formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def add_dataset(parser, real):
+    """``--dataset``: ``embedded`` (the default) or one of ``real``.
+
+    Args:
+        parser (argparse.ArgumentParser): Gets the option.
+        real (list): ``(name, description)`` of each real dataset, in the
+            order ``--help`` lists them.
+
+    """
+    parser.add_argument('--dataset',
+                        choices=('embedded',) + tuple(n for n, _ in real),
+                        default='embedded',
+                        help='; '.join(['embedded: generated shapes, no '
+                                        'download'] + ['{}: {}'.format(*r)
+                                                       for r in real]))
 
 
 def add_embedded_size(parser, n_train, n_test):

@@ -8,37 +8,59 @@ broken raise :class:`~example_common.errors.DatasetError`, naming the file,
 and stop the run.
 
 >>> train, test, names = data.real_or_embedded(
-...     args, {'camvid': load_camvid}, load_embedded)
+...     args, {'camvid': load_camvid}, ShapesSegmentationDataset,
+...     (EMBEDDED_DEFAULTS, CAMVID_DEFAULTS))
 >>> train_iter, test_iter = data.iterators(train, test, 8, args.loaderjob)
 """
 
 import chainer
 
+from example_common.arguments import apply_defaults
 from example_common.errors import DatasetNotFound
 
 __all__ = ['real_or_embedded', 'iterators']
 
 
-def real_or_embedded(args, loaders, load_embedded, log=print):
-    """``loaders[args.dataset](args)``; the embedded data if it is absent.
+def real_or_embedded(args, loaders, embedded, defaults=None, log=print,
+                     **options):
+    """The datasets ``args.dataset`` names, or the embedded ones if absent.
+
+    Then the options left ``None`` take the defaults of the data actually
+    used (:func:`~example_common.arguments.apply_defaults`): after a
+    fall-back, those of the embedded data.
 
     Args:
-        args (argparse.Namespace): Its ``dataset`` names the loader; set to
-            ``'embedded'`` on a fall-back (the schedule defaults then follow
-            the embedded data).
+        args (argparse.Namespace): Its ``dataset`` names the loader (set to
+            ``'embedded'`` on a fall-back); its ``embedded_size`` (if the
+            script has that option) and ``seed`` choose the embedded data.
         loaders (dict): Dataset name to a function of ``args`` that returns
             ``(train, test, label_names)`` or raises ``DatasetNotFound``.
-        load_embedded: Function of ``args``, the same triple.
+        embedded: A dataset class of :mod:`embedded_datasets`, called with
+            the split, ``size``, ``seed`` and ``options``.
+        defaults (tuple of dict): The embedded data's defaults and the real
+            data's; ``None`` leaves them to the caller.
         log: Prints the fall-back message (under MPI: rank 0's print).
 
+    Returns:
+        tuple: ``(train, test, label_names)``.
+
     """
+    datasets = None
     if args.dataset != 'embedded':
         try:
-            return loaders[args.dataset](args)
+            datasets = loaders[args.dataset](args)
         except DatasetNotFound as e:
             log('{}\nFalling back to the embedded dataset.'.format(e))
             args.dataset = 'embedded'
-    return load_embedded(args)
+    if datasets is None:
+        n_train, n_test = getattr(args, 'embedded_size', None) or (None,
+                                                                   None)
+        train = embedded('train', size=n_train, seed=args.seed, **options)
+        test = embedded('test', size=n_test, seed=args.seed, **options)
+        datasets = train, test, train.label_names
+    if defaults is not None:
+        apply_defaults(args, *defaults)
+    return datasets
 
 
 def iterators(train, test, batchsize, loaderjob, parallel_test=False):

@@ -24,7 +24,6 @@ import pytest
 
 from embedded_datasets import ShapesDetectionDataset
 from embedded_datasets import ShapesSegmentationDataset
-from example_common import arguments
 from example_common.errors import DatasetError
 from gradient_scaling.scalers import SCALING_MODES
 
@@ -446,8 +445,6 @@ def test_segnet_falls_back_when_camvid_is_absent(tmp_path, capsys):
     args = segnet.parse_args(['--dataset', 'camvid', '--data-dir',
                               str(tmp_path / 'nowhere')])
     train, test, names = segnet.load_datasets(args)
-    arguments.apply_defaults(args, segnet.EMBEDDED_DEFAULTS,
-                             segnet.CAMVID_DEFAULTS)
     assert 'Falling back to the embedded dataset' in capsys.readouterr().out
     assert args.dataset == 'embedded' and len(names) == 4
     # The embedded schedule, not CamVid's 16000 iterations.

@@ -166,12 +166,9 @@ class Subtract(object):
 
 def parse_args(argv=None):
     parser = arguments.make_parser(__doc__)
-    parser.add_argument('--dataset', choices=('embedded', 'fashion-mnist',
-                                              'cifar10'),
-                        default='embedded',
-                        help='embedded: generated shapes, no download; '
-                        'fashion-mnist: the Debian package\'s files; '
-                        'cifar10: Chainer\'s cached cifar-10.npz')
+    arguments.add_dataset(parser, [
+        ('fashion-mnist', 'the Debian package\'s files'),
+        ('cifar10', 'Chainer\'s cached cifar-10.npz')])
     parser.add_argument('--data-dir', default=None,
                         help='fashion-mnist: the directory of the *-ubyte.gz '
                         'files (default: {}); cifar10: the directory of '
@@ -215,18 +212,13 @@ def load_cifar10(args):
     return train, test, cifar10_label_names
 
 
-def load_embedded(args):
-    n_train, n_test = args.embedded_size or (None, None)
-    train = ShapesClassificationDataset('train', n_train, seed=args.seed)
-    test = ShapesClassificationDataset('test', n_test, seed=args.seed)
-    return train, test, train.label_names
-
-
 def load_datasets(args):
-    """(train, test, label_names); falls back to embedded data, saying so."""
+    """(train, test, label_names): Fashion-MNIST, CIFAR-10 or, when the
+    chosen data are not installed, the embedded shapes (said so); the
+    schedule follows the data used."""
     return data.real_or_embedded(
         args, {'fashion-mnist': load_fashion_mnist, 'cifar10': load_cifar10},
-        load_embedded)
+        ShapesClassificationDataset, (EMBEDDED_DEFAULTS, REAL_DEFAULTS))
 
 
 def read_cifar10(path, chainer_cache):
@@ -249,7 +241,6 @@ def main(argv=None):
     arguments.seed_generators(args.seed)
     config = gs_training.ScalingConfig.from_args(args)
     train, test, label_names = load_datasets(args)
-    arguments.apply_defaults(args, EMBEDDED_DEFAULTS, REAL_DEFAULTS)
 
     with config.model_dtype():
         model = ARCHS[args.arch](n_class=len(label_names))

@@ -167,11 +167,9 @@ class WarmupStepSchedule(training.Extension):
 
 def parse_args(argv=None):
     parser = arguments.make_parser(__doc__)
-    parser.add_argument('--dataset', choices=('embedded', 'imagenet'),
-                        default='embedded',
-                        help='embedded: generated shapes, no download; '
-                        'imagenet: class folders under --data-dir/train '
-                        'and --data-dir/val')
+    arguments.add_dataset(parser, [
+        ('imagenet', 'class folders under --data-dir/train and '
+         '--data-dir/val')])
     parser.add_argument('--data-dir', default=None,
                         help='imagenet: the directory holding train/ and '
                         'val/, one sub-directory of images per class')
@@ -262,25 +260,20 @@ def load_imagenet(args):
     return datasets[0], datasets[1], label_names
 
 
-def load_embedded(args):
-    n_train, n_test = args.embedded_size or (None, None)
-    size = (EMBEDDED_DEFAULTS['insize'],) * 2
-    train = ShapesClassificationDataset('train', n_train, size, args.seed)
-    val = ShapesClassificationDataset('test', n_test, size, args.seed)
-    return train, val, train.label_names
-
-
 def load_datasets(args, comm, log):
     """(train, val, label_names) on rank 0, (None, None, label_names) on the
     others; the embedded data when ImageNet is absent.
 
-    Every rank raises rank 0's DatasetError.
+    Every rank raises rank 0's DatasetError, and takes the schedule
+    defaults of the data rank 0 uses.
     """
     train, val, label_names, error = None, None, None, None
     if comm is None or comm.rank == 0:
         try:
             train, val, label_names = data.real_or_embedded(
-                args, {'imagenet': load_imagenet}, load_embedded, log)
+                args, {'imagenet': load_imagenet},
+                ShapesClassificationDataset, log=log,
+                image_size=(EMBEDDED_DEFAULTS['insize'],) * 2)
         except DatasetError as e:
             error = str(e)
     if comm is not None:
@@ -288,6 +281,7 @@ def load_datasets(args, comm, log):
             (args.dataset, label_names, error) if comm.rank == 0 else None)
     if error is not None:
         raise DatasetError(error)
+    arguments.apply_defaults(args, EMBEDDED_DEFAULTS, IMAGENET_DEFAULTS)
     return train, val, label_names
 
 
@@ -357,7 +351,6 @@ def main(argv=None):
     arguments.seed_generators(args.seed + rank)
     config = gs_training.ScalingConfig.from_args(args)
     train, val, label_names = load_datasets(args, comm, log)
-    arguments.apply_defaults(args, EMBEDDED_DEFAULTS, IMAGENET_DEFAULTS)
 
     with config.model_dtype():
         model = build_model(args, len(label_names))

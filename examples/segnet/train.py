@@ -125,10 +125,8 @@ def random_flip(in_data):
 
 def parse_args(argv=None):
     parser = arguments.make_parser(__doc__)
-    parser.add_argument('--dataset', choices=('embedded', 'camvid'),
-                        default='embedded',
-                        help='embedded: generated shapes, no download; '
-                        'camvid: CamVid in ChainerCV\'s layout')
+    arguments.add_dataset(parser, [
+        ('camvid', 'CamVid in ChainerCV\'s layout')])
     parser.add_argument('--data-dir', default=None,
                         help='camvid: the directory holding train.txt, '
                         'train/, trainannot/... (default: $CHAINER_DATASET_'
@@ -203,20 +201,12 @@ def load_camvid(args):
             camvid_label_names)
 
 
-def load_embedded(args):
-    n_train, n_test = args.embedded_size or (None, None)
-    train = ShapesSegmentationDataset(
-        'train', size=n_train, image_size=EMBEDDED_IMAGE_SIZE,
-        seed=args.seed)
-    test = ShapesSegmentationDataset(
-        'test', size=n_test, image_size=EMBEDDED_IMAGE_SIZE, seed=args.seed)
-    return train, test, train.label_names
-
-
 def load_datasets(args):
-    """(train, test, label_names); falls back to embedded data, saying so."""
-    return data.real_or_embedded(args, {'camvid': load_camvid},
-                                 load_embedded)
+    """(train, test, label_names) of CamVid, or of the embedded scenes when
+    CamVid is absent (said so), whose defaults the schedule then takes."""
+    return data.real_or_embedded(
+        args, {'camvid': load_camvid}, ShapesSegmentationDataset,
+        (EMBEDDED_DEFAULTS, CAMVID_DEFAULTS), image_size=EMBEDDED_IMAGE_SIZE)
 
 
 def load_class_weight(args, train, n_class):
@@ -258,7 +248,6 @@ def main(argv=None):
     arguments.seed_generators(args.seed)
     config = gs_training.ScalingConfig.from_args(args)
     train, test, label_names = load_datasets(args)
-    arguments.apply_defaults(args, EMBEDDED_DEFAULTS, CAMVID_DEFAULTS)
     class_weight = load_class_weight(args, train, len(label_names))
     # --loss-pixels: the loss as for a batch of that many pixels.
     pixels = args.batchsize * int(np.prod(train[0][1].shape))

@@ -147,12 +147,10 @@ class Transform(object):
 
 def parse_args(argv=None):
     parser = arguments.make_parser(__doc__)
-    parser.add_argument('--dataset', choices=('embedded', 'voc',
-                                              'voc-format'),
-                        default='embedded',
-                        help='embedded: generated shapes, no download; voc: '
-                        'VOC07+12 trainval, VOC07 test; voc-format: any VOC-'
-                        'layout directory (--data-dir, --label-names)')
+    arguments.add_dataset(parser, [
+        ('voc', 'VOC07+12 trainval, VOC07 test'),
+        ('voc-format', 'any VOC-layout directory (--data-dir, '
+         '--label-names)')])
     parser.add_argument('--data-dir', default=None,
                         help='voc: the directory holding VOCdevkit/ '
                         '(default: $CHAINER_DATASET_ROOT/pfnet/chainercv/'
@@ -211,17 +209,13 @@ def load_voc_format(args):
     return train, test, names
 
 
-def load_embedded(args):
-    train = ShapesDetectionDataset('train', seed=args.seed)
-    test = ShapesDetectionDataset('test', seed=args.seed)
-    return train, test, train.label_names
-
-
 def load_datasets(args):
-    """(train, test, label_names); falls back to embedded data, saying so."""
+    """(train, test, label_names): VOC, a VOC-layout directory, or the
+    embedded shapes when VOC is absent (said so); then the schedule and
+    model defaults of the data used."""
     return data.real_or_embedded(
         args, {'voc': load_voc, 'voc-format': load_voc_format},
-        load_embedded)
+        ShapesDetectionDataset, (EMBEDDED_DEFAULTS, VOC_DEFAULTS))
 
 
 def build_model(args, n_fg_class):
@@ -251,8 +245,6 @@ def main(argv=None):
     arguments.seed_generators(args.seed)
     config = gs_training.ScalingConfig.from_args(args)
     train, test, label_names = load_datasets(args)
-    # After a fall-back to the embedded data, their defaults apply.
-    arguments.apply_defaults(args, EMBEDDED_DEFAULTS, VOC_DEFAULTS)
 
     with config.model_dtype():
         model = build_model(args, len(label_names))
