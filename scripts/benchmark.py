@@ -86,6 +86,7 @@ from gradient_scaling import training
 
 from benchmarking.cases import CASES
 from benchmarking.cases import gradient_like_tensor
+from benchmarking.cases import statistics_operations
 
 MODELS = ('small_cnn', 'resnet50', 'ssd300')
 INTERVALS = (1, 10, 100)
@@ -343,14 +344,7 @@ def _quartiles(values):
 def statistics_rows(size, dtype, repeat, device):
     """Alternated timings of the statistics next to a copy of the tensor."""
     x, synchronize = gradient_like_tensor(size, dtype, device, 0)
-    operations = [
-        ('copy', lambda: x.copy()),
-        ('tensor_statistics(log=False)',
-         lambda: statistics.tensor_statistics(x, log=False)),
-        ('tensor_statistics(log=True)',
-         lambda: statistics.tensor_statistics(x, log=True)),
-        ('max_abs', lambda: statistics.max_abs(x)),
-    ]
+    operations = statistics_operations(x)
     times = {name: [] for name, _ in operations}
     for _, fn in operations:
         fn()

@@ -15,11 +15,11 @@ Targets (issue #4): ratio <= 1.10 at update_interval=1 and <= 1.03 at 100.
 
 import gradient_scaling  # NOQA: restores what Chainer needs, first
 
-import argparse
 import time
 
 import numpy as np
 
+from benchmarking.alternate import make_parser
 from benchmarking.alternate import ratio_rows
 from benchmarking.alternate import time_alternately
 from benchmarking.alternate import write_table
@@ -55,17 +55,10 @@ def run_case(name, batch, intervals, repeat, measure):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument('--models', nargs='+', default=['small_cnn', 'ssd300'],
-                        choices=sorted(SHAPES))
-    parser.add_argument('--batch', type=int, default=None,
-                        help='default: 32 for small_cnn, 1 for ssd300')
+    parser = make_parser(__doc__, SHAPES, ['small_cnn', 'ssd300'], repeat=5)
     parser.add_argument('--update-intervals', type=int, nargs='+',
                         default=[1, 100])
-    parser.add_argument('--repeat', type=int, default=5)
     parser.add_argument('--measure-underflow', action='store_true')
-    parser.add_argument('--out', default=None,
-                        help='also write the table (Markdown) here')
     args = parser.parse_args()
 
     rows = []

@@ -14,7 +14,6 @@ Target: simulated FP16 / FP32 <= 1.5.
 
 import gradient_scaling  # NOQA: restores what Chainer needs, first
 
-import argparse
 import contextlib
 import time
 
@@ -25,6 +24,7 @@ import chainer
 from gradient_scaling.s2fp8 import S2FP8Simulation
 from gradient_scaling.simulation import LowPrecisionSimulation
 
+from benchmarking.alternate import make_parser
 from benchmarking.alternate import ratio_rows
 from benchmarking.alternate import time_alternately
 from benchmarking.alternate import write_table
@@ -65,16 +65,9 @@ def run_case(name, batch, variant_names, repeat):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument('--models', nargs='+', default=['small_cnn', 'segnet'],
-                        choices=sorted(SHAPES))
-    parser.add_argument('--batch', type=int, default=None,
-                        help='default: 32 for small_cnn, 2 for segnet')
+    parser = make_parser(__doc__, SHAPES, ['small_cnn', 'segnet'], repeat=7)
     parser.add_argument('--variants', nargs='+', default=['sim-fp16'],
                         choices=sorted(VARIANTS))
-    parser.add_argument('--repeat', type=int, default=7)
-    parser.add_argument('--out', default=None,
-                        help='also write the table (Markdown) here')
     args = parser.parse_args()
 
     rows = []

@@ -7,9 +7,27 @@ comparison.  ``scripts/benchmark.py`` does more (CPU time, per-round
 ratios, memory) for the training iteration.
 """
 
+import argparse
 import statistics
 
-__all__ = ['time_alternately', 'ratio_rows', 'write_table']
+__all__ = ['make_parser', 'time_alternately', 'ratio_rows', 'write_table']
+
+
+def make_parser(doc, shapes, default_models, repeat):
+    """The options both side-by-side benchmarks have: ``--models``
+    (the keys of ``shapes``), ``--batch`` (default: each model's),
+    ``--repeat`` and ``--out``; a script adds its variants' options."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument('--models', nargs='+', default=list(default_models),
+                        choices=sorted(shapes))
+    parser.add_argument('--batch', type=int, default=None,
+                        help='default: ' + ', '.join(
+                            '{} for {}'.format(batch, name)
+                            for name, (batch, _) in shapes.items()))
+    parser.add_argument('--repeat', type=int, default=repeat)
+    parser.add_argument('--out', default=None,
+                        help='also write the table (Markdown) here')
+    return parser
 
 
 def time_alternately(variants, time_one, repeat, name):

@@ -14,9 +14,10 @@ import chainer
 import chainer.functions as F
 
 from chainer_links import SmallCNN
+from gradient_scaling import statistics
 
 __all__ = ['Classification', 'MultiboxTraining', 'CASES',
-           'gradient_like_tensor']
+           'gradient_like_tensor', 'statistics_operations']
 
 
 class Classification(chainer.Chain):
@@ -109,3 +110,17 @@ def gradient_like_tensor(size, dtype, device, seed):
         import cupy
         return cupy.asarray(x), cupy.cuda.Device().synchronize
     return x, lambda: None
+
+
+def statistics_operations(x):
+    """``(name, function)`` of what the statistics throughput compares: a
+    copy of ``x`` (memory speed), the GEMM rule's statistics
+    (``log=False``), the cast rule's (``log=True``) and ``max_abs``."""
+    return [
+        ('copy', lambda: x.copy()),
+        ('tensor_statistics(log=False)',
+         lambda: statistics.tensor_statistics(x, log=False)),
+        ('tensor_statistics(log=True)',
+         lambda: statistics.tensor_statistics(x, log=True)),
+        ('max_abs', lambda: statistics.max_abs(x)),
+    ]
