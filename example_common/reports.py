@@ -44,7 +44,8 @@ class DtypeEvaluator(training.Extension):
 
     A mixed16 model has FP16 weights and must be evaluated under
     ``chainer.mixed16``; simulated precisions train FP32 weights and are
-    evaluated in FP32.
+    evaluated in FP32 (the simulation hook is active in training steps
+    only: docs/DESIGN.md, 4).
 
     .. admonition:: Example
 

@@ -22,7 +22,8 @@ keep their share of it.  Fashion-MNIST's 28x28 images are padded to 32x32
 and replicated to three channels.  The embedded data (10 classes of shapes,
 32x32) uses a short schedule.  When the chosen data are absent the script
 says so and trains on the embedded data.  On a CPU, mixed precision is
-simulated (``--precision sim-fp16``) unless ``--precision`` says otherwise.
+simulated (``--precision sim-fp16``) unless ``--precision`` says otherwise
+(docs/DESIGN.md, 4 and 5.3).
 """
 
 import gradient_scaling  # NOQA: restores what Chainer needs, first

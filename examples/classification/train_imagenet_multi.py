@@ -31,7 +31,8 @@ gradients at one common scale; only rank 0 prints and writes.  Started
 without mpiexec, it trains in one process without ChainerMN.  On a CPU,
 mixed precision is simulated (``--precision sim-fp16``) unless
 ``--precision`` says otherwise: real float16 arithmetic in NumPy is 60-115x
-slower.  Nothing is downloaded.
+slower (docs/DESIGN.md, 5.3; how the simulation works: 4).  Nothing is
+downloaded.
 """
 
 import gradient_scaling  # NOQA: restores what Chainer needs, first

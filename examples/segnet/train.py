@@ -21,7 +21,8 @@ layout (train/ trainannot/ val/ valannot/ test/ testannot/ and the
 {train,val,test}.txt lists); when it is absent the script says so and
 trains on the embedded data.  On a CPU, mixed precision is simulated
 (``--precision sim-fp16``) unless ``--precision`` says otherwise: real
-float16 arithmetic in NumPy is 60-115x slower.
+float16 arithmetic in NumPy is 60-115x slower (docs/DESIGN.md, 5.3; how
+the simulation works: 4).
 """
 
 import gradient_scaling  # NOQA: restores what Chainer needs, first

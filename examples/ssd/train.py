@@ -20,7 +20,7 @@ steps at 80k and 100k, ChainerCV's augmentation, VOC07 test with the 07
 metric); the embedded data uses a small SSD (64x64) and a short schedule.
 On a CPU, mixed precision is simulated (``--precision sim-fp16``) unless
 ``--precision`` says otherwise: real float16 arithmetic in NumPy is 60-115x
-slower.
+slower (docs/DESIGN.md, 5.3; how the simulation works: 4).
 """
 
 import gradient_scaling  # NOQA: restores what Chainer needs, first

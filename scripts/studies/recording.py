@@ -38,7 +38,8 @@ def gs_updater(model, loss_func, examples, batchsize, update_interval, lr):
     """A ScalingUpdater training ``model`` with GS under simulated FP16.
 
     The simulation is entered before the GS hook (ScalingUpdater does it),
-    so GS scales each gradient before the simulation rounds it.  Batches are
+    so GS's wrapper is the outer one and scales each gradient before the
+    simulation rounds it (docs/DESIGN.md, 4).  Batches are
     ``examples`` in order: update ``i`` sees :func:`batch_of` ``(i)``.
     """
     config = training.ScalingConfig(scaling='gs', precision='sim-fp16',
