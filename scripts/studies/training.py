@@ -458,6 +458,8 @@ def mean_curve(records, variant, batchsize):
 
 
 def plot(study, records, stats, path):
+    """The study's figure: Fixed-LS against the loss scale (when it sweeps
+    several), then the validation curves of each batch size."""
     plt = pyplot()
     batchsizes = [b for b in study.batchsizes
                   if any(r['batchsize'] == b for r in records)]
@@ -469,8 +471,22 @@ def plot(study, records, stats, path):
     fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.4),
                              squeeze=False)
     axes = list(axes[0])
-    styles = ['-', '--', ':']
     letters = iter('abcdef')
+    color = _colours(study)
+    if sweep:
+        _plot_sweep(axes.pop(0), study, stats, fixed, batchsizes, color,
+                    next(letters))
+    for ax, b in zip(axes, batchsizes):
+        _plot_curves(ax, study, records, stats, b, color, next(letters))
+    fig.suptitle(study.title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _colours(study):
+    """Variant name to its colour: FP32 black, GS red, the others in turn.
+    """
     others = [v.name for v in study.variants if v.name not in ('FP32', 'GS')]
     palette = ['C1', 'C0', 'C2', 'C4', 'C5', 'C6', 'C8', 'C9', 'C7']
 
@@ -478,60 +494,59 @@ def plot(study, records, stats, path):
         if name in ('FP32', 'GS'):
             return {'FP32': 'k', 'GS': 'C3'}[name]
         return palette[others.index(name) % len(palette)]
+    return color
 
-    if sweep:
-        ax = axes.pop(0)
-        for b, style in zip(batchsizes, styles):
-            scales, means, stds = [], [], []
-            for v in fixed:
-                cell = stats.get((v.name, b))
-                if cell and cell['values']:
-                    scales.append(v.loss_scale)
-                    means.append(100 * cell['mean'])
-                    stds.append(100 * (0 if math.isnan(cell['std'])
-                                       else cell['std']))
-            if scales:
-                ax.errorbar(scales, means, yerr=stds, marker='o', capsize=3,
-                            linestyle=style, color='C2',
-                            label='Fixed-LS, batch {}'.format(b))
-            for name in ('GS', 'FP32', 'no scaling'):
-                cell = stats.get((name, b))
-                if cell and cell['values']:
-                    ax.axhline(100 * cell['mean'], color=color(name),
-                               linestyle=style, linewidth=1,
-                               label='{}, batch {}'.format(name, b))
-        ax.set_xscale('log', base=2)
-        ax.set_xlabel('loss scale')
-        ax.set_ylabel(study.metric_label + ' (%)')
-        ax.set_title('({}) Fixed-LS against the loss scale, mean ± std'
-                     .format(next(letters)))
-        ax.legend(fontsize=7)
-    for ax, b in zip(axes, batchsizes):
-        shown = ['FP32', 'no scaling'] + [
-            v.name for v in study.variants if v.name.startswith('Dyn-LS')]
-        shown += [best_fixed(study, stats, b), 'GS']
-        for name in shown:
-            if name is None:
-                continue
-            iterations, mean, std = mean_curve(records, name, b)
-            if iterations is None:
-                continue
-            label = name + (' (best Fixed-LS)' if name.startswith('Fixed')
-                            else '')
-            ax.plot(iterations, 100 * mean, marker='.', color=color(name),
-                    label=label)
-            ax.fill_between(iterations, 100 * (mean - std),
-                            100 * (mean + std), color=color(name),
-                            alpha=0.12)
-        ax.set_xlabel('iteration')
-        ax.set_ylabel(study.metric_label + ' (%)')
-        ax.set_title('({}) validation, batch {}, mean ± std over seeds'
-                     .format(next(letters), b))
-        ax.legend(fontsize=7)
-    fig.suptitle(study.title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+
+def _plot_sweep(ax, study, stats, fixed, batchsizes, color, letter):
+    for b, style in zip(batchsizes, ['-', '--', ':']):
+        scales, means, stds = [], [], []
+        for v in fixed:
+            cell = stats.get((v.name, b))
+            if cell and cell['values']:
+                scales.append(v.loss_scale)
+                means.append(100 * cell['mean'])
+                stds.append(100 * (0 if math.isnan(cell['std'])
+                                   else cell['std']))
+        if scales:
+            ax.errorbar(scales, means, yerr=stds, marker='o', capsize=3,
+                        linestyle=style, color='C2',
+                        label='Fixed-LS, batch {}'.format(b))
+        for name in ('GS', 'FP32', 'no scaling'):
+            cell = stats.get((name, b))
+            if cell and cell['values']:
+                ax.axhline(100 * cell['mean'], color=color(name),
+                           linestyle=style, linewidth=1,
+                           label='{}, batch {}'.format(name, b))
+    ax.set_xscale('log', base=2)
+    ax.set_xlabel('loss scale')
+    ax.set_ylabel(study.metric_label + ' (%)')
+    ax.set_title('({}) Fixed-LS against the loss scale, mean ± std'.format(
+        letter))
+    ax.legend(fontsize=7)
+
+
+def _plot_curves(ax, study, records, stats, batchsize, color, letter):
+    """Mean +- std validation curves: every variant but the Fixed-LS
+    sweep's, of which only the best, then GS."""
+    best = best_fixed(study, stats, batchsize)
+    shown = [v.name for v in study.variants
+             if v.loss_scale is None and v.name != 'GS']
+    shown += [name for name in (best, 'GS') if name is not None]
+    for name in shown:
+        iterations, mean, std = mean_curve(records, name, batchsize)
+        if iterations is None:
+            continue
+        label = name + (' (best Fixed-LS)' if name.startswith('Fixed')
+                        else '')
+        ax.plot(iterations, 100 * mean, marker='.', color=color(name),
+                label=label)
+        ax.fill_between(iterations, 100 * (mean - std), 100 * (mean + std),
+                        color=color(name), alpha=0.12)
+    ax.set_xlabel('iteration')
+    ax.set_ylabel(study.metric_label + ' (%)')
+    ax.set_title('({}) validation, batch {}, mean ± std over seeds'.format(
+        letter, batchsize))
+    ax.legend(fontsize=7)
 
 
 def add_arguments(group):
