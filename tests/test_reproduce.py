@@ -27,9 +27,13 @@ def reproduce():
 
 
 @pytest.fixture(scope='module')
-def training_studies(reproduce):
+def studies(reproduce):
+    """scripts/studies/, the package reproduce.py runs."""
+    import studies
+    import studies.runs
+    import studies.summary
     import studies.training
-    return studies.training
+    return studies
 
 
 def test_runs_as_a_command_without_path_edits():
@@ -200,23 +204,24 @@ def test_training_study_resumes_run_by_run(reproduce, tmp_path):
         tmp_path / 'detection_runs.csv')[0]['command']
 
 
-def test_training_study_statistics(training_studies):
-    mc = training_studies
+def test_training_study_statistics(studies):
+    summary = studies.summary
     records = [{'variant': 'GS', 'batchsize': 8, 'metric': m,
                 'skipped_steps': s, 'seconds': 10.0, 'final_loss': loss,
                 'underflow': 0.001}
                for m, s, loss in ((0.5, 0, 1.0), (0.7, 2, math.nan),
                                   (None, 1, None))]
-    cell = mc.aggregate(records)[('GS', 8)]
+    cell = summary.aggregate(records)[('GS', 8)]
     assert cell['values'] == [0.5, 0.7] and cell['n'] == 3
     assert cell['mean'] == pytest.approx(0.6)
     assert cell['std'] == pytest.approx(0.1414214)  # sample std, ddof=1
     assert cell['skips'] == 1 and cell['underflow'] == 0.001
-    assert mc.mean_std(cell) == '60.00 ± 14.14 (1 diverged) (1 failed)'
-    study = mc.STUDIES['detection']
+    assert summary.mean_std(cell) == '60.00 ± 14.14 (1 diverged) (1 failed)'
+    study = studies.training.STUDIES['detection']
     stats = {('Fixed-LS (8)', 8): {'mean': 0.2},
              ('Fixed-LS (128)', 8): {'mean': 0.6},
              ('Fixed-LS (2048)', 8): {'mean': math.nan}}
-    assert mc.best_fixed(study, stats, 8) == 'Fixed-LS (128)'
+    assert summary.best_fixed(study, stats, 8) == 'Fixed-LS (128)'
     with pytest.raises(ValueError, match='unknown variant'):
-        mc.plan([study], [0], '/nonexistent', variants=['Fixed-LS (3)'])
+        studies.runs.plan([study], [0], '/nonexistent',
+                          variants=['Fixed-LS (3)'])

@@ -13,9 +13,11 @@
 * :mod:`studies.s2fp8` (``s2fp8``): one more training study, of
   ``examples/cifar/train.py`` in FP32, FP8, S2FP8 and GS.
 
-:mod:`studies.common` and :mod:`studies.recording` hold what several of
-them use.  The studies call the example scripts and the public API of
-:mod:`gradient_scaling` only.  ``studies`` is a sibling of
+:mod:`studies.runs` (the subprocess runs, resumable) and
+:mod:`studies.summary` (tables, runs CSV, figure) serve the training
+studies; :mod:`studies.common` and :mod:`studies.recording` hold what
+several studies use.  The studies call the example scripts and the
+public API of :mod:`gradient_scaling` only.  ``studies`` is a sibling of
 ``reproduce.py``: ``python scripts/reproduce.py`` finds it as Python finds
 a script's own modules, with no ``sys.path`` edit.
 """
