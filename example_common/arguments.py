@@ -1,16 +1,18 @@
 """The options every example script has, their checks and their defaults.
 
-A script's ``parse_args`` reads in one order: :func:`make_parser`, the script's
-own options (dataset, model, schedule), then :func:`add_run_options` (how
-to run, and the scaling options of
+A script's ``parse_args`` reads in one order: :func:`make_parser`,
+:func:`add_dataset`, the script's own options (data, model, schedule),
+then :func:`add_run_options` (how to run, and the scaling options of
 :func:`gradient_scaling.training.add_arguments`); after parsing,
 :func:`check_options` refuses out-of-range numbers among the shared ones.
 
 Schedule options left at ``None`` take the defaults of the data actually
 used, which is known only after a possible fall-back to the embedded data:
-:func:`apply_defaults`.
+:func:`apply_defaults` (called by
+:func:`example_common.data.real_or_embedded`).
 
 >>> parser = arguments.make_parser(__doc__)
+>>> arguments.add_dataset(parser, [('camvid', 'CamVid')])
 >>> parser.add_argument('--batchsize', type=int, default=None)
 >>> arguments.add_run_options(parser, out='result/mine')
 >>> args = parser.parse_args(argv)
@@ -26,9 +28,9 @@ import chainer
 
 from gradient_scaling import training as gs_training
 
-__all__ = ['make_parser', 'add_dataset', 'add_embedded_size', 'add_run_options',
-           'check_options', 'apply_defaults', 'seed_generators',
-           'use_device']
+__all__ = ['make_parser', 'add_dataset', 'add_embedded_size',
+           'add_run_options', 'check_options', 'apply_defaults',
+           'seed_generators', 'use_device']
 
 # Options that count something: a value below 1 is refused.
 _COUNTS = ('batchsize', 'iteration', 'epoch', 'eval_interval',

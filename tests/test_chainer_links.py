@@ -399,7 +399,8 @@ def test_small_ssd_learns_shapes():
     model = SmallSSD(n_fg_class=3)
     train = chainer.datasets.TransformDataset(
         ShapesDetectionDataset('train'),
-        SSDTrainTransform(model.coder, model.insize, model.mean))
+        load_example('ssd/train.py').Transform(model.coder, model.insize,
+                                               model.mean))
     test = ShapesDetectionDataset('test')
     untrained_map = detection_map(model, test)
     iterator = chainer.iterators.SerialIterator(train, 16)
