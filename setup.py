@@ -42,9 +42,12 @@ setup(
     long_description=__doc__,
     license='MIT',
     python_requires='>=3.9',
+    # example_common: what the example scripts share (examples/*/train*.py
+    # import it as a package, with no sys.path edit).
     packages=find_packages(include=['gradient_scaling', 'gradient_scaling.*',
                                     'chainer_links', 'chainer_links.*',
-                                    'embedded_datasets', 'embedded_datasets.*']),
+                                    'embedded_datasets', 'embedded_datasets.*',
+                                    'example_common', 'example_common.*']),
     install_requires=install_requires,
     extras_require=extras_require,
 )

@@ -13,6 +13,8 @@ from chainer_links.resnet import BasicResBlock
 from chainer_links.resnet import cast_input
 from chainer_links.resnet import global_average_pooling_2d
 
+__all__ = ['CIFARResNet', 'ResNet20', 'ResNet32', 'ResNet56']
+
 
 class CIFARResNet(chainer.Chain):
     """ResNet-(6n+2) for 32x32 images: ResNet-20, -32, -56, -110.

@@ -21,6 +21,9 @@ from chainercv.links import PickableSequentialChain
 import chainercv.links
 from chainercv.links.model.resnet.resnet import _imagenet_mean
 
+__all__ = ['BasicBlock', 'BasicResBlock', 'ResNet18', 'ResNet50', 'cast_input',
+           'global_average_pooling_2d']
+
 
 def global_average_pooling_2d(x):
     """Average over the spatial axes: (B, C, H, W) -> (B, C)."""

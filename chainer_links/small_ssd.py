@@ -14,6 +14,9 @@ from chainercv.links.model.ssd import Multibox
 from chainercv.links.model.ssd import SSD
 from chainercv.links.model.ssd.ssd_vgg16 import _imagenet_mean
 
+__all__ = ['SmallSSDExtractor', 'MixedPrecisionSSDMixin',
+           'mixed_precision_ssd', 'SmallSSD']
+
 
 def _halve(grid):
     # Output size of a 3x3 convolution with stride 2 and padding 1.

@@ -9,10 +9,15 @@ examples and tests train real models within CPU minutes:
 * :class:`ShapesClassificationDataset`: label-dataset format (img, label).
 """
 
-from embedded_datasets.classification import shapes_classification_label_names  # NOQA
-from embedded_datasets.classification import ShapesClassificationDataset  # NOQA
-from embedded_datasets.detection import shapes_label_names  # NOQA
-from embedded_datasets.detection import ShapesDetectionDataset  # NOQA
-from embedded_datasets.segmentation import class_weights  # NOQA
-from embedded_datasets.segmentation import shapes_segmentation_label_names  # NOQA
-from embedded_datasets.segmentation import ShapesSegmentationDataset  # NOQA
+from embedded_datasets.classification import \
+    shapes_classification_label_names
+from embedded_datasets.classification import ShapesClassificationDataset
+from embedded_datasets.detection import shapes_label_names
+from embedded_datasets.detection import ShapesDetectionDataset
+from embedded_datasets.segmentation import class_weights
+from embedded_datasets.segmentation import shapes_segmentation_label_names
+from embedded_datasets.segmentation import ShapesSegmentationDataset
+
+__all__ = ['shapes_classification_label_names', 'ShapesClassificationDataset',
+           'shapes_label_names', 'ShapesDetectionDataset', 'class_weights',
+           'shapes_segmentation_label_names', 'ShapesSegmentationDataset']

@@ -6,6 +6,9 @@ from embedded_datasets.detection import GeneratedDataset
 from embedded_datasets.detection import noisy_background
 from embedded_datasets.detection import shape_mask
 
+__all__ = ['shapes_classification_label_names', 'erode', 'saturated_colour',
+           'ShapesClassificationDataset']
+
 
 _shapes = ('rectangle', 'ellipse', 'triangle', 'diamond', 'cross')
 _styles = ('filled', 'outline')
@@ -55,22 +58,16 @@ class ShapesClassificationDataset(GeneratedDataset):
     :class:`~chainer_links.cifar_resnet.CIFARResNet`'s ``mean``; the BN
     after the first convolution makes further scaling unnecessary.
 
-    Args:
-        split ({'train', 'test'}): Which random stream to draw from.
-        size (int): Number of images; defaults to 2000 (train), 500 (test).
-        image_size (tuple of int): ``(H, W)`` of the images.
-        seed (int): Seed; the same seed gives the same images.
+    Arguments as :class:`~embedded_datasets.detection.GeneratedDataset`'s
+    (``split``, ``size``, ``image_size``, ``seed``); 2000 training and 500
+    test images of 32x32 by default.
     """
 
     label_names = shapes_classification_label_names
     _domain_key = 2
     _default_sizes = {'train': 2000, 'test': 500}
+    _default_image_size = (32, 32)
     _size_range = (0.45, 0.9)
-
-    def __init__(self, split='train', size=None, image_size=(32, 32),
-                 seed=0):
-        super(ShapesClassificationDataset, self).__init__(
-            split, size, image_size, seed)
 
     def get_example(self, i):
         rng = self.rng(i)

@@ -11,6 +11,10 @@ import gradient_scaling  # NOQA: compat must precede chainer
 
 import chainer
 
+__all__ = ['shapes_label_names', 'shape_mask', 'noisy_background',
+           'place_boxes', 'class_colour', 'generate_scene', 'mask_bbox',
+           'GeneratedDataset', 'ShapesDetectionDataset']
+
 
 shapes_label_names = ('rectangle', 'ellipse', 'triangle')
 
@@ -150,27 +154,31 @@ class GeneratedDataset(chainer.dataset.DatasetMixin):
     Example ``i`` is drawn from ``numpy.random.default_rng([seed, domain,
     split, i])``: it depends on nothing else (not on the dataset size, the
     access order or the process), and the three datasets (``domain``) and
-    two splits never share a stream.  Subclasses set ``_domain_key`` and
-    ``_default_sizes`` and implement :meth:`get_example` with :meth:`rng`.
+    two splits never share a stream.  Subclasses set ``_domain_key``,
+    ``_default_sizes`` and ``_default_image_size`` and implement
+    :meth:`get_example` with :meth:`rng`.
 
     Args:
         split ({'train', 'test'}): Which random stream to draw from.
         size (int): Number of examples; ``None`` for the split's default.
-        image_size (tuple of int): ``(H, W)`` of the images.
+        image_size (tuple of int): ``(H, W)`` of the images; ``None`` for
+            the dataset's default.
         seed (int): Seed; the same seed gives the same examples.
     """
 
     _domain_key = None
     _default_sizes = None
+    _default_image_size = None
 
-    def __init__(self, split, size, image_size, seed):
+    def __init__(self, split='train', size=None, image_size=None, seed=0):
         if split not in _splits:
             raise ValueError(
                 'split must be one of {}, got {!r}'.format(_splits, split))
         self._split_key = _splits.index(split)
         self.split = split
         self.size = self._default_sizes[split] if size is None else size
-        self.image_size = tuple(image_size)
+        self.image_size = tuple(self._default_image_size if image_size is None
+                                else image_size)
         self.seed = seed
 
     def __len__(self):
@@ -205,23 +213,17 @@ class ShapesDetectionDataset(GeneratedDataset):
     ``bbox`` float32 (R, 4) ``(y_min, x_min, y_max, x_max)``, ``label``
     int32 (R,) in ``[0, 3)``.
 
-    Args:
-        split ({'train', 'test'}): Which random stream to draw from.
-        size (int): Number of images; defaults to 500 (train), 100 (test).
-        image_size (tuple of int): ``(H, W)`` of the images.
-        seed (int): Seed; the same seed gives the same images.
+    Arguments as :class:`GeneratedDataset`'s (``split``, ``size``,
+    ``image_size``, ``seed``); 500 training and 100 test images of 96x96
+    by default.
     """
 
     label_names = shapes_label_names
     _domain_key = 0
     _default_sizes = {'train': 500, 'test': 100}
+    _default_image_size = (96, 96)
     _n_object_range = (1, 3)
     _size_range = (0.15, 0.45)
-
-    def __init__(self, split='train', size=None, image_size=(96, 96),
-                 seed=0):
-        super(ShapesDetectionDataset, self).__init__(
-            split, size, image_size, seed)
 
     def _scene(self, i):
         return generate_scene(self.rng(i), self.image_size,

@@ -6,6 +6,9 @@ from embedded_datasets.detection import generate_scene
 from embedded_datasets.detection import GeneratedDataset
 from embedded_datasets.detection import shapes_label_names
 
+__all__ = ['shapes_segmentation_label_names', 'ShapesSegmentationDataset',
+           'class_weights']
+
 
 shapes_segmentation_label_names = ('background',) + shapes_label_names
 
@@ -33,24 +36,18 @@ class ShapesSegmentationDataset(GeneratedDataset):
     four poolings need (SegNetBasic takes ~1.5 s per fp32 step of 4 such
     images on two CPU cores; 32x48 takes ~0.6 s).
 
-    Args:
-        split ({'train', 'test'}): Which random stream to draw from.
-        size (int): Number of images; defaults to 300 (train), 50 (test).
-        image_size (tuple of int): ``(H, W)``; use multiples of 16 for
-            :class:`chainercv.links.SegNetBasic`.
-        seed (int): Seed; the same seed gives the same images.
+    Arguments as :class:`~embedded_datasets.detection.GeneratedDataset`'s
+    (``split``, ``size``, ``image_size``, ``seed``); 300 training and 50
+    test images of 48x64 by default.  Use multiples of 16 for
+    :class:`chainercv.links.SegNetBasic`.
     """
 
     label_names = shapes_segmentation_label_names
     _domain_key = 1
     _default_sizes = {'train': 300, 'test': 50}
+    _default_image_size = (48, 64)
     _n_object_range = (1, 4)
     _size_range = (0.2, 0.5)
-
-    def __init__(self, split='train', size=None, image_size=(48, 64),
-                 seed=0):
-        super(ShapesSegmentationDataset, self).__init__(
-            split, size, image_size, seed)
 
     def get_example(self, i):
         img, _, labels, masks = generate_scene(

@@ -18,6 +18,8 @@ import numpy
 
 from chainer import training
 
+__all__ = ['ScaleHistory']
+
 
 def _pyplot():
     import matplotlib
@@ -148,37 +150,3 @@ def _save(fig, path, plt):
     fig.savefig(tmp, dpi=120)
     plt.close(fig)
     os.replace(tmp, path)
-
-
-
-class DtypeEvaluator(training.Extension):
-
-    """Runs an evaluator under the model's dtype (mixed16 or FP32).
-
-    A mixed16 model has FP16 weights and must be evaluated under
-    ``chainer.mixed16``; simulated precisions train FP32 weights and are
-    evaluated in FP32.
-
-    .. admonition:: Example
-
-        >>> trainer.extend(DtypeEvaluator(
-        ...     DetectionVOCEvaluator(test_iter, model), config),
-        ...     trigger=(1000, 'iteration'))
-
-    Args:
-        evaluator (~chainer.training.extensions.Evaluator): Any evaluator,
-            e.g. ChainerCV's; it reports under ``validation/``.
-        config (~gradient_scaling.training.ScalingConfig): Gives the dtype.
-
-    """
-
-    priority = training.PRIORITY_WRITER
-
-    def __init__(self, evaluator, config):
-        evaluator.name = 'validation'  # reports validation/main/<metric>
-        self._evaluator = evaluator
-        self._config = config
-
-    def __call__(self, trainer):
-        with self._config.model_dtype():
-            return self._evaluator(trainer)

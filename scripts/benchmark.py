@@ -47,7 +47,7 @@ tracked instead.
 
 Statistics throughput: ``tensor_statistics`` (log=False, the GEMM rule's;
 log=True, the cast rule's) and ``max_abs`` next to a plain copy of the same
-tensor (scripts/benchmark_statistics.py's tensor), alternated.
+tensor (scripts/benchmark_statistics.py's gradient-like tensor), alternated.
 
 Every table shows ratios to ``none`` (and to ``dynamic``); the Markdown
 report (``--out``, default results/benchmark.md) starts with the machine,
@@ -80,14 +80,13 @@ import tracemalloc
 import numpy
 
 import chainer
-import chainer.functions as F
 
 from gradient_scaling import statistics
 from gradient_scaling import training
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import benchmark_hook  # NOQA: E402 (its small CNN)
-import benchmark_statistics  # NOQA: E402 (its gradient-like tensor)
+from benchmarking.cases import CASES
+from benchmarking.cases import gradient_like_tensor
+from benchmarking.cases import statistics_operations
 
 MODELS = ('small_cnn', 'resnet50', 'ssd300')
 INTERVALS = (1, 10, 100)
@@ -96,65 +95,6 @@ INTERVALS = (1, 10, 100)
 _NEVER = 10 ** 9
 
 
-class Classification(chainer.Chain):
-
-    """Softmax cross entropy of a classifier's logits."""
-
-    def __init__(self, predictor):
-        super().__init__()
-        with self.init_scope():
-            self.predictor = predictor
-
-    def forward(self, x, t):
-        return F.softmax_cross_entropy(self.predictor(x), t)
-
-
-class MultiboxTraining(chainer.Chain):
-
-    """SSD's training loss (ChainerCV's multibox_loss, hard negatives 3:1)."""
-
-    def __init__(self, model):
-        super().__init__()
-        with self.init_scope():
-            self.model = model
-
-    def forward(self, x, gt_locs, gt_labels):
-        from chainercv.links.model.ssd import multibox_loss
-        mb_locs, mb_confs = self.model(x)
-        loc, conf = multibox_loss(mb_locs, mb_confs, gt_locs, gt_labels, 3)
-        return loc + conf
-
-
-def small_cnn_case(batch, size, rng):
-    model = Classification(benchmark_hook.SmallCNN())
-    x = rng.standard_normal((batch, 3, size, size)).astype(numpy.float32)
-    t = rng.integers(0, 10, batch).astype(numpy.int32)
-    return model, (x, t)
-
-
-def resnet50_case(batch, size, rng):
-    from chainercv.links import ResNet50
-    net = ResNet50(n_class=10, arch='he')
-    net.pick = 'fc6'  # logits, not ChainerCV's default softmax output
-    model = Classification(net)
-    x = rng.standard_normal((batch, 3, size, size)).astype(numpy.float32)
-    t = rng.integers(0, 10, batch).astype(numpy.int32)
-    return model, (x, t)
-
-
-def ssd300_case(batch, size, rng):
-    from chainercv.links import SSD300
-    net = SSD300(n_fg_class=20)
-    x = rng.uniform(0, 255, (batch, 3, 300, 300)).astype(numpy.float32)
-    bbox = numpy.array([[20, 30, 120, 160], [100, 100, 250, 280]],
-                       numpy.float32)
-    locs, labels = net.coder.encode(bbox, numpy.array([3, 7], numpy.int32))
-    return MultiboxTraining(net), (x, numpy.stack([locs] * batch),
-                                   numpy.stack([labels] * batch))
-
-
-CASES = {'small_cnn': small_cnn_case, 'resnet50': resnet50_case,
-         'ssd300': ssd300_case}
 # (batch, input size) per model: full and --quick.
 SHAPES = {'small_cnn': (32, 32), 'resnet50': (2, 128), 'ssd300': (1, 300)}
 QUICK_SHAPES = {'small_cnn': (4, 16), 'resnet50': (1, 64),
@@ -403,15 +343,8 @@ def _quartiles(values):
 
 def statistics_rows(size, dtype, repeat, device):
     """Alternated timings of the statistics next to a copy of the tensor."""
-    x, synchronize = benchmark_statistics.make_tensor(size, dtype, device, 0)
-    operations = [
-        ('copy', lambda: x.copy()),
-        ('tensor_statistics(log=False)',
-         lambda: statistics.tensor_statistics(x, log=False)),
-        ('tensor_statistics(log=True)',
-         lambda: statistics.tensor_statistics(x, log=True)),
-        ('max_abs', lambda: statistics.max_abs(x)),
-    ]
+    x, synchronize = gradient_like_tensor(size, dtype, device, 0)
+    operations = statistics_operations(x)
     times = {name: [] for name, _ in operations}
     for _, fn in operations:
         fn()

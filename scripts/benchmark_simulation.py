@@ -12,33 +12,26 @@ Usage::
 Target: simulated FP16 / FP32 <= 1.5.
 """
 
-import gradient_scaling  # NOQA
+import gradient_scaling  # NOQA: restores what Chainer needs, first
 
-import argparse
 import contextlib
-import statistics
 import time
 
 import numpy as np
 
 import chainer
-import chainer.functions as F
 
-from benchmark_hook import small_cnn_case
 from gradient_scaling.s2fp8 import S2FP8Simulation
 from gradient_scaling.simulation import LowPrecisionSimulation
 
+from benchmarking.alternate import make_parser
+from benchmarking.alternate import ratio_rows
+from benchmarking.alternate import time_alternately
+from benchmarking.alternate import write_table
+from benchmarking import cases
 
-def segnet_case(batch):
-    from chainercv.links import SegNetBasic
-    rng = np.random.default_rng(0)
-    model = SegNetBasic(n_class=11)
-    x = rng.standard_normal((batch, 3, 64, 96)).astype(np.float32)
-    t = rng.integers(0, 11, (batch, 64, 96)).astype(np.int32)
-    return model, lambda: F.softmax_cross_entropy(model(x), t)
-
-
-CASES = {'small_cnn': small_cnn_case, 'segnet': segnet_case}
+# (batch, input size) by default.
+SHAPES = {'small_cnn': (32, 32), 'segnet': (2, (64, 96))}
 VARIANTS = {
     'sim-fp16': lambda: LowPrecisionSimulation('float16'),
     'sim-bf16': lambda: LowPrecisionSimulation('bfloat16'),
@@ -49,10 +42,10 @@ VARIANTS = {
 }
 
 
-def time_iteration(model, optimizer, loss_fn, hook):
+def time_iteration(model, optimizer, inputs, hook):
     start = time.perf_counter()
     with hook if hook is not None else contextlib.nullcontext():
-        loss = loss_fn()
+        loss = model(*inputs)
         model.cleargrads()
         loss.backward()
     del loss
@@ -61,49 +54,27 @@ def time_iteration(model, optimizer, loss_fn, hook):
 
 
 def run_case(name, batch, variant_names, repeat):
-    model, loss_fn = CASES[name](batch)
+    model, inputs = cases.CASES[name](batch, SHAPES[name][1],
+                                      np.random.default_rng(0))
     optimizer = chainer.optimizers.MomentumSGD(lr=1e-4).setup(model)
     variants = [('fp32', None)] + [(v, VARIANTS[v]()) for v in variant_names]
-    times = {label: [] for label, _ in variants}
-    for label, hook in variants:  # warm-up
-        time_iteration(model, optimizer, loss_fn, hook)
-    for r in range(repeat):
-        for label, hook in variants:
-            times[label].append(time_iteration(model, optimizer, loss_fn,
-                                               hook))
-        print('  {} round {}/{}'.format(name, r + 1, repeat), flush=True)
-    fp32 = statistics.median(times['fp32'])
-    return [(name, batch, label, statistics.median(times[label]),
-             statistics.median(times[label]) / fp32)
-            for label, _ in variants]
+    medians = time_alternately(
+        variants, lambda hook: time_iteration(model, optimizer, inputs,
+                                              hook), repeat, name)
+    return ratio_rows(name, batch, medians)
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument('--models', nargs='+', default=['small_cnn', 'segnet'],
-                        choices=sorted(CASES))
-    parser.add_argument('--batch', type=int, default=None,
-                        help='default: 32 for small_cnn, 2 for segnet')
+    parser = make_parser(__doc__, SHAPES, ['small_cnn', 'segnet'], repeat=7)
     parser.add_argument('--variants', nargs='+', default=['sim-fp16'],
                         choices=sorted(VARIANTS))
-    parser.add_argument('--repeat', type=int, default=7)
-    parser.add_argument('--out', default=None,
-                        help='also write the table (Markdown) here')
     args = parser.parse_args()
 
     rows = []
     for name in args.models:
-        batch = args.batch or {'small_cnn': 32, 'segnet': 2}[name]
-        rows += run_case(name, batch, args.variants, args.repeat)
-    lines = ['| model | batch | variant | median iteration (s) | ratio to '
-             'fp32 |', '|---|---|---|---|---|']
-    lines += ['| {} | {} | {} | {:.4f} | {:.3f} |'.format(*row)
-              for row in rows]
-    table = '\n'.join(lines)
-    print(table)
-    if args.out:
-        with open(args.out, 'w') as f:
-            f.write(table + '\n')
+        rows += run_case(name, args.batch or SHAPES[name][0], args.variants,
+                         args.repeat)
+    write_table(rows, 'iteration', 'fp32', args.out)
 
 
 if __name__ == '__main__':

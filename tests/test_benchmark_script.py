@@ -86,3 +86,37 @@ def test_gpu_without_cupy_is_a_clear_error():
     result = _run('--gpu', '0', '--quick', '--models', 'small_cnn')
     assert result.returncode == 2
     assert '--gpu needs CuPy' in result.stderr
+
+
+def _markdown_rows(text):
+    return [[cell.strip() for cell in line.strip('|').split('|')]
+            for line in text.splitlines()
+            if line.startswith('|') and not line.startswith('|---')][1:]
+
+
+@pytest.mark.parametrize('script, args, variants', [
+    ('benchmark_hook.py', ['--update-intervals', '1', '7'],
+     ['plain', 'gs@1', 'gs@7']),
+    ('benchmark_simulation.py', ['--variants', 'sim-fp16', 's2fp8'],
+     ['fp32', 'sim-fp16', 's2fp8']),
+])
+def test_side_by_side_benchmarks(script, args, variants, tmp_path):
+    out = tmp_path / 'table.md'
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, 'scripts', script), '--models',
+         'small_cnn', '--batch', '2', '--repeat', '2', '--out', str(out)]
+        + args, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count('small_cnn round') == 2
+    rows = _markdown_rows(out.read_text())
+    assert [(r[0], r[1], r[2]) for r in rows] == [
+        ('small_cnn', '2', v) for v in variants]
+    first = float(rows[0][3])
+    for row in rows:
+        median, ratio = float(row[3]), float(row[4])
+        assert median > 0
+        # The ratio is the median over the first variant's (to the 4
+        # decimals the medians are printed with).
+        slack = median / first * (5e-5 / median + 5e-5 / first) + 5e-4
+        assert abs(ratio - median / first) <= slack, row
+    assert rows[0][4] == '1.000'

@@ -1,6 +1,5 @@
 """Model links: shapes, parameter counts, mixed16, SSD plumbing, learning."""
 
-import copy
 import time
 
 import numpy
@@ -16,24 +15,25 @@ import chainercv.links
 from chainercv.evaluations import eval_detection_voc
 from chainercv.links.model.ssd import Multibox
 from chainercv.links.model.ssd import multibox_loss
-from chainercv.links.model.ssd import random_crop_with_bbox_constraints
-from chainercv.links.model.ssd import random_distort
-from chainercv.links.model.ssd import resize_with_random_interpolation
 from chainercv.links.model.ssd import SSD
 from chainercv import transforms
 from chainercv.utils.testing.assertions import assert_is_detection_link
 
 from chainer_links import CIFARResNet
+from chainer_links import ClassifierTrainChain
 from chainer_links import mixed_precision_ssd
 from chainer_links import ResNet18
 from chainer_links import ResNet20
 from chainer_links import ResNet32
 from chainer_links import ResNet50
 from chainer_links import ResNet56
+from chainer_links import SmallCNN
 from chainer_links import SmallSSD
 from chainer_links import SmallSSDExtractor
 from embedded_datasets import ShapesClassificationDataset
 from embedded_datasets import ShapesDetectionDataset
+
+from helpers import load_example
 
 
 def n_params(link):
@@ -135,6 +135,83 @@ def test_fp32_resnets_add_no_cast():
     assert count_casts(ResNet20()(x)) == 0
 
 
+# ------------------------------------------------ SmallCNN, classifier loss
+
+def test_small_cnn_default_is_the_benchmarks_network():
+    model = SmallCNN()
+    x = numpy.zeros((2, 3, 32, 32), numpy.float32)
+    assert [h.shape for h in model.activations(x)] == [
+        (2, 32, 16, 16), (2, 64, 8, 8), (2, 64, 8, 8)]
+    assert model(x).shape == (2, 10)
+    shapes = {name: p.shape for name, p in model.namedparams()}
+    assert shapes == {
+        '/c1/W': (32, 3, 3, 3), '/c1/b': (32,), '/b1/gamma': (32,),
+        '/b1/beta': (32,), '/c2/W': (64, 32, 3, 3), '/c2/b': (64,),
+        '/b2/gamma': (64,), '/b2/beta': (64,),
+        '/c3/W': (64, 64, 3, 3), '/c3/b': (64,),  # the residual branch
+        '/fc/W': (10, 64 * 8 * 8), '/fc/b': (10,)}
+
+
+def test_small_cnn_strided_without_pooling():
+    """The simulation tests' network: fc sized up front, so its weights
+    can be set before the first call."""
+    model = SmallCNN(channels=(8, 16), strides=(1, 2), pool=False,
+                     residual=False, insize=16)
+    assert model.fc.W.shape == (10, 16 * 8 * 8)
+    h1, h2 = model.activations(numpy.zeros((2, 3, 16, 16), numpy.float32))
+    assert h1.shape == (2, 8, 16, 16) and h2.shape == (2, 16, 8, 8)
+    assert n_params(model) == (8 * 27 + 8 + 16) + (16 * 72 + 16 + 32) + (
+        10 * 1024 + 10)
+    with pytest.raises(ValueError, match='one stride per stage'):
+        SmallCNN(channels=(8,), strides=(1, 2))
+
+
+@pytest.mark.parametrize('insize', [16, 20, 27])
+def test_small_cnn_insize_gives_the_lazy_fc_shape(insize):
+    x = numpy.zeros((1, 3, insize, insize), numpy.float32)
+    lazy = SmallCNN(n_class=3)
+    lazy(x)
+    assert SmallCNN(n_class=3, insize=insize).fc.W.shape == lazy.fc.W.shape
+
+
+def test_small_cnn_under_mixed16_takes_float32_images():
+    with chainer.using_config('dtype', chainer.mixed16):
+        model = SmallCNN(insize=16)
+    assert model.c1.W.dtype == numpy.float16
+    assert model.b1.gamma.dtype == numpy.float32
+    y = model(numpy.zeros((2, 3, 16, 16), numpy.float32))
+    assert y.dtype == numpy.float16
+    assert count_casts(y, to=numpy.float16) == 1  # the image, once
+
+
+def test_classifier_train_chain_loss_accuracy_and_cast():
+    numpy.random.seed(0)
+    rng = numpy.random.default_rng(0)
+    model = SmallCNN(insize=16)
+    chain = ClassifierTrainChain(model)
+    x = rng.standard_normal((8, 3, 16, 16)).astype(numpy.float32)
+    t = rng.integers(0, 10, 8).astype(numpy.int32)
+    reporter = chainer.Reporter()
+    reporter.add_observer('main', chain)
+    observation = {}
+    with reporter.scope(observation):
+        loss = chain(x, t)
+    logits = model(x).array
+    expected = numpy.mean(numpy.log(numpy.exp(logits).sum(axis=1))
+                          - logits[numpy.arange(8), t])
+    assert float(loss.array) == pytest.approx(float(expected), rel=1e-5)
+    assert float(observation['main/loss'].array) == float(loss.array)
+    assert float(observation['main/accuracy'].array) == pytest.approx(
+        numpy.mean(logits.argmax(axis=1) == t))
+    # Under mixed16 the FP16 logits are cast to FP32 before the softmax:
+    # the paper's softmax-cast site.
+    with chainer.using_config('dtype', chainer.mixed16):
+        half = ClassifierTrainChain(SmallCNN(insize=16))
+        loss = half(x, t)
+    assert loss.dtype == numpy.float32
+    assert count_casts(loss, to=numpy.float32) == 1
+
+
 # ------------------------------------------------------------------- SSD
 
 
@@ -197,47 +274,15 @@ def test_small_ssd_predict_format():
     assert (scores[0] >= model.score_thresh).all()
 
 
-class SSDTrainTransform(object):
-    """ChainerCV's examples/ssd/train.py Transform, verbatim in substance."""
-
-    def __init__(self, coder, size, mean):
-        self.coder = copy.copy(coder)
-        self.coder.to_cpu()
-        self.size = size
-        self.mean = mean
-
-    def __call__(self, in_data):
-        img, bbox, label = in_data
-        img = random_distort(img)
-        if numpy.random.randint(2):
-            img, param = transforms.random_expand(
-                img, fill=self.mean, return_param=True)
-            bbox = transforms.translate_bbox(
-                bbox, y_offset=param['y_offset'], x_offset=param['x_offset'])
-        img, param = random_crop_with_bbox_constraints(
-            img, bbox, return_param=True)
-        bbox, param = transforms.crop_bbox(
-            bbox, y_slice=param['y_slice'], x_slice=param['x_slice'],
-            allow_outside_center=False, return_param=True)
-        label = label[param['index']]
-        _, H, W = img.shape
-        img = resize_with_random_interpolation(img, (self.size, self.size))
-        bbox = transforms.resize_bbox(bbox, (H, W), (self.size, self.size))
-        img, params = transforms.random_flip(
-            img, x_random=True, return_param=True)
-        bbox = transforms.flip_bbox(
-            bbox, (self.size, self.size), x_flip=params['x_flip'])
-        img -= self.mean
-        mb_loc, mb_label = self.coder.encode(bbox, label)
-        return img, mb_loc, mb_label
-
-
 def test_small_ssd_with_chainercv_training_transform():
+    """The SSD example's Transform: ChainerCV's augmentation, verbatim in
+    substance, then the model's box encoding."""
     numpy.random.seed(1)
     model = SmallSSD(n_fg_class=3)
+    transform = load_example('ssd/train.py').Transform
     train = chainer.datasets.TransformDataset(
         ShapesDetectionDataset('train', size=8),
-        SSDTrainTransform(model.coder, model.insize, model.mean))
+        transform(model.coder, model.insize, model.mean))
     x, gt_locs, gt_labels = chainer.dataset.concat_examples(list(train))
     assert x.shape == (8, 3, 64, 64) and x.dtype == numpy.float32
     assert gt_locs.shape == (8, 340, 4) and gt_labels.shape == (8, 340)
@@ -354,7 +399,8 @@ def test_small_ssd_learns_shapes():
     model = SmallSSD(n_fg_class=3)
     train = chainer.datasets.TransformDataset(
         ShapesDetectionDataset('train'),
-        SSDTrainTransform(model.coder, model.insize, model.mean))
+        load_example('ssd/train.py').Transform(model.coder, model.insize,
+                                               model.mean))
     test = ShapesDetectionDataset('test')
     untrained_map = detection_map(model, test)
     iterator = chainer.iterators.SerialIterator(train, 16)

@@ -8,13 +8,11 @@ and check that they learn.
 
 import gradient_scaling  # NOQA: compat must precede chainer
 
-import functools
 import gzip
-import importlib.util
-import json
 import math
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -26,10 +24,15 @@ import pytest
 
 from embedded_datasets import ShapesDetectionDataset
 from embedded_datasets import ShapesSegmentationDataset
+from example_common.errors import DatasetError
 from gradient_scaling.scalers import SCALING_MODES
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLES = os.path.join(ROOT, 'examples')
+from helpers import EXAMPLES
+from helpers import last
+from helpers import load_example
+from helpers import mpiexec_command
+from helpers import read_log
+from helpers import ROOT
 
 # script, options for a two-iteration run with one evaluation, its metric.
 SMOKE = {
@@ -50,30 +53,43 @@ SMOKE = {
 }
 
 
-@functools.lru_cache(maxsize=None)
-def load_example(path):
-    """The script at ``examples/<path>`` as a module (main() not run)."""
-    name = 'example_' + path.replace('/', '_').replace('.py', '')
-    spec = importlib.util.spec_from_file_location(
-        name, os.path.join(EXAMPLES, path))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+# What a smoke run prints, besides the progress bar: the start line (after
+# the CPU note when the precision is simulated), the columns of the table
+# between lr and the scaling values, those after them, and the label of
+# the final line.
+PRINTED = {
+    'ssd': ('SSD (small) on embedded data: 500 train / 100 test images, '
+            'scaling={scaling}, precision={precision}, batch 2, '
+            '2 iterations',
+            ['main/loss', 'main/loss/loc', 'main/loss/conf'],
+            ['validation/main/map'], 'VOC07 mAP'),
+    'segnet': ('SegNetBasic on embedded data: 4 train / 2 test images, '
+               'scaling={scaling}, precision={precision}, batch 2, '
+               '2 iterations',
+               ['main/loss'],
+               ['validation/main/miou', 'validation/main/pixel_accuracy'],
+               'mIoU'),
+    'classification': ('resnet18 on embedded data: 8 train / 4 val images, '
+                       '1 process(es) x batch 2, lr 0.1, scaling={scaling}, '
+                       'precision={precision}, 2 iterations (0.5 epochs)',
+                       ['main/loss', 'main/accuracy'],
+                       ['validation/main/loss', 'validation/main/accuracy'],
+                       'validation accuracy'),
+    'cifar': ('resnet20 on embedded data: 8 train / 4 test images, '
+              'scaling={scaling}, precision={precision}, batch 2, '
+              '2 iterations (0.5 epochs)',
+              ['main/loss', 'main/accuracy'],
+              ['validation/main/loss', 'validation/main/accuracy'],
+              'test accuracy'),
+}
+CPU_NOTE = ('CPU run: simulating mixed precision (--precision sim-fp16); '
+            'pass --precision mixed16 for real float16 arithmetic.')
 
 
-def read_log(out):
-    path = os.path.join(out, 'log')
-    assert os.path.isfile(path), 'no log in {}: {}'.format(
-        out, os.listdir(out) if os.path.isdir(out) else 'no directory')
-    with open(path) as f:
-        return json.load(f)
-
-
-def last(log, key):
-    values = [entry[key] for entry in log if key in entry]
-    assert values, '{} not in the log: {}'.format(key, log)
-    return values[-1]
+def printed_lines(capsys):
+    """What the run printed, without the progress bar's cursor moves."""
+    text = re.sub(r'\x1b\[\d*[A-Z]', '', capsys.readouterr().out)
+    return text.splitlines()
 
 
 def run(example, out, *options):
@@ -89,18 +105,34 @@ def assert_empty(out):
 
 @pytest.mark.parametrize('scaling', SCALING_MODES)
 @pytest.mark.parametrize('example', sorted(SMOKE))
-def test_smoke(example, scaling, tmp_path):
+def test_smoke(example, scaling, tmp_path, capsys):
     out = tmp_path / 'out'
     options = ['--scaling', scaling]
     if scaling == 'gs':
         options += ['--update-interval', '1']
+    capsys.readouterr()
     result, metric = run(example, out, *options)
     log = read_log(out)
     assert len(log) == 2
     value = last(log, metric)
     assert 0 <= value <= 1
     assert result == pytest.approx(value)
-    assert last(log, 'scaling/skips') in (0, 1, 2)
+    skips = last(log, 'scaling/skips')
+    assert skips in (0, 1, 2)
+    # The printed summary, line for line.
+    start, train_keys, validation_keys, label = PRINTED[example]
+    lines = printed_lines(capsys)
+    expected = [start.format(scaling=scaling, precision='fp32' if scaling
+                             == 'fp32' else 'sim-fp16')]
+    if scaling != 'fp32':
+        expected.insert(0, CPU_NOTE)
+    assert lines[:len(expected)] == expected
+    assert lines[len(expected)].split() == (
+        ['epoch', 'iteration', 'lr'] + train_keys +
+        ['scaling/skips', 'scaling/max_scale'] + validation_keys +
+        ['elapsed_time'])
+    assert lines[-1] == 'Final {}: {:.4f} ({} skipped steps)'.format(
+        label, value, int(skips))
     assert math.isfinite(last(log, 'main/loss'))
     assert any(name.startswith('model_iter_2') for name in os.listdir(out))
     if scaling == 'gs':
@@ -109,7 +141,6 @@ def test_smoke(example, scaling, tmp_path):
             rows = f.read().splitlines()
         assert rows[0].startswith('iteration,site,kind')
         assert len(rows) > 2
-
 
 
 @pytest.mark.parametrize('example', sorted(SMOKE))
@@ -127,6 +158,57 @@ def test_same_seed_same_run(example, tmp_path):
         losses.append([entry['main/loss'] for entry in read_log(out)])
     assert losses[0] == losses[1] == losses[2]
 
+
+# Each script's own options, in the order --help lists them, with their
+# defaults (the scaling options after them are the library's).
+OPTIONS = {
+    'ssd': [('dataset', 'embedded'), ('data_dir', None),
+            ('label_names', None), ('train_split', 'trainval'),
+            ('test_split', 'test'), ('model', None),
+            ('pretrained_model', None), ('batchsize', None),
+            ('iteration', None), ('step', None), ('lr', None),
+            ('eval_interval', None), ('log_interval', 10), ('gpu', -1),
+            ('loaderjob', 0), ('out', 'result/ssd'), ('resume', None),
+            ('seed', 0), ('no_plot', False)],
+    'segnet': [('dataset', 'embedded'), ('data_dir', None),
+               ('test_split', 'test'), ('class_weight', None),
+               ('embedded_size', None), ('batchsize', None),
+               ('iteration', None), ('lr', None), ('loss_pixels', None),
+               ('eval_interval', None), ('log_interval', 10), ('gpu', -1),
+               ('loaderjob', 0), ('out', 'result/segnet'), ('resume', None),
+               ('snapshot_interval', None), ('seed', 0), ('no_plot', False)],
+    'cifar': [('dataset', 'embedded'), ('data_dir', None),
+              ('arch', 'resnet20'), ('embedded_size', None),
+              ('batchsize', None), ('iteration', None), ('epoch', None),
+              ('lr', None), ('eval_interval', None), ('log_interval', 10),
+              ('gpu', -1), ('loaderjob', 0), ('out', 'result/cifar'),
+              ('resume', None), ('snapshot_interval', None), ('seed', 0),
+              ('no_plot', False)],
+    'classification': [
+        ('dataset', 'embedded'), ('data_dir', None), ('arch', 'resnet18'),
+        ('communicator', 'naive'), ('embedded_size', None),
+        ('batchsize', None), ('iteration', None), ('epoch', None),
+        ('lr', None), ('eval_interval', None), ('log_interval', 10),
+        ('gpu', -1), ('loaderjob', 0), ('out', 'result/classification'),
+        ('resume', None), ('snapshot_interval', None), ('seed', 0),
+        ('no_plot', False)],
+}
+
+
+@pytest.mark.parametrize('example', sorted(SMOKE))
+def test_command_line(example, capsys):
+    module = load_example(SMOKE[example][0])
+    with pytest.raises(SystemExit):
+        module.parse_args(['--help'])
+    help_text = capsys.readouterr().out
+    listed = re.findall(r'^  (--[a-z-]+)', help_text, flags=re.M)
+    names = [name for name, _ in OPTIONS[example]]
+    assert listed[:len(names) + 1] == ['--' + n.replace('_', '-')
+                                       for n in names] + ['--scaling']
+    args = vars(module.parse_args([]))
+    assert [(name, args[name]) for name in names] == OPTIONS[example]
+    # The docstring's first line describes the script.
+    assert module.__doc__.split('\n')[0] in help_text
 
 
 def test_segnet_loss_pixels(tmp_path):
@@ -271,7 +353,7 @@ def test_ssd_voc_format_errors_name_the_file(damage, tmp_path):
     name = damage(str(tmp_path / 'voc'), ids[1])
     out = tmp_path / 'out'
     ssd = load_example('ssd/train.py')
-    with pytest.raises(ssd.DatasetError) as error:
+    with pytest.raises(DatasetError) as error:
         ssd.main(voc_argv(tmp_path / 'voc', out))
     assert name in str(error.value)
     assert_empty(out)
@@ -336,7 +418,7 @@ def test_segnet_camvid_missing_file(tmp_path):
     os.remove(str(tmp_path / 'camvid' / 'trainannot' / 'train_002.png'))
     out = tmp_path / 'out'
     segnet = load_example('segnet/train.py')
-    with pytest.raises(segnet.DatasetError, match='train_002.png'):
+    with pytest.raises(DatasetError, match='train_002.png'):
         segnet.main(['--dataset', 'camvid', '--data-dir',
                      str(tmp_path / 'camvid'), '--out', str(out)])
     assert_empty(out)
@@ -346,7 +428,7 @@ def test_segnet_class_weight_file(tmp_path):
     segnet = load_example('segnet/train.py')
     bad = tmp_path / 'weights.npy'
     np.save(str(bad), np.ones(2, np.float32))
-    with pytest.raises(segnet.DatasetError, match='weights.npy'):
+    with pytest.raises(DatasetError, match='weights.npy'):
         segnet.main(['--class-weight', str(bad), '--embedded-size', '4',
                      '2', '--out', str(tmp_path / 'out')])
     assert_empty(tmp_path / 'out')
@@ -363,7 +445,6 @@ def test_segnet_falls_back_when_camvid_is_absent(tmp_path, capsys):
     args = segnet.parse_args(['--dataset', 'camvid', '--data-dir',
                               str(tmp_path / 'nowhere')])
     train, test, names = segnet.load_datasets(args)
-    segnet.apply_defaults(args)
     assert 'Falling back to the embedded dataset' in capsys.readouterr().out
     assert args.dataset == 'embedded' and len(names) == 4
     # The embedded schedule, not CamVid's 16000 iterations.
@@ -412,7 +493,7 @@ def test_cifar_truncated_idx_file(tmp_path):
     with gzip.open(path, 'wb') as f:
         f.write((2049).to_bytes(4, 'big') + (9).to_bytes(4, 'big') + b'\0')
     cifar = load_example('cifar/train.py')
-    with pytest.raises(cifar.DatasetError, match='t10k-labels-idx1'):
+    with pytest.raises(DatasetError, match='t10k-labels-idx1'):
         cifar.main(['--dataset', 'fashion-mnist', '--data-dir',
                     str(tmp_path / 'fm'), '--out', str(tmp_path / 'out')])
     assert_empty(tmp_path / 'out')
@@ -485,26 +566,12 @@ def test_classification_imagenet_layout(tmp_path):
     assert result == pytest.approx(
         last(read_log(tmp_path / 'out'), 'validation/main/accuracy'))
     shutil.rmtree(str(root / 'val' / 'n02'))
-    with pytest.raises(classification.DatasetError, match='n02'):
+    with pytest.raises(DatasetError, match='n02'):
         classification.main(argv + ['--out', str(tmp_path / 'out2')])
     assert_empty(tmp_path / 'out2')
 
 
 # --- ChainerMN --------------------------------------------------------------
-
-def mpiexec_command():
-    mpiexec = shutil.which('mpiexec')
-    if mpiexec is None:
-        return None
-    version = subprocess.run([mpiexec, '--version'], capture_output=True,
-                             text=True).stdout
-    command = [mpiexec]
-    if 'Open MPI' in version or 'OpenRTE' in version:
-        command.append('--oversubscribe')
-        if hasattr(os, 'geteuid') and os.geteuid() == 0:
-            command.append('--allow-run-as-root')
-    return command
-
 
 @pytest.mark.mpi
 def test_classification_two_ranks(tmp_path):

@@ -8,35 +8,43 @@ order, and the softmax gradient of SegNet underflowing unscaled.
 
 import gradient_scaling  # NOQA: compat must precede chainer
 
-import csv
-import importlib.util
 import math
 import os
+import subprocess
 import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import is_power_of_two
+from helpers import load_script
+from helpers import read_csv
+from helpers import ROOT
 
 
 @pytest.fixture(scope='module')
 def reproduce():
-    spec = importlib.util.spec_from_file_location(
-        'reproduce', os.path.join(ROOT, 'scripts', 'reproduce.py'))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules['reproduce'] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script('reproduce')
 
 
-def read_csv(path):
-    with open(path, newline='') as f:
-        return list(csv.DictReader(f))
+@pytest.fixture(scope='module')
+def studies(reproduce):
+    """scripts/studies/, the package reproduce.py runs."""
+    import studies
+    import studies.runs
+    import studies.summary
+    import studies.training
+    return studies
 
 
-def is_power_of_two(value):
-    mantissa, _ = math.frexp(value)
-    return value > 0 and mantissa == 0.5
+def test_runs_as_a_command_without_path_edits():
+    """Run as ``python scripts/reproduce.py``, it finds its studies."""
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, 'scripts', 'reproduce.py'),
+         '--help'], capture_output=True, text=True, timeout=120, cwd='/')
+    assert proc.returncode == 0, proc.stderr
+    for command in ('model', 'figure2', 'segnet', 's2fp8', 'detection',
+                    'classification', 'segmentation-paper-loss'):
+        assert command in proc.stdout
 
 
 def test_model_fit(reproduce, tmp_path):
@@ -117,27 +125,36 @@ def test_segnet(reproduce, tmp_path):
 
 
 def test_s2fp8(reproduce, tmp_path):
-    argv = ['s2fp8', '--out', str(tmp_path), '--s2fp8-iterations', '3',
-            '--s2fp8-batchsize', '8', '--s2fp8-train-size', '64',
-            '--s2fp8-test-size', '64', '--s2fp8-variants', 'FP32', 'GS-FP8']
+    """A training study of examples/cifar: one run per number format."""
+    runs = tmp_path / 'runs'
+    argv = ['s2fp8', '--out', str(tmp_path), '--runs-dir', str(runs),
+            '--seeds', '0', '--jobs', '2', '--variants', 'FP32', 'S2FP8',
+            'GS-FP8', '--run-args=--dataset embedded --embedded-size 16 8 '
+            '--iteration 2 --eval-interval 1 --log-interval 1']
     reproduce.main(argv)
-    rows = read_csv(tmp_path / 's2fp8.csv')
-    assert [r['variant'] for r in rows] == ['FP32', 'GS-FP8']
-    assert [(r['precision'], r['scaling']) for r in rows] == [
-        ('fp32', 'fp32'), ('sim-fp8-e5m2', 'gs')]
+    rows = read_csv(tmp_path / 's2fp8_runs.csv')
+    assert sorted(r['variant'] for r in rows) == ['FP32', 'GS-FP8', 'S2FP8']
     for r in rows:
-        assert int(r['iterations']) == 3 and int(r['batch']) == 8
-        assert math.isfinite(float(r['final_train_loss']))
-        assert 0 <= float(r['test_accuracy']) <= 1
-        assert int(r['skipped_steps']) >= 0
+        assert r['returncode'] == '0' and r['batchsize'] == '32'
+        assert r['data'] == 'embedded'
+        assert 0 <= float(r['metric']) <= 1
+        assert r['command'].startswith('examples/cifar/train.py ')
+        precision = {'FP32': None, 'S2FP8': 's2fp8',
+                     'GS-FP8': 'sim-fp8-e5m2'}[r['variant']]
+        if precision is None:
+            assert '--precision' not in r['command']
+        else:
+            assert '--precision {} --count-underflow'.format(
+                precision) in r['command']
+            assert 0 <= float(r['underflow']) < 1
     summary = (tmp_path / 's2fp8.md').read_text()
-    assert '| GS-FP8 | sim-fp8-e5m2 | gs |' in summary
-    assert 'Command: `python scripts/reproduce.py s2fp8' in summary
-    assert sorted(os.listdir(tmp_path)) == ['s2fp8.csv', 's2fp8.md']
-    # Resumable: the finished product is kept.
-    before = os.stat(tmp_path / 's2fp8.csv').st_mtime_ns
-    reproduce.main(argv)
-    assert os.stat(tmp_path / 's2fp8.csv').st_mtime_ns == before
+    assert summary.startswith('# S2FP8 Table 1 (s2fp8) at CPU scale')
+    assert "each variant's `--precision`: values rounded to FP8 E5M2, " \
+        'S2FP8, float16 where' in summary
+    gs = next(r for r in rows if r['variant'] == 'GS-FP8')
+    assert '| GS-FP8 | {:.2f} | {} |'.format(
+        100 * float(gs['metric']), gs['skipped_steps']) in summary
+    assert (tmp_path / 's2fp8.png').stat().st_size > 0
 
 
 def test_training_study_resumes_run_by_run(reproduce, tmp_path):
@@ -187,23 +204,24 @@ def test_training_study_resumes_run_by_run(reproduce, tmp_path):
         tmp_path / 'detection_runs.csv')[0]['command']
 
 
-def test_training_study_statistics(reproduce):
-    mc = reproduce.method_comparison
+def test_training_study_statistics(studies):
+    summary = studies.summary
     records = [{'variant': 'GS', 'batchsize': 8, 'metric': m,
                 'skipped_steps': s, 'seconds': 10.0, 'final_loss': loss,
                 'underflow': 0.001}
                for m, s, loss in ((0.5, 0, 1.0), (0.7, 2, math.nan),
                                   (None, 1, None))]
-    cell = mc.aggregate(records)[('GS', 8)]
+    cell = summary.aggregate(records)[('GS', 8)]
     assert cell['values'] == [0.5, 0.7] and cell['n'] == 3
     assert cell['mean'] == pytest.approx(0.6)
     assert cell['std'] == pytest.approx(0.1414214)  # sample std, ddof=1
     assert cell['skips'] == 1 and cell['underflow'] == 0.001
-    assert mc.mean_std(cell) == '60.00 ± 14.14 (1 diverged) (1 failed)'
-    study = mc.STUDIES['detection']
+    assert summary.mean_std(cell) == '60.00 ± 14.14 (1 diverged) (1 failed)'
+    study = studies.training.STUDIES['detection']
     stats = {('Fixed-LS (8)', 8): {'mean': 0.2},
              ('Fixed-LS (128)', 8): {'mean': 0.6},
              ('Fixed-LS (2048)', 8): {'mean': math.nan}}
-    assert mc.best_fixed(study, stats, 8) == 'Fixed-LS (128)'
+    assert summary.best_fixed(study, stats, 8) == 'Fixed-LS (128)'
     with pytest.raises(ValueError, match='unknown variant'):
-        mc.plan([study], [0], '/nonexistent', variants=['Fixed-LS (3)'])
+        studies.runs.plan([study], [0], '/nonexistent',
+                          variants=['Fixed-LS (3)'])

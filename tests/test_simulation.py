@@ -12,6 +12,7 @@ import chainer
 import chainer.functions as F
 import chainer.links as L
 
+import chainer_links
 from gradient_scaling import formats
 from gradient_scaling import GradientScaling
 from gradient_scaling import simulation
@@ -324,23 +325,18 @@ def test_invalid_arguments_and_double_backprop():
 
 # -- fidelity to real mixed16 -------------------------------------------------
 
-class SmallCNN(chainer.Chain):
+class SmallCNN(chainer_links.SmallCNN):
 
-    """2 conv + BN + linear; the logits are cast to FP32 before the softmax
-    (the paper's fT site in mixed16; a no-op in an FP32 model)."""
+    """2 conv + BN + linear on 16x16 inputs; the logits are cast to FP32
+    before the softmax (the paper's fT site in mixed16; a no-op in an FP32
+    model).  Returns the loss and the activations entering the GEMMs."""
 
     def __init__(self):
-        super().__init__()
-        with self.init_scope():
-            self.c1 = L.Convolution2D(3, 8, 3, pad=1)
-            self.b1 = L.BatchNormalization(8)
-            self.c2 = L.Convolution2D(8, 16, 3, stride=2, pad=1)
-            self.b2 = L.BatchNormalization(16)
-            self.fc = L.Linear(16 * 8 * 8, 10)
+        super().__init__(channels=(8, 16), strides=(1, 2), pool=False,
+                         residual=False, insize=16)
 
     def forward(self, x, t, loss_factor):
-        h1 = F.relu(self.b1(self.c1(x)))
-        h2 = F.relu(self.b2(self.c2(h1)))
+        h1, h2 = self.activations(x)
         y = self.fc(h2)
         loss = F.softmax_cross_entropy(F.cast(y, np.float32), t)
         return loss * loss_factor, (h1, h2)

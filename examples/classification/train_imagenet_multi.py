@@ -31,29 +31,23 @@ gradients at one common scale; only rank 0 prints and writes.  Started
 without mpiexec, it trains in one process without ChainerMN.  On a CPU,
 mixed precision is simulated (``--precision sim-fp16``) unless
 ``--precision`` says otherwise: real float16 arithmetic in NumPy is 60-115x
-slower.  Nothing is downloaded.
+slower (docs/DESIGN.md, 5.3; how the simulation works: 4).  Nothing is
+downloaded.
 """
 
 import gradient_scaling  # NOQA: restores what Chainer needs, first
 
-import argparse
-import functools
 import math
 import multiprocessing
 import os
-import random
-import sys
 
 import numpy as np
 
 import chainer
-import chainer.functions as F
 from chainer.datasets import TransformDataset
 from chainer.optimizer_hooks import WeightDecay
-from chainer import serializers
 from chainer import training
 from chainer.training import extensions
-from chainer.training import triggers
 
 from chainercv.datasets import directory_parsing_label_names
 from chainercv.datasets import DirectoryParsingLabelDataset
@@ -61,10 +55,16 @@ from chainercv.links.model.resnet import Bottleneck
 from chainercv import transforms
 
 from gradient_scaling import training as gs_training
-from gradient_scaling.extensions import DtypeEvaluator
-from gradient_scaling.extensions import ScaleHistory
 
 import chainer_links
+from chainer_links import ClassifierTrainChain
+from embedded_datasets import ShapesClassificationDataset
+from example_common import arguments
+from example_common import data
+from example_common.errors import DatasetError
+from example_common.errors import DatasetNotFound
+from example_common.errors import run_main
+from example_common import reports
 
 # The embedded run uses a larger lr than the linear scaling rule's 0.0125
 # for its 32 images, and milder crops: its shapes are small.
@@ -82,32 +82,6 @@ GOYAL_STEPS = (30, 60, 80)
 # Environment variables that MPI launchers set in every rank.
 MPI_LAUNCH_VARIABLES = ('OMPI_COMM_WORLD_SIZE', 'PMI_SIZE', 'PMIX_RANK',
                         'MV2_COMM_WORLD_SIZE')
-
-
-class DatasetError(ValueError):
-    """A dataset file is missing, unreadable or malformed."""
-
-
-class ClassifierTrainChain(chainer.Chain):
-
-    """Softmax cross entropy and accuracy, with the logits cast to FP32.
-
-    Under mixed16 that cast (FP16 logits to FP32 before the softmax) is the
-    paper's fT site.
-    """
-
-    def __init__(self, model):
-        super().__init__()
-        with self.init_scope():
-            self.model = model
-
-    def forward(self, imgs, labels):
-        imgs = imgs.astype(chainer.get_dtype(), copy=False)
-        y = F.cast(self.model(imgs), np.float32)
-        loss = F.softmax_cross_entropy(y, labels)
-        chainer.reporter.report(
-            {'loss': loss, 'accuracy': F.accuracy(y, labels)}, self)
-        return loss
 
 
 class TrainTransform(object):
@@ -168,6 +142,16 @@ class WarmupStepSchedule(training.Extension):
         self.warmup = warmup
         self.steps = tuple(steps)
 
+    @classmethod
+    def goyal(cls, lr, total_batch, iteration):
+        """Goyal et al.'s schedule for a run of ``iteration`` iterations: the
+        warmup (from the lr of a 256 batch) and the steps keep their share
+        of the 90 epochs."""
+        return cls(lr, warmup_lr=lr * min(1, 256 / total_batch),
+                   warmup=round(iteration * GOYAL_WARMUP / GOYAL_EPOCHS),
+                   steps=[round(iteration * s / GOYAL_EPOCHS)
+                          for s in GOYAL_STEPS])
+
     def lr_at(self, iteration):
         if iteration < self.warmup:
             return self.warmup_lr + (self.lr - self.warmup_lr) * \
@@ -183,14 +167,10 @@ class WarmupStepSchedule(training.Extension):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description=__doc__.split('\n\n')[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--dataset', choices=('embedded', 'imagenet'),
-                        default='embedded',
-                        help='embedded: generated shapes, no download; '
-                        'imagenet: class folders under --data-dir/train '
-                        'and --data-dir/val')
+    parser = arguments.make_parser(__doc__)
+    arguments.add_dataset(parser, [
+        ('imagenet', 'class folders under --data-dir/train and '
+         '--data-dir/val')])
     parser.add_argument('--data-dir', default=None,
                         help='imagenet: the directory holding train/ and '
                         'val/, one sub-directory of images per class')
@@ -199,10 +179,7 @@ def parse_args(argv=None):
     parser.add_argument('--communicator', default=None,
                         help='ChainerMN communicator under mpiexec '
                         '(default: pure_nccl on GPUs, naive on CPUs)')
-    parser.add_argument('--embedded-size', type=int, nargs=2, default=None,
-                        metavar=('TRAIN', 'TEST'),
-                        help='embedded: number of train and test images '
-                        '(default: 2000 500; tests use fewer)')
+    arguments.add_embedded_size(parser, 2000, 500)
     parser.add_argument('--batchsize', type=int, default=None,
                         help='images per process (default: 32)')
     parser.add_argument('--iteration', type=int, default=None,
@@ -215,37 +192,14 @@ def parse_args(argv=None):
     parser.add_argument('--eval-interval', type=int, default=None,
                         help='evaluate every N iterations (imagenet: every '
                         'epoch) and at the end')
-    parser.add_argument('--log-interval', type=int, default=10)
-    parser.add_argument('--gpu', type=int, default=-1,
-                        help='first GPU; rank r uses GPU N + local rank r')
-    parser.add_argument('--loaderjob', type=int, default=0,
-                        help='worker processes for data loading (0: none)')
-    parser.add_argument('--out', default='result/classification')
-    parser.add_argument('--resume', default=None,
-                        help='a trainer snapshot to resume from')
-    parser.add_argument('--snapshot-interval', type=int, default=None,
-                        help='write a trainer snapshot every N iterations '
-                        '(default: a quarter of the run; 0: none)')
-    parser.add_argument('--seed', type=int, default=0)
-    parser.add_argument('--no-plot', action='store_true')
-    gs_training.add_arguments(parser)
+    arguments.add_run_options(
+        parser, out='result/classification',
+        gpu_help='first GPU; rank r uses GPU N + local rank r')
     args = parser.parse_args(argv)
-    for name in ('batchsize', 'iteration', 'epoch', 'eval_interval',
-                 'log_interval'):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            parser.error('--{} must be >= 1, got {}'.format(
-                name.replace('_', '-'), value))
-    if args.lr is not None and not args.lr > 0:
-        parser.error('--lr must be > 0, got {}'.format(args.lr))
-    if args.snapshot_interval is not None and args.snapshot_interval < 0:
-        parser.error('--snapshot-interval must be >= 0, got {}'.format(
-            args.snapshot_interval))
-    if args.embedded_size is not None and min(args.embedded_size) < 1:
-        parser.error('--embedded-size needs two numbers >= 1, got {}'.format(
-            ' '.join(map(str, args.embedded_size))))
+    arguments.check_options(parser, args)
     if args.communicator is None:
         args.communicator = 'pure_nccl' if args.gpu >= 0 else 'naive'
+    # gs_training.default_to_simulation_on_cpu, printed by rank 0 only.
     args.precision_note = None
     if args.precision is None and args.gpu < 0 and args.scaling != 'fp32':
         args.precision = 'sim-fp16'
@@ -253,18 +207,6 @@ def parse_args(argv=None):
             'CPU run: simulating mixed precision (--precision sim-fp16); '
             'pass --precision mixed16 for real float16 arithmetic.')
     return args
-
-
-def apply_defaults(args):
-    """Fills what the command line left out, for the data actually used."""
-    defaults = (EMBEDDED_DEFAULTS if args.dataset == 'embedded'
-                else IMAGENET_DEFAULTS)
-    if args.iteration is None and args.epoch is None:
-        args.iteration = defaults['iteration']
-        args.epoch = defaults['epoch']
-    for name in ('batchsize', 'lr', 'eval_interval', 'insize', 'crop_area'):
-        if getattr(args, name, None) is None:
-            setattr(args, name, defaults[name])
 
 
 def launched_by_mpi():
@@ -287,20 +229,21 @@ def create_communicator(args):
 
 
 def imagenet_dirs(data_dir):
-    """(train_dir, val_dir); DatasetError when either is absent."""
+    """(train_dir, val_dir); DatasetNotFound when either is absent."""
     if data_dir is None:
-        raise DatasetError('--dataset imagenet needs --data-dir (a '
-                           'directory with train/ and val/)')
+        raise DatasetNotFound('--dataset imagenet needs --data-dir (a '
+                              'directory with train/ and val/)')
     dirs = os.path.join(data_dir, 'train'), os.path.join(data_dir, 'val')
     for d in dirs:
         if not os.path.isdir(d):
-            raise DatasetError('ImageNet not found: {} is not a directory '
-                               '(expected one sub-directory of images per '
-                               'class)'.format(d))
+            raise DatasetNotFound(
+                'ImageNet not found: {} is not a directory (expected one '
+                'sub-directory of images per class)'.format(d))
     return dirs
 
 
-def load_imagenet(train_dir, val_dir):
+def load_imagenet(args):
+    train_dir, val_dir = imagenet_dirs(args.data_dir)
     label_names = directory_parsing_label_names(train_dir)
     val_names = directory_parsing_label_names(val_dir)
     if not label_names:
@@ -318,25 +261,29 @@ def load_imagenet(train_dir, val_dir):
     return datasets[0], datasets[1], label_names
 
 
-def load_datasets(args, log):
-    """(train, val, label_names) on rank 0; the others receive shares.
+def load_datasets(args, comm, log):
+    """(train, val, label_names) on rank 0, (None, None, label_names) on the
+    others; the embedded data when ImageNet is absent.
 
-    Falls back to embedded data, saying so, when ImageNet is absent.
+    Every rank raises rank 0's DatasetError, and takes the schedule
+    defaults of the data rank 0 uses.
     """
-    if args.dataset == 'imagenet':
+    train, val, label_names, error = None, None, None, None
+    if comm is None or comm.rank == 0:
         try:
-            dirs = imagenet_dirs(args.data_dir)
+            train, val, label_names = data.real_or_embedded(
+                args, {'imagenet': load_imagenet},
+                ShapesClassificationDataset, log=log,
+                image_size=(EMBEDDED_DEFAULTS['insize'],) * 2)
         except DatasetError as e:
-            log('{}\nFalling back to the embedded dataset.'.format(e))
-            args.dataset = 'embedded'
-        else:
-            return load_imagenet(*dirs)
-    from embedded_datasets import ShapesClassificationDataset
-    n_train, n_test = args.embedded_size or (None, None)
-    size = (EMBEDDED_DEFAULTS['insize'],) * 2
-    train = ShapesClassificationDataset('train', n_train, size, args.seed)
-    val = ShapesClassificationDataset('test', n_test, size, args.seed)
-    return train, val, train.label_names
+            error = str(e)
+    if comm is not None:
+        args.dataset, label_names, error = comm.bcast_obj(
+            (args.dataset, label_names, error) if comm.rank == 0 else None)
+    if error is not None:
+        raise DatasetError(error)
+    arguments.apply_defaults(args, EMBEDDED_DEFAULTS, IMAGENET_DEFAULTS)
+    return train, val, label_names
 
 
 def build_model(args, n_class):
@@ -356,88 +303,70 @@ def build_model(args, n_class):
     return model
 
 
-def scatter(dataset, comm, seed):
+def to_devices(train_chain, gpu, comm):
+    """Rank r on GPU ``gpu`` + its local rank (or the CPU); every rank
+    starts from rank 0's weights."""
+    local_rank = 0 if comm is None else comm.intra_rank
+    device = arguments.use_device(train_chain,
+                                  gpu + local_rank if gpu >= 0 else -1)
+    if comm is not None:
+        comm.bcast_data(train_chain)
+    return device
+
+
+def share_datasets(train, val, model, args, comm):
+    """Every rank's share of rank 0's transformed training and validation
+    data, and the full sizes."""
+    if comm is None or comm.rank == 0:
+        sizes = len(train), len(val)
+        train = TransformDataset(train, TrainTransform(
+            model.mean, args.insize, args.crop_area))
+        val = TransformDataset(val, ValTransform(model.mean, args.insize))
     if comm is None:
-        return dataset
+        return train, val, sizes
     import chainermn
-    return chainermn.scatter_dataset(dataset, comm, shuffle=True, seed=seed)
+    sizes = comm.bcast_obj(sizes if comm.rank == 0 else None)
+    train, val = [chainermn.scatter_dataset(d, comm, shuffle=True,
+                                            seed=args.seed)
+                  for d in (train, val)]
+    return train, val, sizes
+
+
+def create_evaluator(val_iter, train_chain, device, comm):
+    """Chainer's Evaluator; under MPI, over every rank's share."""
+    evaluator = extensions.Evaluator(val_iter, train_chain, device=device)
+    if comm is None:
+        return evaluator
+    import chainermn
+    return chainermn.create_multi_node_evaluator(evaluator, comm)
 
 
 def main(argv=None):
     args = parse_args(argv)
     comm = create_communicator(args)
-    rank = comm.rank if comm is not None else 0
-    n_process = comm.size if comm is not None else 1
-
-    def log(*values, **kwargs):
-        if rank == 0:
-            print(*values, **kwargs)
-
+    rank, n_process = (0, 1) if comm is None else (comm.rank, comm.size)
+    log = print if rank == 0 else (lambda *values, **kwargs: None)
     if args.precision_note:
         log(args.precision_note)
     # Augmentations draw from NumPy's generator: one stream per rank.
-    np.random.seed(args.seed + rank)
-    random.seed(args.seed + rank)  # ChainerCV's transforms use `random`
+    arguments.seed_generators(args.seed + rank)
     config = gs_training.ScalingConfig.from_args(args)
-    train, val, label_names, error = None, None, None, None
-    if rank == 0:
-        try:
-            train, val, label_names = load_datasets(args, log)
-        except DatasetError as e:
-            error = str(e)
-    if comm is not None:
-        # Every rank stops on rank 0's dataset error.
-        args.dataset, label_names, error = comm.bcast_obj(
-            (args.dataset, label_names, error) if rank == 0 else None)
-    if error is not None:
-        raise DatasetError(error)
-    apply_defaults(args)
+    train, val, label_names = load_datasets(args, comm, log)
 
     with config.model_dtype():
         model = build_model(args, len(label_names))
         train_chain = ClassifierTrainChain(model)
-    device_id = args.gpu + (comm.intra_rank if comm is not None else 0)
-    device = chainer.get_device(device_id if args.gpu >= 0 else '@numpy')
-    device.use()
-    train_chain.to_device(device)
-    if comm is not None:
-        comm.bcast_data(train_chain)
+    device = to_devices(train_chain, args.gpu, comm)
 
-    if rank == 0:
-        n_train, n_val = len(train), len(val)
-        train = TransformDataset(train, TrainTransform(
-            model.mean, args.insize, args.crop_area))
-        val = TransformDataset(val, ValTransform(model.mean, args.insize))
-    train = scatter(train, comm, args.seed)
-    val = scatter(val, comm, args.seed)
-    if comm is not None:
-        n_train, n_val = comm.bcast_obj((n_train, n_val) if rank == 0
-                                        else None)
-    if args.loaderjob > 0:
-        train_iter = chainer.iterators.MultiprocessIterator(
-            train, args.batchsize, n_processes=args.loaderjob)
-        val_iter = chainer.iterators.MultiprocessIterator(
-            val, args.batchsize, repeat=False, shuffle=False,
-            n_processes=args.loaderjob)
-    else:
-        train_iter = chainer.iterators.SerialIterator(train, args.batchsize)
-        val_iter = chainer.iterators.SerialIterator(
-            val, args.batchsize, repeat=False, shuffle=False)
-
+    train, val, (n_train, n_val) = share_datasets(train, val, model, args,
+                                                  comm)
+    train_iter, val_iter = data.iterators(train, val, args.batchsize,
+                                          args.loaderjob, parallel_test=True)
     total_batch = args.batchsize * n_process
     lr = args.lr if args.lr is not None else 0.1 * total_batch / 256
     epoch_length = max(1, math.ceil(n_train / total_batch))
     iteration = args.iteration or args.epoch * epoch_length
-    # Warmup and steps keep their share of Goyal's 90 epochs.
-    schedule = WarmupStepSchedule(
-        lr, warmup_lr=lr * min(1, 256 / total_batch),
-        warmup=round(iteration * GOYAL_WARMUP / GOYAL_EPOCHS),
-        steps=[round(iteration * s / GOYAL_EPOCHS) for s in GOYAL_STEPS])
-    eval_interval = args.eval_interval or epoch_length
 
-    snapshot_interval = args.snapshot_interval
-    if snapshot_interval is None:
-        snapshot_interval = max(iteration // 4, 1)
     optimizer, scaler = gs_training.setup_optimizer(
         chainer.optimizers.CorrectedMomentumSGD(lr=lr, momentum=0.9),
         train_chain, config)
@@ -449,71 +378,32 @@ def main(argv=None):
         train_iter, optimizer, scaler, config, device=device,
         communicator=comm)
     trainer = training.Trainer(updater, (iteration, 'iteration'), args.out)
-    trainer.extend(schedule)
-    eval_points = sorted(set([iteration] + list(
-        range(eval_interval, iteration, eval_interval))))
-    evaluator = extensions.Evaluator(val_iter, train_chain, device=device)
-    if comm is not None:
-        import chainermn
-        evaluator = chainermn.create_multi_node_evaluator(evaluator, comm)
-    trainer.extend(DtypeEvaluator(evaluator, config),
-                   trigger=triggers.ManualScheduleTrigger(eval_points,
-                                                          'iteration'))
+    trainer.extend(WarmupStepSchedule.goyal(lr, total_batch, iteration))
+    points = reports.evaluation_points(iteration,
+                                       args.eval_interval or epoch_length)
+    reports.extend_evaluation(trainer, create_evaluator(
+        val_iter, train_chain, device, comm), config, points)
+    if rank == 0:  # the others neither print nor write
+        reports.extend_classifier_reports(trainer, args, scaler, config,
+                                          points)
+        reports.extend_snapshots(trainer, model,
+                                 reports.snapshot_interval(args, iteration),
+                                 iteration, compress=False)
 
-    if rank == 0:
-        log_interval = args.log_interval, 'iteration'
-        trainer.extend(extensions.LogReport(trigger=log_interval))
-        trainer.extend(extensions.observe_lr(), trigger=log_interval)
-        trainer.extend(extensions.PrintReport(
-            ['epoch', 'iteration', 'lr', 'main/loss', 'main/accuracy',
-             'scaling/skips', 'scaling/max_scale', 'validation/main/loss',
-             'validation/main/accuracy', 'elapsed_time']),
-            trigger=log_interval)
-        trainer.extend(extensions.ProgressBar(
-            update_interval=log_interval[0]))
-        if not args.no_plot:
-            trainer.extend(extensions.PlotReport(
-                ['main/loss', 'validation/main/loss'], 'iteration',
-                trigger=log_interval, filename='loss.png'))
-            trainer.extend(extensions.PlotReport(
-                ['main/accuracy', 'validation/main/accuracy'], 'iteration',
-                trigger=log_interval, filename='accuracy.png'))
-        if args.scaling == 'gs':
-            trainer.extend(ScaleHistory(scaler.hook, plot=not args.no_plot),
-                           trigger=(config.update_interval, 'iteration'))
-        if snapshot_interval:
-            # Float weights barely compress; compressing them costs seconds.
-            trainer.extend(
-                extensions.snapshot(savefun=functools.partial(
-                    serializers.save_npz, compression=False)),
-                trigger=(snapshot_interval, 'iteration'))
-        trainer.extend(
-            extensions.snapshot_object(
-                model, 'model_iter_{.updater.iteration}'),
-            trigger=(iteration, 'iteration'))
-
-    if args.resume:
-        serializers.load_npz(args.resume, trainer)
-    log('{} on {} data: {} train / {} val images, {} process(es) x batch '
+    reports.resume_and_run(
+        trainer, args.resume,
+        '{} on {} data: {} train / {} val images, {} process(es) x batch '
         '{}, lr {:g}, scaling={}, precision={}, {} iterations ({:.1f} '
         'epochs)'.format(
             args.arch, args.dataset, n_train, n_val, n_process,
             args.batchsize, lr, config.scaling, config.precision, iteration,
-            iteration / epoch_length), flush=True)
-    trainer.run()
-    if rank != 0:
-        return None
-    result = trainer.get_extension('LogReport').log
-    accuracies = [e['validation/main/accuracy'] for e in result
-                  if 'validation/main/accuracy' in e]
-    if accuracies:
-        print('Final validation accuracy: {:.4f} ({} skipped steps)'.format(
-            accuracies[-1], updater.skips))
-    return accuracies[-1] if accuracies else None
+            iteration / epoch_length), log=log)
+    if rank == 0:  # the one with a log
+        return reports.final_metric(
+            trainer, updater, 'validation/main/accuracy',
+            'validation accuracy')
+    return None
 
 
 if __name__ == '__main__':
-    try:
-        main()
-    except DatasetError as e:
-        sys.exit('error: {}'.format(e))
+    run_main(main)

@@ -21,15 +21,13 @@ layout (train/ trainannot/ val/ valannot/ test/ testannot/ and the
 {train,val,test}.txt lists); when it is absent the script says so and
 trains on the embedded data.  On a CPU, mixed precision is simulated
 (``--precision sim-fp16``) unless ``--precision`` says otherwise: real
-float16 arithmetic in NumPy is 60-115x slower.
+float16 arithmetic in NumPy is 60-115x slower (docs/DESIGN.md, 5.3; how
+the simulation works: 4).
 """
 
 import gradient_scaling  # NOQA: restores what Chainer needs, first
 
-import argparse
 import os
-import random
-import sys
 
 import numpy as np
 
@@ -37,10 +35,7 @@ import chainer
 import chainer.functions as F
 from chainer.datasets import TransformDataset
 from chainer.optimizer_hooks import WeightDecay
-from chainer import serializers
 from chainer import training
-from chainer.training import extensions
-from chainer.training import triggers
 
 from chainercv.datasets import camvid_label_names
 from chainercv.datasets import CamVidDataset
@@ -48,8 +43,15 @@ from chainercv.extensions import SemanticSegmentationEvaluator
 from chainercv.links import SegNetBasic
 
 from gradient_scaling import training as gs_training
-from gradient_scaling.extensions import DtypeEvaluator
-from gradient_scaling.extensions import ScaleHistory
+
+from embedded_datasets import class_weights
+from embedded_datasets import ShapesSegmentationDataset
+from example_common import arguments
+from example_common import data
+from example_common.errors import DatasetError
+from example_common.errors import DatasetNotFound
+from example_common.errors import run_main
+from example_common import reports
 
 EMBEDDED_DEFAULTS = {'iteration': 200, 'batchsize': 4, 'lr': 0.1,
                      'eval_interval': 50}
@@ -57,10 +59,6 @@ CAMVID_DEFAULTS = {'iteration': 16000, 'batchsize': 12, 'lr': 0.1,
                    'eval_interval': 2000}
 # Generated images: small, and divisible by 16 for SegNet's four poolings.
 EMBEDDED_IMAGE_SIZE = (32, 48)
-
-
-class DatasetError(ValueError):
-    """A dataset file is missing, unreadable or malformed."""
 
 
 class PixelwiseSoftmaxTrainChain(chainer.Chain):
@@ -127,13 +125,9 @@ def random_flip(in_data):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description=__doc__.split('\n\n')[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--dataset', choices=('embedded', 'camvid'),
-                        default='embedded',
-                        help='embedded: generated shapes, no download; '
-                        'camvid: CamVid in ChainerCV\'s layout')
+    parser = arguments.make_parser(__doc__)
+    arguments.add_dataset(parser, [
+        ('camvid', 'CamVid in ChainerCV\'s layout')])
     parser.add_argument('--data-dir', default=None,
                         help='camvid: the directory holding train.txt, '
                         'train/, trainannot/... (default: $CHAINER_DATASET_'
@@ -146,10 +140,7 @@ def parse_args(argv=None):
                         help='a .npy file with one weight per class (e.g. '
                         'from ChainerCV\'s calc_weight.py); default: median '
                         'frequency balancing of the training labels')
-    parser.add_argument('--embedded-size', type=int, nargs=2, default=None,
-                        metavar=('TRAIN', 'TEST'),
-                        help='embedded: number of train and test images '
-                        '(default: 300 50; tests use fewer)')
+    arguments.add_embedded_size(parser, 300, 50)
     parser.add_argument('--batchsize', type=int, default=None)
     parser.add_argument('--iteration', type=int, default=None)
     parser.add_argument('--lr', type=float, default=None)
@@ -162,55 +153,23 @@ def parse_args(argv=None):
                         'magnitudes they have at that scale')
     parser.add_argument('--eval-interval', type=int, default=None,
                         help='also evaluate every N iterations')
-    parser.add_argument('--log-interval', type=int, default=10)
-    parser.add_argument('--gpu', type=int, default=-1)
-    parser.add_argument('--loaderjob', type=int, default=0,
-                        help='worker processes for data loading (0: none)')
-    parser.add_argument('--out', default='result/segnet')
-    parser.add_argument('--resume', default=None,
-                        help='a trainer snapshot to resume from')
-    parser.add_argument('--snapshot-interval', type=int, default=None,
-                        help='write a trainer snapshot every N iterations '
-                        '(default: a quarter of the run; 0: none)')
-    parser.add_argument('--seed', type=int, default=0)
-    parser.add_argument('--no-plot', action='store_true')
-    gs_training.add_arguments(parser)
+    arguments.add_run_options(parser, out='result/segnet')
     args = parser.parse_args(argv)
-    for name in ('batchsize', 'iteration', 'eval_interval', 'log_interval'):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            parser.error('--{} must be >= 1, got {}'.format(
-                name.replace('_', '-'), value))
+    arguments.check_options(parser, args)
     if args.loss_pixels is not None and args.loss_pixels < 1:
         parser.error('--loss-pixels must be >= 1')
-    if args.lr is not None and not args.lr > 0:
-        parser.error('--lr must be > 0, got {}'.format(args.lr))
-    if args.snapshot_interval is not None and args.snapshot_interval < 0:
-        parser.error('--snapshot-interval must be >= 0, got {}'.format(
-            args.snapshot_interval))
-    if args.embedded_size is not None and min(args.embedded_size) < 1:
-        parser.error('--embedded-size needs two numbers >= 1, got {}'.format(
-            ' '.join(map(str, args.embedded_size))))
     gs_training.default_to_simulation_on_cpu(args)
     return args
 
 
-def apply_defaults(args):
-    """Fills what the command line left out, for the data actually used."""
-    defaults = (EMBEDDED_DEFAULTS if args.dataset == 'embedded'
-                else CAMVID_DEFAULTS)
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-
-
 def camvid_root(data_dir):
-    """CamVid's directory; raises DatasetError (never downloads) if absent."""
+    """CamVid's directory; raises DatasetNotFound (never downloads) if absent.
+    """
     if data_dir is None:
         data_dir = os.path.join(chainer.dataset.get_dataset_root(),
                                 'pfnet', 'chainercv', 'camvid')
     if not os.path.isdir(data_dir):
-        raise DatasetError(
+        raise DatasetNotFound(
             'CamVid not found: {} is not a directory (expected ChainerCV\'s '
             'layout: train.txt, train/, trainannot/, ...)'.format(data_dir))
     return data_dir
@@ -237,31 +196,23 @@ def camvid_split(root, split):
     return dataset
 
 
+def load_camvid(args):
+    root = camvid_root(args.data_dir)
+    return (camvid_split(root, 'train'), camvid_split(root, args.test_split),
+            camvid_label_names)
+
+
 def load_datasets(args):
-    """(train, test, label_names); falls back to embedded data, saying so."""
-    if args.dataset == 'camvid':
-        try:
-            root = camvid_root(args.data_dir)
-        except DatasetError as e:
-            print('{}\nFalling back to the embedded dataset.'.format(e))
-            args.dataset = 'embedded'
-        else:
-            return (camvid_split(root, 'train'),
-                    camvid_split(root, args.test_split), camvid_label_names)
-    from embedded_datasets import ShapesSegmentationDataset
-    n_train, n_test = args.embedded_size or (None, None)
-    train = ShapesSegmentationDataset(
-        'train', size=n_train, image_size=EMBEDDED_IMAGE_SIZE,
-        seed=args.seed)
-    test = ShapesSegmentationDataset(
-        'test', size=n_test, image_size=EMBEDDED_IMAGE_SIZE, seed=args.seed)
-    return train, test, train.label_names
+    """(train, test, label_names) of CamVid, or of the embedded scenes when
+    CamVid is absent (said so), whose defaults the schedule then takes."""
+    return data.real_or_embedded(
+        args, {'camvid': load_camvid}, ShapesSegmentationDataset,
+        (EMBEDDED_DEFAULTS, CAMVID_DEFAULTS), image_size=EMBEDDED_IMAGE_SIZE)
 
 
 def load_class_weight(args, train, n_class):
     """``--class-weight`` FILE, else median frequency balancing of train."""
     if args.class_weight is None:
-        from embedded_datasets import class_weights
         labels = train.slice[:, 1] if hasattr(train, 'slice') else (
             label for _, label in train)
         # class_weights reads (img, label) pairs; only labels are loaded.
@@ -284,43 +235,35 @@ def load_class_weight(args, train, n_class):
     return weight
 
 
+def build_model(n_class):
+    model = SegNetBasic(n_class=n_class)
+    # conv1 is built with in_channels=None: initialize it now, in the
+    # model's dtype, so that the optimizer, GS and snapshots see it.
+    with chainer.using_config('train', False), chainer.no_backprop_mode():
+        model(np.zeros((1, 3, 16, 16), dtype=chainer.get_dtype()))
+    return model
+
+
 def main(argv=None):
     args = parse_args(argv)
-    np.random.seed(args.seed)
-    random.seed(args.seed)  # ChainerCV's transforms draw from `random`
+    arguments.seed_generators(args.seed)
     config = gs_training.ScalingConfig.from_args(args)
     train, test, label_names = load_datasets(args)
-    apply_defaults(args)
     class_weight = load_class_weight(args, train, len(label_names))
+    # --loss-pixels: the loss as for a batch of that many pixels.
+    pixels = args.batchsize * int(np.prod(train[0][1].shape))
+    factor = args.loss_pixels / pixels if args.loss_pixels else 1.0
 
     with config.model_dtype():
-        model = SegNetBasic(n_class=len(label_names))
-        # conv1 is built with in_channels=None: initialize it now, in the
-        # model's dtype, so that the optimizer, GS and snapshots see it.
-        with chainer.using_config('train', False), \
-                chainer.no_backprop_mode():
-            model(np.zeros((1, 3, 16, 16), dtype=chainer.get_dtype()))
-        pixels = args.batchsize * int(np.prod(train[0][1].shape))
-        factor = (args.loss_pixels / pixels if args.loss_pixels
-                  else 1.0)
+        model = build_model(len(label_names))
         train_chain = PixelwiseSoftmaxTrainChain(model, class_weight,
                                                  loss_factor=1 / factor)
-    device = chainer.get_device(args.gpu if args.gpu >= 0 else '@numpy')
-    device.use()
-    train_chain.to_device(device)
+    device = arguments.use_device(train_chain, args.gpu)
 
     train = TransformDataset(train, random_flip)
-    if args.loaderjob > 0:
-        train_iter = chainer.iterators.MultiprocessIterator(
-            train, args.batchsize, n_processes=args.loaderjob)
-    else:
-        train_iter = chainer.iterators.SerialIterator(train, args.batchsize)
-    test_iter = chainer.iterators.SerialIterator(
-        test, args.batchsize, repeat=False, shuffle=False)
+    train_iter, test_iter = data.iterators(train, test, args.batchsize,
+                                           args.loaderjob)
 
-    snapshot_interval = args.snapshot_interval
-    if snapshot_interval is None:
-        snapshot_interval = max(args.iteration // 4, 1)
     optimizer, scaler = gs_training.setup_optimizer(
         chainer.optimizers.MomentumSGD(lr=args.lr * factor, momentum=0.9),
         train_chain, config)
@@ -334,60 +277,29 @@ def main(argv=None):
         train_iter, optimizer, scaler, config, device=device)
     trainer = training.Trainer(updater, (args.iteration, 'iteration'),
                                args.out)
-    eval_points = sorted(set([args.iteration] + list(
-        range(args.eval_interval, args.iteration, args.eval_interval))))
-    evaluator = SemanticSegmentationEvaluator(
-        test_iter, Predictor(model), label_names=label_names)
-    trainer.extend(DtypeEvaluator(evaluator, config),
-                   trigger=triggers.ManualScheduleTrigger(eval_points,
-                                                          'iteration'))
+    points = reports.evaluation_points(args.iteration, args.eval_interval)
+    reports.extend_evaluation(trainer, SemanticSegmentationEvaluator(
+        test_iter, Predictor(model), label_names=label_names), config,
+        points)
+    reports.extend_reports(
+        trainer, args, scaler, config, ['main/loss'],
+        ['validation/main/miou', 'validation/main/pixel_accuracy'],
+        {'loss.png': ['main/loss'],
+         'miou.png': ['validation/main/miou',
+                      'validation/main/pixel_accuracy']}, points)
+    reports.extend_snapshots(
+        trainer, model, reports.snapshot_interval(args, args.iteration),
+        args.iteration)
 
-    log_interval = args.log_interval, 'iteration'
-    trainer.extend(extensions.LogReport(trigger=log_interval))
-    trainer.extend(extensions.observe_lr(), trigger=log_interval)
-    trainer.extend(extensions.PrintReport(
-        ['epoch', 'iteration', 'lr', 'main/loss', 'scaling/skips',
-         'scaling/max_scale', 'validation/main/miou',
-         'validation/main/pixel_accuracy', 'elapsed_time']),
-        trigger=log_interval)
-    trainer.extend(extensions.ProgressBar(update_interval=log_interval[0]))
-    if not args.no_plot:
-        trainer.extend(extensions.PlotReport(
-            ['main/loss'], 'iteration', trigger=log_interval,
-            filename='loss.png'))
-        trainer.extend(extensions.PlotReport(
-            ['validation/main/miou', 'validation/main/pixel_accuracy'],
-            'iteration', filename='miou.png',
-            trigger=triggers.ManualScheduleTrigger(eval_points,
-                                                   'iteration')))
-    if args.scaling == 'gs':
-        trainer.extend(ScaleHistory(scaler.hook, plot=not args.no_plot),
-                       trigger=(config.update_interval, 'iteration'))
-    if snapshot_interval:
-        trainer.extend(extensions.snapshot(),
-                       trigger=(snapshot_interval, 'iteration'))
-    trainer.extend(
-        extensions.snapshot_object(model, 'model_iter_{.updater.iteration}'),
-        trigger=(args.iteration, 'iteration'))
-
-    if args.resume:
-        serializers.load_npz(args.resume, trainer)
-    print('SegNetBasic on {} data: {} train / {} test images, scaling={}, '
-          'precision={}, batch {}, {} iterations'.format(
-              args.dataset, len(train), len(test), config.scaling,
-              config.precision, args.batchsize, args.iteration), flush=True)
-    trainer.run()
-    result = trainer.get_extension('LogReport').log
-    mious = [e['validation/main/miou'] for e in result
-             if 'validation/main/miou' in e]
-    if mious:
-        print('Final mIoU: {:.4f} ({} skipped steps)'.format(
-            mious[-1], updater.skips))
-    return mious[-1] if mious else None
+    reports.resume_and_run(
+        trainer, args.resume,
+        'SegNetBasic on {} data: {} train / {} test images, scaling={}, '
+        'precision={}, batch {}, {} iterations'.format(
+            args.dataset, len(train), len(test), config.scaling,
+            config.precision, args.batchsize, args.iteration))
+    return reports.final_metric(trainer, updater, 'validation/main/miou',
+                                'mIoU')
 
 
 if __name__ == '__main__':
-    try:
-        main()
-    except DatasetError as e:
-        sys.exit('error: {}'.format(e))
+    run_main(main)

@@ -20,16 +20,13 @@ steps at 80k and 100k, ChainerCV's augmentation, VOC07 test with the 07
 metric); the embedded data uses a small SSD (64x64) and a short schedule.
 On a CPU, mixed precision is simulated (``--precision sim-fp16``) unless
 ``--precision`` says otherwise: real float16 arithmetic in NumPy is 60-115x
-slower.
+slower (docs/DESIGN.md, 5.3; how the simulation works: 4).
 """
 
 import gradient_scaling  # NOQA: restores what Chainer needs, first
 
-import argparse
 import copy
 import os
-import random
-import sys
 
 import numpy as np
 
@@ -42,7 +39,11 @@ from chainer import training
 from chainer.training import extensions
 from chainer.training import triggers
 
+from chainercv.datasets import voc_bbox_label_names
 from chainercv.extensions import DetectionVOCEvaluator
+# ChainerCV's GradientScaling is an optimizer hook that multiplies a
+# gradient by a constant (here: the bias learning rate x2), nothing to do
+# with this project's gradient_scaling.GradientScaling.
 from chainercv.links.model.ssd import GradientScaling as BiasLRScaling
 from chainercv.links.model.ssd import multibox_loss
 from chainercv.links.model.ssd import random_crop_with_bbox_constraints
@@ -53,21 +54,27 @@ from chainercv.links import SSD512
 from chainercv import transforms
 
 from gradient_scaling import training as gs_training
-from gradient_scaling.extensions import DtypeEvaluator
-from gradient_scaling.extensions import ScaleHistory
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from voc_format import DatasetError  # NOQA
-from voc_format import read_label_names  # NOQA
-from voc_format import voc_root  # NOQA
-from voc_format import VOCFormatBboxDataset  # NOQA
+from chainer_links import mixed_precision_ssd
+from chainer_links import SmallSSD
+from embedded_datasets import ShapesDetectionDataset
+from example_common import arguments
+from example_common import data
+from example_common.errors import DatasetError
+from example_common.errors import run_main
+from example_common import reports
+from example_common.voc_format import read_label_names
+from example_common.voc_format import voc_root
+from example_common.voc_format import VOCFormatBboxDataset
 
 # A short schedule on which the small SSD reaches mAP ~0.75 in a few CPU
 # minutes (measured); lr 1e-3 (the paper's, for VOC) learns too slowly here.
 EMBEDDED_DEFAULTS = {'iteration': 300, 'step': [200, 260],
-                     'batchsize': 16, 'lr': 1e-2, 'eval_interval': 100}
+                     'batchsize': 16, 'lr': 1e-2, 'eval_interval': 100,
+                     'model': 'small'}
 VOC_DEFAULTS = {'iteration': 120000, 'step': [80000, 100000],
-                'batchsize': 8, 'lr': 1e-3, 'eval_interval': None}
+                'batchsize': 8, 'lr': 1e-3, 'eval_interval': None,
+                'model': 'ssd300'}
 
 
 class MultiboxTrainChain(chainer.Chain):
@@ -139,15 +146,11 @@ class Transform(object):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description=__doc__.split('\n\n')[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--dataset', choices=('embedded', 'voc',
-                                              'voc-format'),
-                        default='embedded',
-                        help='embedded: generated shapes, no download; voc: '
-                        'VOC07+12 trainval, VOC07 test; voc-format: any VOC-'
-                        'layout directory (--data-dir, --label-names)')
+    parser = arguments.make_parser(__doc__)
+    arguments.add_dataset(parser, [
+        ('voc', 'VOC07+12 trainval, VOC07 test'),
+        ('voc-format', 'any VOC-layout directory (--data-dir, '
+         '--label-names)')])
     parser.add_argument('--data-dir', default=None,
                         help='voc: the directory holding VOCdevkit/ '
                         '(default: $CHAINER_DATASET_ROOT/pfnet/chainercv/'
@@ -170,16 +173,8 @@ def parse_args(argv=None):
     parser.add_argument('--lr', type=float, default=None)
     parser.add_argument('--eval-interval', type=int, default=None,
                         help='also evaluate every N iterations')
-    parser.add_argument('--log-interval', type=int, default=10)
-    parser.add_argument('--gpu', type=int, default=-1)
-    parser.add_argument('--loaderjob', type=int, default=0,
-                        help='worker processes for data loading (0: none)')
-    parser.add_argument('--out', default='result/ssd')
-    parser.add_argument('--resume', default=None,
-                        help='a trainer snapshot to resume from')
-    parser.add_argument('--seed', type=int, default=0)
-    parser.add_argument('--no-plot', action='store_true')
-    gs_training.add_arguments(parser)
+    arguments.add_run_options(parser, out='result/ssd',
+                              snapshot_interval=False)
     args = parser.parse_args(argv)
     for name in ('batchsize', 'iteration'):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -192,57 +187,41 @@ def parse_args(argv=None):
     return args
 
 
-def apply_defaults(args):
-    """Schedule and model defaults for the data actually used."""
-    defaults = (EMBEDDED_DEFAULTS if args.dataset == 'embedded'
-                else VOC_DEFAULTS)
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    if args.model is None:
-        args.model = 'small' if args.dataset == 'embedded' else 'ssd300'
+def load_voc(args):
+    """VOC07+12 trainval and VOC07 test, with ChainerCV's label names."""
+    roots = [voc_root(args.data_dir, '2007'), voc_root(args.data_dir, '2012')]
+    train = ConcatenatedDataset(*[
+        VOCFormatBboxDataset(root, args.train_split) for root in roots])
+    test = VOCFormatBboxDataset(roots[0], args.test_split,
+                                use_difficult=True, return_difficult=True)
+    return train, test, voc_bbox_label_names
+
+
+def load_voc_format(args):
+    """A VOC-layout directory with the label names of ``--label-names``."""
+    if not os.path.isdir(args.data_dir):
+        raise DatasetError('--data-dir {} is not a directory'.format(
+            args.data_dir))
+    names = read_label_names(args.label_names)
+    train = VOCFormatBboxDataset(args.data_dir, args.train_split, names)
+    test = VOCFormatBboxDataset(args.data_dir, args.test_split, names,
+                                use_difficult=True, return_difficult=True)
+    return train, test, names
 
 
 def load_datasets(args):
-    """(train, test, label_names); falls back to embedded data, saying so."""
-    if args.dataset == 'voc':
-        try:
-            roots = [voc_root(args.data_dir, '2007'),
-                     voc_root(args.data_dir, '2012')]
-        except DatasetError as e:
-            print('{}\nFalling back to the embedded dataset.'.format(e))
-            args.dataset = 'embedded'
-        else:
-            from chainercv.datasets import voc_bbox_label_names
-            train = ConcatenatedDataset(*[
-                VOCFormatBboxDataset(root, args.train_split)
-                for root in roots])
-            test = VOCFormatBboxDataset(
-                roots[0], args.test_split, use_difficult=True,
-                return_difficult=True)
-            return train, test, voc_bbox_label_names
-    if args.dataset == 'voc-format':
-        if not os.path.isdir(args.data_dir):
-            raise DatasetError('--data-dir {} is not a directory'.format(
-                args.data_dir))
-        names = read_label_names(args.label_names)
-        train = VOCFormatBboxDataset(args.data_dir, args.train_split, names)
-        test = VOCFormatBboxDataset(args.data_dir, args.test_split, names,
-                                    use_difficult=True,
-                                    return_difficult=True)
-        return train, test, names
-    from embedded_datasets import ShapesDetectionDataset
-    train = ShapesDetectionDataset('train', seed=args.seed)
-    test = ShapesDetectionDataset('test', seed=args.seed)
-    return train, test, train.label_names
+    """(train, test, label_names): VOC, a VOC-layout directory, or the
+    embedded shapes when VOC is absent (said so); then the schedule and
+    model defaults of the data used."""
+    return data.real_or_embedded(
+        args, {'voc': load_voc, 'voc-format': load_voc_format},
+        ShapesDetectionDataset, (EMBEDDED_DEFAULTS, VOC_DEFAULTS))
 
 
 def build_model(args, n_fg_class):
     if args.model == 'small':
-        from chainer_links import SmallSSD
         model = SmallSSD(n_fg_class=n_fg_class)
     else:
-        from chainer_links import mixed_precision_ssd
         cls = SSD300 if args.model == 'ssd300' else SSD512
         model = mixed_precision_ssd(cls)(n_fg_class=n_fg_class)
     if args.pretrained_model:
@@ -263,28 +242,19 @@ def load_backbone(model, path):
 
 def main(argv=None):
     args = parse_args(argv)
-    np.random.seed(args.seed)
-    random.seed(args.seed)  # ChainerCV's transforms draw from `random`
+    arguments.seed_generators(args.seed)
     config = gs_training.ScalingConfig.from_args(args)
     train, test, label_names = load_datasets(args)
-    apply_defaults(args)  # after a fall-back to the embedded data
 
     with config.model_dtype():
         model = build_model(args, len(label_names))
         train_chain = MultiboxTrainChain(model)
-    device = chainer.get_device(args.gpu if args.gpu >= 0 else '@numpy')
-    device.use()
-    train_chain.to_device(device)
+    device = arguments.use_device(train_chain, args.gpu)
 
     train = TransformDataset(
         train, Transform(model.coder, model.insize, model.mean))
-    if args.loaderjob > 0:
-        train_iter = chainer.iterators.MultiprocessIterator(
-            train, args.batchsize, n_processes=args.loaderjob)
-    else:
-        train_iter = chainer.iterators.SerialIterator(train, args.batchsize)
-    test_iter = chainer.iterators.SerialIterator(
-        test, args.batchsize, repeat=False, shuffle=False)
+    train_iter, test_iter = data.iterators(train, test, args.batchsize,
+                                           args.loaderjob)
 
     optimizer, scaler = gs_training.setup_optimizer(
         chainer.optimizers.MomentumSGD(), train_chain, config)
@@ -301,58 +271,29 @@ def main(argv=None):
     trainer.extend(
         extensions.ExponentialShift('lr', 0.1, init=args.lr),
         trigger=triggers.ManualScheduleTrigger(args.step, 'iteration'))
-    eval_points = sorted(set(args.step + [args.iteration] + (
-        list(range(args.eval_interval, args.iteration, args.eval_interval))
-        if args.eval_interval else [])))
-    evaluator = DetectionVOCEvaluator(
-        test_iter, model, use_07_metric=True, label_names=label_names)
-    trainer.extend(DtypeEvaluator(evaluator, config),
-                   trigger=triggers.ManualScheduleTrigger(eval_points,
-                                                          'iteration'))
+    points = reports.evaluation_points(args.iteration, args.eval_interval,
+                                       extra=args.step)
+    reports.extend_evaluation(trainer, DetectionVOCEvaluator(
+        test_iter, model, use_07_metric=True, label_names=label_names),
+        config, points)
+    reports.extend_reports(
+        trainer, args, scaler, config,
+        ['main/loss', 'main/loss/loc', 'main/loss/conf'],
+        ['validation/main/map'],
+        {'loss.png': ['main/loss', 'main/loss/loc', 'main/loss/conf'],
+         'map.png': ['validation/main/map']}, points)
+    reports.extend_snapshots(trainer, model, max(args.iteration // 4, 1),
+                             args.iteration)
 
-    log_interval = args.log_interval, 'iteration'
-    trainer.extend(extensions.LogReport(trigger=log_interval))
-    trainer.extend(extensions.observe_lr(), trigger=log_interval)
-    trainer.extend(extensions.PrintReport(
-        ['epoch', 'iteration', 'lr', 'main/loss', 'main/loss/loc',
-         'main/loss/conf', 'scaling/skips', 'scaling/max_scale',
-         'validation/main/map', 'elapsed_time']), trigger=log_interval)
-    trainer.extend(extensions.ProgressBar(update_interval=log_interval[0]))
-    if not args.no_plot:
-        trainer.extend(extensions.PlotReport(
-            ['main/loss', 'main/loss/loc', 'main/loss/conf'], 'iteration',
-            trigger=log_interval, filename='loss.png'))
-        trainer.extend(extensions.PlotReport(
-            ['validation/main/map'], 'iteration',
-            trigger=triggers.ManualScheduleTrigger(eval_points, 'iteration'),
-            filename='map.png'))
-    if args.scaling == 'gs':
-        trainer.extend(ScaleHistory(scaler.hook, plot=not args.no_plot),
-                       trigger=(config.update_interval, 'iteration'))
-    trainer.extend(extensions.snapshot(),
-                   trigger=(max(args.iteration // 4, 1), 'iteration'))
-    trainer.extend(
-        extensions.snapshot_object(model, 'model_iter_{.updater.iteration}'),
-        trigger=(args.iteration, 'iteration'))
-
-    if args.resume:
-        serializers.load_npz(args.resume, trainer)
-    print('SSD ({}) on {} data: {} train / {} test images, scaling={}, '
-          'precision={}, batch {}, {} iterations'.format(
-              args.model, args.dataset, len(train), len(test), config.scaling,
-              config.precision, args.batchsize, args.iteration), flush=True)
-    trainer.run()
-    result = trainer.get_extension('LogReport').log
-    maps = [e['validation/main/map'] for e in result
-            if 'validation/main/map' in e]
-    if maps:
-        print('Final VOC07 mAP: {:.4f} ({} skipped steps)'.format(
-            maps[-1], updater.skips))
-    return maps[-1] if maps else None
+    reports.resume_and_run(
+        trainer, args.resume,
+        'SSD ({}) on {} data: {} train / {} test images, scaling={}, '
+        'precision={}, batch {}, {} iterations'.format(
+            args.model, args.dataset, len(train), len(test), config.scaling,
+            config.precision, args.batchsize, args.iteration))
+    return reports.final_metric(trainer, updater, 'validation/main/map',
+                                'VOC07 mAP')
 
 
 if __name__ == '__main__':
-    try:
-        main()
-    except DatasetError as e:
-        sys.exit('error: {}'.format(e))
+    run_main(main)

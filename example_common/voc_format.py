@@ -8,7 +8,7 @@ The whole split is checked when the dataset is created, so a bad file stops
 a run before anything is written.
 """
 
-import gradient_scaling  # NOQA
+import gradient_scaling  # NOQA: restores what Chainer needs, first
 
 import os
 import xml.etree.ElementTree as ET
@@ -19,9 +19,10 @@ import chainer
 from chainercv.datasets import voc_bbox_label_names
 from chainercv.utils import read_image
 
+from example_common.errors import DatasetError
+from example_common.errors import DatasetNotFound
 
-class DatasetError(ValueError):
-    """A dataset file is missing, unreadable or malformed."""
+__all__ = ['read_label_names', 'voc_root', 'VOCFormatBboxDataset']
 
 
 def read_label_names(spec):
@@ -41,7 +42,7 @@ def read_label_names(spec):
 def voc_root(data_dir, year):
     """``VOCdevkit/VOC<year>`` under ``data_dir`` or ChainerCV's dataset root.
 
-    Raises DatasetError (never downloads) when it is absent.
+    Raises DatasetNotFound (never downloads) when it is absent.
     """
     if data_dir is None:
         data_dir = os.path.join(chainer.dataset.get_dataset_root(),
@@ -50,7 +51,7 @@ def voc_root(data_dir, year):
                       os.path.join(data_dir, 'VOC' + year)):
         if os.path.isdir(candidate):
             return candidate
-    raise DatasetError(
+    raise DatasetNotFound(
         'PASCAL VOC {} not found under {} (expected VOCdevkit/VOC{}/ with '
         'ImageSets/Main, Annotations, JPEGImages)'.format(year, data_dir,
                                                           year))

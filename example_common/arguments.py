@@ -1,0 +1,159 @@
+"""The options every example script has, their checks and their defaults.
+
+A script's ``parse_args`` reads in one order: :func:`make_parser`,
+:func:`add_dataset`, the script's own options (data, model, schedule),
+then :func:`add_run_options` (how to run, and the scaling options of
+:func:`gradient_scaling.training.add_arguments`); after parsing,
+:func:`check_options` refuses out-of-range numbers among the shared ones.
+
+Schedule options left at ``None`` take the defaults of the data actually
+used, which is known only after a possible fall-back to the embedded data:
+:func:`apply_defaults` (called by
+:func:`example_common.data.real_or_embedded`).
+
+>>> parser = arguments.make_parser(__doc__)
+>>> arguments.add_dataset(parser, [('camvid', 'CamVid')])
+>>> parser.add_argument('--batchsize', type=int, default=None)
+>>> arguments.add_run_options(parser, out='result/mine')
+>>> args = parser.parse_args(argv)
+>>> arguments.check_options(parser, args)
+"""
+
+import argparse
+import random
+
+import numpy as np
+
+import chainer
+
+from gradient_scaling import training as gs_training
+
+__all__ = ['make_parser', 'add_dataset', 'add_embedded_size',
+           'add_run_options', 'check_options', 'apply_defaults',
+           'seed_generators', 'use_device']
+
+# Options that count something: a value below 1 is refused.
+_COUNTS = ('batchsize', 'iteration', 'epoch', 'eval_interval',
+           'log_interval')
+
+
+def make_parser(doc):
+    """An ``ArgumentParser`` described by the first paragraph of ``doc``
+    (a script's docstring), its line breaks kept."""
+    return argparse.ArgumentParser(
+        description=doc.split('\n\n')[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def add_dataset(parser, real):
+    """``--dataset``: ``embedded`` (the default) or one of ``real``.
+
+    Args:
+        parser (argparse.ArgumentParser): Gets the option.
+        real (list): ``(name, description)`` of each real dataset, in the
+            order ``--help`` lists them.
+
+    """
+    parser.add_argument('--dataset',
+                        choices=('embedded',) + tuple(n for n, _ in real),
+                        default='embedded',
+                        help='; '.join(['embedded: generated shapes, no '
+                                        'download'] + ['{}: {}'.format(*r)
+                                                       for r in real]))
+
+
+def add_embedded_size(parser, n_train, n_test):
+    """``--embedded-size TRAIN TEST``: the size of the embedded datasets."""
+    parser.add_argument('--embedded-size', type=int, nargs=2, default=None,
+                        metavar=('TRAIN', 'TEST'),
+                        help='embedded: number of train and test images '
+                        '(default: {} {}; tests use fewer)'.format(
+                            n_train, n_test))
+
+
+def add_run_options(parser, out, snapshot_interval=True,
+                    gpu_help=None):
+    """How to run: logging, device, data loading, output, resume, seed.
+
+    Then the scaling options (``--scaling``, ``--precision``, ...).
+
+    Args:
+        parser (argparse.ArgumentParser): Gets the options.
+        out (str): Default of ``--out``.
+        snapshot_interval (bool): Add ``--snapshot-interval`` (default: a
+            trainer snapshot every quarter of the run).
+        gpu_help (str): Help of ``--gpu``, if it says more than the id.
+
+    """
+    parser.add_argument('--log-interval', type=int, default=10)
+    parser.add_argument('--gpu', type=int, default=-1, help=gpu_help)
+    parser.add_argument('--loaderjob', type=int, default=0,
+                        help='worker processes for data loading (0: none)')
+    parser.add_argument('--out', default=out)
+    parser.add_argument('--resume', default=None,
+                        help='a trainer snapshot to resume from')
+    if snapshot_interval:
+        parser.add_argument('--snapshot-interval', type=int, default=None,
+                            help='write a trainer snapshot every N '
+                            'iterations (default: a quarter of the run; '
+                            '0: none)')
+    parser.add_argument('--seed', type=int, default=0)
+    parser.add_argument('--no-plot', action='store_true')
+    gs_training.add_arguments(parser)
+
+
+def check_options(parser, args):
+    """Exits through ``parser.error`` on an out-of-range shared option.
+
+    Counts (batch size, lengths, intervals) must be >= 1, ``--lr`` > 0,
+    ``--snapshot-interval`` >= 0 and both ``--embedded-size`` numbers
+    >= 1; options the parser does not have are not checked.
+    """
+    for name in _COUNTS:
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            parser.error('--{} must be >= 1, got {}'.format(
+                name.replace('_', '-'), value))
+    if getattr(args, 'lr', None) is not None and not args.lr > 0:
+        parser.error('--lr must be > 0, got {}'.format(args.lr))
+    interval = getattr(args, 'snapshot_interval', None)
+    if interval is not None and interval < 0:
+        parser.error('--snapshot-interval must be >= 0, got {}'.format(
+            interval))
+    sizes = getattr(args, 'embedded_size', None)
+    if sizes is not None and min(sizes) < 1:
+        parser.error('--embedded-size needs two numbers >= 1, got {}'.format(
+            ' '.join(map(str, sizes))))
+
+
+def apply_defaults(args, embedded, real):
+    """Fills what the command line left ``None``, for the data used.
+
+    ``embedded`` or ``real`` (a dict: option name to default) is chosen by
+    ``args.dataset``; names that are not options (e.g. an input size) are
+    set too.  ``--iteration`` and ``--epoch`` are one choice: when either
+    was given, neither takes a default.
+    """
+    defaults = dict(embedded if args.dataset == 'embedded' else real)
+    if args.iteration is not None or getattr(args, 'epoch', None) is not None:
+        defaults.pop('iteration', None)
+        defaults.pop('epoch', None)
+    for name, value in defaults.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+
+
+def seed_generators(seed):
+    """Seeds NumPy's generator and Python's (ChainerCV's transforms draw
+    from ``random``), so that ``--seed`` fixes a run completely."""
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def use_device(link, gpu):
+    """Moves ``link`` to GPU ``gpu`` (or the CPU for a negative id) and
+    makes that device current; returns it."""
+    device = chainer.get_device(gpu if gpu >= 0 else '@numpy')
+    device.use()
+    link.to_device(device)
+    return device

@@ -1,0 +1,126 @@
+"""The models the benchmarks time, each with its loss and one batch.
+
+A case is a function ``(batch, size, rng) -> (loss_chain, inputs)``:
+``loss_chain(*inputs)`` is the training loss of a freshly initialised
+model on random inputs drawn from ``rng`` (a ``numpy.random.Generator``).
+Build it under the dtype configuration it should run in (mixed16 or FP32).
+"""
+
+import gradient_scaling  # NOQA: restores what Chainer needs, first
+
+import numpy
+
+import chainer
+import chainer.functions as F
+
+from chainer_links import SmallCNN
+from gradient_scaling import statistics
+
+__all__ = ['Classification', 'MultiboxTraining', 'CASES',
+           'gradient_like_tensor', 'statistics_operations']
+
+
+class Classification(chainer.Chain):
+
+    """Softmax cross entropy of a classifier's logits (or of a per-pixel
+    classifier's score maps)."""
+
+    def __init__(self, predictor):
+        super().__init__()
+        with self.init_scope():
+            self.predictor = predictor
+
+    def forward(self, x, t):
+        return F.softmax_cross_entropy(self.predictor(x), t)
+
+
+class MultiboxTraining(chainer.Chain):
+
+    """SSD's training loss (ChainerCV's multibox_loss, hard negatives 3:1)."""
+
+    def __init__(self, model):
+        super().__init__()
+        with self.init_scope():
+            self.model = model
+
+    def forward(self, x, gt_locs, gt_labels):
+        from chainercv.links.model.ssd import multibox_loss
+        mb_locs, mb_confs = self.model(x)
+        loc, conf = multibox_loss(mb_locs, mb_confs, gt_locs, gt_labels, 3)
+        return loc + conf
+
+
+def _images_and_labels(rng, batch, size, n_class, label_shape=()):
+    x = rng.standard_normal((batch, 3) + size).astype(numpy.float32)
+    t = rng.integers(0, n_class, (batch,) + label_shape).astype(numpy.int32)
+    return x, t
+
+
+def small_cnn(batch, size, rng):
+    """:class:`chainer_links.SmallCNN` (two stages and a residual
+    convolution), 10 classes, ``size`` x ``size`` images."""
+    model = Classification(SmallCNN(insize=size))
+    return model, _images_and_labels(rng, batch, (size, size), 10)
+
+
+def resnet50(batch, size, rng):
+    """ChainerCV's ResNet-50 (``arch='he'``), 10 classes."""
+    from chainercv.links import ResNet50
+    net = ResNet50(n_class=10, arch='he')
+    net.pick = 'fc6'  # logits, not ChainerCV's default softmax output
+    return Classification(net), _images_and_labels(rng, batch, (size, size),
+                                                   10)
+
+
+def ssd300(batch, size, rng):
+    """ChainerCV's SSD300 (20 classes) on 300x300 images, two boxes each
+    (``size`` is not used: SSD300's input size is fixed)."""
+    from chainercv.links import SSD300
+    net = SSD300(n_fg_class=20)
+    x = rng.uniform(0, 255, (batch, 3, 300, 300)).astype(numpy.float32)
+    bbox = numpy.array([[20, 30, 120, 160], [100, 100, 250, 280]],
+                       numpy.float32)
+    locs, labels = net.coder.encode(bbox, numpy.array([3, 7], numpy.int32))
+    return MultiboxTraining(net), (x, numpy.stack([locs] * batch),
+                                   numpy.stack([labels] * batch))
+
+
+def segnet(batch, size, rng):
+    """ChainerCV's SegNetBasic, 11 classes (CamVid's), ``size`` = (H, W)
+    score maps."""
+    from chainercv.links import SegNetBasic
+    model = Classification(SegNetBasic(n_class=11))
+    return model, _images_and_labels(rng, batch, tuple(size), 11,
+                                     tuple(size))
+
+
+CASES = {'small_cnn': small_cnn, 'resnet50': resnet50, 'ssd300': ssd300,
+         'segnet': segnet}
+
+
+def gradient_like_tensor(size, dtype, device, seed):
+    """``size`` normal values of scale 1e-3, 10% zeros, in ``dtype``; on
+    the GPU for ``device == 'gpu'``.  Returns it and a synchronize
+    function (a no-op on the CPU)."""
+    rng = numpy.random.default_rng(seed)
+    x = rng.standard_normal(size, dtype=numpy.float32) * numpy.float32(1e-3)
+    x[rng.random(size, dtype=numpy.float32) < 0.1] = 0
+    x = x.astype(dtype)
+    if device == 'gpu':
+        import cupy
+        return cupy.asarray(x), cupy.cuda.Device().synchronize
+    return x, lambda: None
+
+
+def statistics_operations(x):
+    """``(name, function)`` of what the statistics throughput compares: a
+    copy of ``x`` (memory speed), the GEMM rule's statistics
+    (``log=False``), the cast rule's (``log=True``) and ``max_abs``."""
+    return [
+        ('copy', lambda: x.copy()),
+        ('tensor_statistics(log=False)',
+         lambda: statistics.tensor_statistics(x, log=False)),
+        ('tensor_statistics(log=True)',
+         lambda: statistics.tensor_statistics(x, log=True)),
+        ('max_abs', lambda: statistics.max_abs(x)),
+    ]

@@ -1,0 +1,23 @@
+"""The studies of ``scripts/reproduce.py``, one module each.
+
+* :mod:`studies.model_fit` (``model``): claim 1, Theorems 1 and 2 against
+  measured underflow rates.
+* :mod:`studies.figure2` (``figure2``): the mean GS scale per layer of
+  SSD300 and SSD512.
+* :mod:`studies.segnet` (``segnet``): Figure 3b and the softmax-cast
+  underflow of SegNet.
+* :mod:`studies.training` (``detection``, ``detection-fp8``,
+  ``classification``, ``segmentation``, ``segmentation-paper-loss``):
+  FP32, no scaling, Fixed-LS, Dyn-LS and GS compared by runs of the
+  example scripts, several seeds.
+* :mod:`studies.s2fp8` (``s2fp8``): one more training study, of
+  ``examples/cifar/train.py`` in FP32, FP8, S2FP8 and GS.
+
+:mod:`studies.runs` (the subprocess runs, resumable) and
+:mod:`studies.summary` (tables, runs CSV, figure) serve the training
+studies; :mod:`studies.common` and :mod:`studies.recording` hold what
+several studies use.  The studies call the example scripts and the
+public API of :mod:`gradient_scaling` only.  ``studies`` is a sibling of
+``reproduce.py``: ``python scripts/reproduce.py`` finds it as Python finds
+a script's own modules, with no ``sys.path`` edit.
+"""

@@ -1,0 +1,36 @@
+"""The shape of the S2FP8 paper's Table 1 at CPU scale, by examples/cifar.
+
+``python scripts/reproduce.py s2fp8``: ResNet-20 (CIFAR-style) on
+Fashion-MNIST (the Debian package dataset-fashion-mnist; the embedded
+shapes when it is absent: the runs' start lines and the summary say which)
+trained by ``examples/cifar/train.py`` with the same budget (seed,
+iterations, batch, lr schedule) in FP32, FP8 E5M2 unscaled, FP8 with a
+fixed loss scale of 100, S2FP8, GS-FP8 and GS-FP16; test accuracy in FP32.
+A training study (:mod:`studies.training`): it resumes run by run and
+writes ``s2fp8.md``, ``s2fp8_runs.csv`` and ``s2fp8.png``.
+"""
+
+from studies.training import Study
+from studies.training import Variant
+
+__all__ = ['STUDY']
+
+# Cambier et al.'s comparison: the number formats, with and without
+# scaling, every other setting the same.
+STUDY = Study(
+    's2fp8', 'S2FP8 Table 1', 'ResNet-20 on Fashion-MNIST',
+    'examples/cifar/train.py', 'validation/main/accuracy', 'test accuracy',
+    [32],
+    # 100 iterations of 32 images (lr 0.05, x0.1 at 50% and 75%), GS
+    # refreshing every 10; Fashion-MNIST's 10000 test images at the end.
+    ['--dataset', 'fashion-mnist', '--arch', 'resnet20', '--iteration',
+     '100', '--lr', '0.05', '--eval-interval', '50', '--update-interval',
+     '10'],
+    [Variant('FP32', ['--scaling', 'fp32'], None),
+     Variant('FP8', ['--scaling', 'none'], None, 'sim-fp8-e5m2'),
+     Variant('FP8+LS(100)', ['--scaling', 'fixed', '--loss-scale', '100'],
+             100, 'sim-fp8-e5m2'),
+     Variant('S2FP8', ['--scaling', 'none'], None, 's2fp8'),
+     Variant('GS-FP8', ['--scaling', 'gs'], None, 'sim-fp8-e5m2'),
+     Variant('GS-FP16', ['--scaling', 'gs'], None, 'sim-fp16')],
+    {}, [], precision=None)
