@@ -2,7 +2,7 @@
 
 Chainer 7.8.1 is frozen, so these names are stable; keeping them here means a
 port to another Chainer touches one module.  What :class:`GradientScaling`
-needs that the public ``FunctionHook`` API does not give (see DESIGN.md, 2):
+needs that the public ``FunctionHook`` API does not give (docs/DESIGN.md, 3):
 
 * ``chainer._backprop._backprop_to_all``: wrapped so that the first gradient
   is tagged with the loss scale and, after Chainer's own pass (which sets

@@ -38,22 +38,22 @@ def rate(value, name):
     return result
 
 
-def positive(value, name):
-    """A finite number > 0, as a Python float."""
-    what = 'a finite number > 0'
+def _above(value, name, bound):
+    what = 'a finite number > {}'.format(bound)
     result = _real(value, name, what)
-    if not 0 < result < math.inf:
+    if not bound < result < math.inf:
         raise ValueError('{} must be {}, got {!r}'.format(name, what, value))
     return result
+
+
+def positive(value, name):
+    """A finite number > 0, as a Python float."""
+    return _above(value, name, 0)
 
 
 def greater_than_one(value, name):
     """A finite number > 1, as a Python float."""
-    what = 'a finite number > 1'
-    result = _real(value, name, what)
-    if not 1 < result < math.inf:
-        raise ValueError('{} must be {}, got {!r}'.format(name, what, value))
-    return result
+    return _above(value, name, 1)
 
 
 def choice(value, name, choices):

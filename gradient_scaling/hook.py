@@ -562,12 +562,7 @@ class GradientScaling(chainer.FunctionHook):
             gxs = sites.select_gradients(
                 class_backward(group, (_rescale(gy, scale),)), group,
                 n_inputs)
-            total = alpha * scale
-            for i, gx in zip(group, gxs):
-                if gx is not None:
-                    setattr(gx, _SCALE, total)
-                    setattr(gx, _SOFTMAX, False)
-                result[i] = gx
+            result.update(zip(group, _tag(gxs, alpha * scale, False)))
         return result
 
     def _trace(self, step, node, name, incoming_finite, operands, grad):
@@ -587,12 +582,7 @@ class GradientScaling(chainer.FunctionHook):
                                or getattr(gy, _SOFTMAX, False)):
             gy = self._scale_cast_site(gy)
         alpha = 1.0 if gy is None else getattr(gy, _SCALE, 1.0)
-        gxs = class_backward(indexes, (gy,))
-        for gx in gxs:
-            if gx is not None:
-                setattr(gx, _SCALE, alpha)
-                setattr(gx, _SOFTMAX, False)
-        return gxs
+        return _tag(class_backward(indexes, (gy,)), alpha, False)
 
     def _scale_cast_site(self, gy):
         """Theorem 2 at a cast site: returns the rescaled gradient."""
@@ -643,12 +633,7 @@ class GradientScaling(chainer.FunctionHook):
             flag = kind is _SOFTMAX_KIND or (kind is _SHAPE_ONLY and bool(
                 present) and all(getattr(g, _SOFTMAX, False)
                                  for g in present))
-        gxs = class_backward(indexes, grad_outputs)
-        for gx in gxs:
-            if gx is not None:
-                setattr(gx, _SCALE, alpha)
-                setattr(gx, _SOFTMAX, flag)
-        return gxs
+        return _tag(class_backward(indexes, grad_outputs), alpha, flag)
 
     def combine(self, grad_list):
         """Sums the contributions to one variable at a common scale."""
@@ -813,6 +798,15 @@ class GradientScaling(chainer.FunctionHook):
         self.backoff.serialize(serializer['backoff'])
         self.guard.serialize(serializer['guard'])
         self.estimator.serialize(serializer['estimator'])
+
+
+def _tag(gxs, scale, from_softmax):
+    """Marks the gradients a backward returned with their scale and kind."""
+    for gx in gxs:
+        if gx is not None:
+            setattr(gx, _SCALE, scale)
+            setattr(gx, _SOFTMAX, from_softmax)
+    return gxs
 
 
 def _operand_traces(roots, params):

@@ -1,11 +1,12 @@
 """Low-precision training simulated on an FP32 model.
 
-Real mixed precision on these CPUs is 60-115x slower than FP32 (DESIGN.md,
-4), so experiments run an FP32 model under a function hook that rounds, to
-the target format, every value mixed precision training stores in it: the
-operands and results of each GEMM (``Linear``, ``Convolution2D``/``ND``,
-``Deconvolution2D``/``ND``) in the forward pass, and the gradients entering
-and leaving it in the backward pass. The GEMM itself, its accumulation,
+Real mixed precision on these CPUs is 60-115x slower than FP32
+(docs/DESIGN.md, 5.3), so experiments run an FP32 model under a function
+hook that rounds, to the target format, every value mixed precision
+training stores in it: the operands and results of each GEMM (``Linear``,
+``Convolution2D``/``ND``, ``Deconvolution2D``/``ND``) in the forward pass,
+and the gradients entering and leaving it in the backward pass. The GEMM
+itself, its accumulation,
 BatchNormalization, softmax, the loss and the optimizer stay FP32.
 
 :class:`GemmSimulation` holds the mechanism, parameterised by its
@@ -28,17 +29,19 @@ How (Chainer 7.8.1):
   :func:`gradient_scaling._chainer_internals.wrap_backward_once`, a wrapper
   that rounds the incoming gradient, calls the wrapped backward and rounds
   every gradient it returns (data, weight and bias) into new Variables that
-  keep the attributes :class:`~gradient_scaling.GradientScaling` set on them.
-  Entered after a ``GradientScaling`` hook (``with gs: with sim:``), this
-  wrapper is the outer one: GS scales inside it, so the gradients are
-  rounded after scaling, as they are in real mixed precision.
-* The incoming gradient is rounded (in mixed16 it is an FP16 array, like
-  the GEMM's output) before GS's scale at that GEMM, which multiplies the
-  stored value, as in mixed16. One consequence: an FP32
-  model has no FP16-to-FP32 cast before its softmax, so GS's cast rule
-  (Theorem 2) never fires, and the softmax's gradient is rounded on entry
-  to the last GEMM with only the loss scale applied (mixed16 with GS
-  would scale it at the cast first).
+  keep the attributes :class:`~gradient_scaling.GradientScaling` set on them
+  (``round_outputs=False`` leaves the returned ones FP32, as Transformer
+  Engine's FP8 recipe does).
+* The wrapper of the hook registered *later* is the outer one. Training
+  (:func:`gradient_scaling.training.train_step`) enters ``with sim: with
+  gs:``, so GS's wrapper is outside this one: GS scales the incoming
+  gradient, this wrapper rounds the scaled value, and the returned
+  gradients are rounded at their scale, as mixed16 stores them. An FP32
+  model has no FP16-to-FP32 cast before its softmax; GS treats the entry of
+  the logits' GEMM as that site, so the softmax gradient is scaled by
+  Theorem 2 before it is rounded, as in mixed16. The other nesting, ``with
+  gs: with sim:``, rounds the incoming gradient first, at its incoming
+  scale (docs/DESIGN.md, 4 draws both).
 * Functions applied *inside* a backward (the deconvolution computing a
   convolution's data gradient, ``LinearGradData``, ...) also trigger
   ``forward_preprocess``; the hook counts the backward steps it is inside

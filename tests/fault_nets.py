@@ -86,7 +86,7 @@ def batches(n, batch=16, seed=0, n_class=4):
 
 
 def build(scaling, precision, seed=0, lr=0.05, update_interval=1,
-          loss_factor=1.0, **scaler_kwargs):
+          loss_factor=1.0):
     """(model, optimizer, scaler, config) under ``scaling``/``precision``."""
     config = training.ScalingConfig(scaling=scaling, precision=precision,
                                     update_interval=update_interval)

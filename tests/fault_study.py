@@ -9,8 +9,6 @@ current behaviour.
 
 import gradient_scaling  # NOQA
 
-import os
-import sys
 import time
 import warnings
 
@@ -20,22 +18,10 @@ import chainer
 
 from gradient_scaling import training
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fault_nets import batches  # NOQA
+from fault_nets import build  # NOQA
 from fault_nets import FaultNet  # NOQA
 from fault_nets import ListIterator  # NOQA
-
-
-def setup(scaling, precision='mixed16', loss_factor=1.0, update_interval=4,
-          seed=0):
-    config = training.ScalingConfig(scaling=scaling, precision=precision,
-                                    update_interval=update_interval)
-    np.random.seed(seed)
-    with config.model_dtype():
-        model = FaultNet(loss_factor=loss_factor)
-    optimizer, scaler = training.setup_optimizer(
-        chainer.optimizers.MomentumSGD(lr=0.05), model, config)
-    return model, optimizer, scaler, config
 
 
 def run(updater, steps):
@@ -77,7 +63,8 @@ def backoffs(hook):
 def one_nan_batch_under_gs():
     rows = []
     for bad in (False, True):
-        model, optimizer, scaler, config = setup('gs', loss_factor=2 ** -12)
+        model, optimizer, scaler, config = build(
+            'gs', 'mixed16', loss_factor=2 ** -12, update_interval=4)
         data = batches(12)
         if bad:
             x = data[5][0].copy()
@@ -100,7 +87,8 @@ def one_nan_batch_under_gs():
 
 def nan_batch_and_batchnorm():
     for scaling in ('gs', 'dynamic', 'dynamic-gradscaler'):
-        model, optimizer, scaler, config = setup(scaling)
+        model, optimizer, scaler, config = build(scaling, 'mixed16',
+                                                 update_interval=4)
         data = batches(8)
         x = data[1][0].copy()
         x[0, 0, 0, 0] = np.nan
@@ -117,7 +105,8 @@ def nan_batch_and_batchnorm():
 
 
 def gradscaler_after_many_overflows():
-    model, optimizer, scaler, config = setup('dynamic-gradscaler')
+    model, optimizer, scaler, config = build('dynamic-gradscaler',
+                                             'mixed16', update_interval=4)
     updater = training.ScalingUpdater(ListIterator(batches(4)), optimizer,
                                       scaler, config)
     error = None

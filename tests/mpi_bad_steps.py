@@ -20,7 +20,6 @@ import numpy as np
 import chainer
 import chainermn
 
-sys.path.insert(0, os.path.dirname(__file__))
 from fault_nets import batches  # NOQA
 from fault_nets import build  # NOQA
 from fault_nets import ListIterator  # NOQA

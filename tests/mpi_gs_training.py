@@ -13,7 +13,6 @@ import numpy as np
 import chainer
 import chainermn
 
-sys.path.insert(0, os.path.dirname(__file__))
 from test_training import build  # NOQA
 from test_training import digits  # NOQA
 

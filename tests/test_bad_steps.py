@@ -22,7 +22,6 @@ from gradient_scaling import scalers
 from gradient_scaling import training
 from gradient_scaling.step import GradientOverflowError
 
-sys.path.insert(0, os.path.dirname(__file__))
 from fault_nets import batches  # NOQA
 from fault_nets import build  # NOQA
 from fault_nets import FAULTS  # NOQA

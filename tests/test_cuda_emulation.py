@@ -11,7 +11,6 @@ NumPy path.
 
 import ctypes
 import math
-import os
 import re
 import shutil
 import subprocess
@@ -22,7 +21,6 @@ import pytest
 
 from gradient_scaling import statistics
 
-sys.path.insert(0, os.path.dirname(__file__))
 from cuda_emulation import emulator  # NOQA
 from cuda_emulation import fake_cupy  # NOQA
 from test_statistics import softmax_like_gradient  # NOQA

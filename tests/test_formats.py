@@ -118,7 +118,7 @@ def test_constants_match_ml_dtypes(name):
 
 
 def test_constants_of_the_paper():
-    # DESIGN.md section 1.
+    # docs/DESIGN.md, 5.1.
     assert formats.get('float16').min == 2.0 ** -24
     assert formats.get('float16').max == 65504.0
     assert formats.get('bfloat16').min == 2.0 ** -133

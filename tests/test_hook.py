@@ -2,11 +2,7 @@
 
 import gradient_scaling  # NOQA
 
-import io
 import math
-import os
-import sys
-import warnings
 
 import numpy as np
 import pytest
@@ -19,9 +15,9 @@ from gradient_scaling import GradientOverflowError
 from gradient_scaling import GradientScaling
 from gradient_scaling import measured_underflow_rate
 
-sys.path.insert(0, os.path.dirname(__file__))
 from hook_nets import EveryConstructNet  # NOQA
 from hook_nets import every_construct_batch  # NOQA
+from helpers import is_power_of_two  # NOQA
 
 
 def plain_grads(model, loss_fn, passes=1, loss_scale=None):
@@ -49,9 +45,6 @@ def assert_same_grads(expected, actual, rtol=1e-12):
         err = np.abs(actual[name] - ref).max() / scale
         assert err <= rtol, (name, err)
 
-
-def is_power_of_two(x):
-    return x > 0 and math.frexp(x)[0] == 0.5
 
 
 @pytest.fixture

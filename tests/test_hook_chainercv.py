@@ -6,8 +6,6 @@ and the paper's SegNet effect in real mixed16 arithmetic.
 
 import gradient_scaling  # NOQA
 
-import os
-import sys
 
 import numpy as np
 import pytest
@@ -24,7 +22,6 @@ from chainercv.links.model.ssd import SSD
 from gradient_scaling import GradientScaling
 from gradient_scaling import measured_underflow_rate
 
-sys.path.insert(0, os.path.dirname(__file__))
 from test_hook import assert_same_grads  # NOQA
 from test_hook import plain_grads  # NOQA
 from test_hook import scaled_grads  # NOQA
@@ -123,7 +120,6 @@ def test_multibox_loss_gpu_graph_exact():
     # ChainerCV's SSD with a small (64x64) extractor stands in for SSD300
     # (test above), whose float64 backward takes a minute here; the loss is
     # ChainerCV's, unchanged.
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir))
     from chainer_links.small_ssd import SmallSSDExtractor
 
     rng = np.random.default_rng(3)
