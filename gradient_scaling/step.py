@@ -8,7 +8,7 @@ combined over ChainerMN ranks before anyone acts on it, by an
 changed (BatchNorm's running statistics) when the step is skipped.
 
 Non-finite gradients have one of two causes, and they are treated
-differently (see docs/DESIGN.md, section "The training step"):
+differently (docs/DESIGN.md, 6):
 
 * ``'data'``: the loss, an input or a forward activation is not finite. No
   scale can help; the step is skipped and counted and no scale changes.
