@@ -5,9 +5,9 @@ Issue #8: the paper calls GS's overhead negligible at one statistics refresh
 per 100 iterations; the original implementation's own profile of SSD showed
 ~49% of an iteration spent on scaling. This script measures ours.
 
-For each model (a small CNN, ChainerCV's ResNet-50 and SSD300 + multibox
-loss) and precision (FP32 and simulated FP16 on the CPU; FP32 and real
-mixed16 with ``--gpu``) it builds one copy of the model per variant (same
+For each mode, model and precision (FP32 and simulated FP16 on the CPU;
+FP32 and real mixed16 with ``--gpu``) it builds one copy of the model per
+variant (same
 initial weights) and runs full training iterations -- forward, backward,
 skip check, FP32 unscale + update, exactly ``ScalingUpdater.update_core`` --
 alternating the variants within each round (forward and reversed order in
@@ -19,6 +19,17 @@ default (``--blas-threads``) so that it counts the work, not threads
 waiting for a core. A ratio is the median over rounds of the variant's time
 divided by ``none``'s in the same round, which cancels load that drifts
 between rounds; times are medians over ``--repeat`` rounds.
+
+Modes (``--modes``): ``full``, the sizes the targets name (SSD300 at
+300x300, ResNets at 224x224, batch 1; the small CNN at 32x32, batch 32),
+where the arithmetic dominates on a CPU; ``framework``, tiny inputs at
+batch 1 (ResNet-18/50/101 at 32x32), where time is per-function framework
+cost, as it is for a GPU, whose arithmetic is ~100x faster while the
+hook's Python work is not. For each model the report also gives two
+device-independent figures: the hook's added CPU time per backward
+function node against Dyn-LS, for cached and for refreshing passes, and
+the number of nodes; with ``--gpu-iteration-ms MODEL=MS`` (Dyn-LS
+iteration times measured on a device) it predicts GS@1 and GS@100 there.
 
 Variants:
 
@@ -56,12 +67,14 @@ the library versions, the command line and the date.
 Examples::
 
     python scripts/benchmark.py                        # everything, CPU
-    python scripts/benchmark.py --models ssd300 --repeat 7
+    python scripts/benchmark.py --modes full --models ssd300 --repeat 7
     python scripts/benchmark.py --quick --models small_cnn --out /tmp/b.md
-    python scripts/benchmark.py --gpu 0                # FP32 and mixed16
+    python scripts/benchmark.py --gpu 0 --shape resnet50=32x224
 
-Targets (issue #8, SSD300): GS / none <= 1.10 at interval 1 and <= 1.03 at
-interval 100; peak memory ratio <= 1.05.
+Targets: framework-bound ResNet-50 (32x32, batch 1): GS@100 / Dyn-LS
+<= 1.02, GS@1 / Dyn-LS <= 1.15; full size (SSD300, ResNet-50, small CNN):
+GS@100 / none <= 1.01, GS@1 / none <= 1.05, peak memory <= 1.01; the
+added microseconds per node flat from ResNet-18 to ResNet-101.
 """
 
 import gradient_scaling  # NOQA: restores what Chainer 7.8.1 needs
@@ -88,17 +101,28 @@ from benchmarking.cases import CASES
 from benchmarking.cases import gradient_like_tensor
 from benchmarking.cases import statistics_operations
 
-MODELS = ('small_cnn', 'resnet50', 'ssd300')
+MODELS = ('small_cnn', 'resnet18', 'resnet50', 'resnet101', 'ssd300')
+DEFAULT_MODELS = ('small_cnn', 'resnet50', 'ssd300')
 INTERVALS = (1, 10, 100)
 # An update interval no benchmark run reaches: the hook refreshes only at
 # its first pass (a warm-up pass), then always uses its cached scales.
 _NEVER = 10 ** 9
 
 
-# (batch, input size) per model: full and --quick.
-SHAPES = {'small_cnn': (32, 32), 'resnet50': (2, 128), 'ssd300': (1, 300)}
-QUICK_SHAPES = {'small_cnn': (4, 16), 'resnet50': (1, 64),
-                'ssd300': (1, 300)}
+# (batch, input size) per model and mode. 'full': the sizes the targets
+# name (batch 1, ImageNet/VOC input sizes; the small CNN at batch 32).
+# 'framework': tiny inputs at batch 1, so that time is per-function
+# framework cost (SSD300's input size is fixed: it has no such mode).
+SHAPES = {
+    'full': {'small_cnn': (32, 32), 'resnet18': (1, 224),
+             'resnet50': (1, 224), 'resnet101': (1, 224),
+             'ssd300': (1, 300)},
+    'framework': {'small_cnn': (1, 16), 'resnet18': (1, 32),
+                  'resnet50': (1, 32), 'resnet101': (1, 32)},
+    'quick': {'small_cnn': (4, 16), 'resnet18': (1, 32),
+              'resnet50': (1, 64), 'resnet101': (1, 32),
+              'ssd300': (1, 300)},
+}
 
 
 class _FixedBatch(chainer.dataset.Iterator):
@@ -156,6 +180,31 @@ class Variant(object):
     @property
     def skips(self):
         return self.updater.skips
+
+
+class _CountNodes(chainer.FunctionHook):
+
+    name = 'CountNodes'
+
+    def __init__(self):
+        self.nodes = 0
+
+    def backward_preprocess(self, function, in_data, out_grad):
+        self.nodes += 1
+
+
+def count_backward_nodes(variant):
+    """Function nodes one backward pass of ``variant``'s model visits."""
+    counter = _CountNodes()
+    model = variant.model
+    config = variant.updater.config
+    with config.model_dtype():
+        loss = model(*variant.updater.get_iterator('main').batch)
+        model.cleargrads()
+        with counter:
+            loss.backward()
+    model.cleargrads()
+    return counter.nodes
 
 
 def build_variants(case, batch, precision, device, rng_seed):
@@ -333,6 +382,33 @@ def summarise(model, precision, times, peaks, skips, intervals):
     return rows
 
 
+def per_node_row(mode, model, precision, times, nodes):
+    """The hook's added CPU time per backward function node, for cached
+    and refreshing passes, against Dyn-LS in the same round: a figure that
+    does not depend on the device the arithmetic runs on.
+
+    Returns:
+        tuple: (mode, model, precision, nodes, Dyn-LS seconds, cached
+        microseconds per node, refresh microseconds per node).
+
+    """
+    def added(label):
+        return stdlib_statistics.median(
+            (t[1] - d[1]) / nodes * 1e6
+            for t, d in zip(times[label], times['dynamic']))
+    dynamic = stdlib_statistics.median(t[1] for t in times['dynamic'])
+    return (mode, model, precision, nodes, dynamic, added('gs-cached'),
+            added('gs-refresh'))
+
+
+def predicted_ratio(nodes, cached_us, refresh_us, iteration_seconds, k):
+    """GS@k / Dyn-LS on a device whose Dyn-LS iteration takes
+    ``iteration_seconds``: the hook's host-side work per node does not get
+    faster with the device, the arithmetic does."""
+    per_pass = nodes * (cached_us + (refresh_us - cached_us) / k) * 1e-6
+    return 1 + per_pass / iteration_seconds
+
+
 def _quartiles(values):
     """(first, third) quartile: the spread of a ratio over the rounds."""
     if len(values) < 2:
@@ -411,7 +487,8 @@ def limit_blas_threads(n):
     return '{} (threadpoolctl)'.format(n)
 
 
-def format_report(argv, machine, rows, stat_rows, elapsed, gpu_name):
+def format_report(argv, machine, rows, stat_rows, elapsed, gpu_name,
+                  node_rows=(), gpu_times=None):
     lines = ['# Gradient scaling: cost in training', '',
              'Generated by `{}` on {} ({:.0f} s).'.format(
                  ' '.join(shlex.quote(a) for a in argv),
@@ -432,20 +509,53 @@ def format_report(argv, machine, rows, stat_rows, elapsed, gpu_name):
         '`(t_refresh + (k - 1) t_cached) / k` (see scripts/benchmark.py). '
         'Peak: what an iteration allocates on top of the model and '
         'optimizer state (tracemalloc, or CuPy\'s pool with --gpu).', '',
-        '| model | precision | variant | wall (s) | CPU (s) | wall / none | '
-        'CPU / none | CPU / dynamic | peak (MB) | peak / none | skips | '
-        'CPU / none, quartiles |',
-        '|---|---|---|---|---|---|---|---|---|---|---|---|']
-    dynamic = {(r[0], r[1]): r[6] for r in rows if r[2] == 'dynamic'}
-    for (model, precision, variant, wall, cpu, wall_ratio, cpu_ratio, peak,
-         none_peak, skips, quartiles) in rows:
+        '| model | input (mode, batch x size) | precision | variant | '
+        'wall (s) | CPU (s) | wall / none | CPU / none | CPU / dynamic | '
+        'peak (MB) | peak / none | skips | CPU / none, quartiles |',
+        '|---|---|---|---|---|---|---|---|---|---|---|---|---|']
+    dynamic = {r[:3]: r[7] for r in rows if r[3] == 'dynamic'}
+    for (model, shape, precision, variant, wall, cpu, wall_ratio, cpu_ratio,
+         peak, none_peak, skips, quartiles) in rows:
         lines.append(
-            '| {} | {} | {} | {:.4f} | {:.4f} | {:.3f} | {:.3f} | {:.3f} | '
-            '{:.1f} | {:.3f} | {} | {:.3f}-{:.3f} |'.format(
-                model, precision, variant, wall, cpu, wall_ratio, cpu_ratio,
-                cpu_ratio / dynamic[model, precision], peak / 1e6,
-                peak / none_peak if none_peak else float('nan'), skips,
-                *quartiles))
+            '| {} | {} | {} | {} | {:.4f} | {:.4f} | {:.3f} | {:.3f} | '
+            '{:.3f} | {:.1f} | {:.3f} | {} | {:.3f}-{:.3f} |'.format(
+                model, shape, precision, variant, wall, cpu, wall_ratio,
+                cpu_ratio, cpu_ratio / dynamic[model, shape, precision],
+                peak / 1e6, peak / none_peak if none_peak else float('nan'),
+                skips, *quartiles))
+    if node_rows:
+        lines += [
+            '', '## Per-node cost: what a faster device would see', '',
+            'The hook adds host-side work per backward function node; the '
+            'device only speeds up the arithmetic. Added CPU time per node '
+            'against Dyn-LS in the same round (median over the rounds), '
+            'for cached and refreshing passes, and the number of nodes one '
+            'backward visits. Predicted GS@k / Dyn-LS on a device whose '
+            'Dyn-LS iteration takes T: `1 + nodes (cached + (refresh - '
+            'cached) / k) / T`.', '',
+            '| mode | model | precision | nodes | Dyn-LS CPU (s) | '
+            'cached (us/node) | refresh (us/node) |',
+            '|---|---|---|---|---|---|---|']
+        for mode, model, precision, nodes, dynamic, cached, refresh in \
+                node_rows:
+            lines.append('| {} | {} | {} | {} | {:.4f} | {:.1f} | {:.1f} |'
+                         .format(mode, model, precision, nodes, dynamic,
+                                 cached, refresh))
+        predictions = [
+            (mode, model, precision, gpu_times[model],
+             predicted_ratio(nodes, cached, refresh, gpu_times[model] / 1e3,
+                             1),
+             predicted_ratio(nodes, cached, refresh, gpu_times[model] / 1e3,
+                             100))
+            for mode, model, precision, nodes, _, cached, refresh
+            in node_rows if model in (gpu_times or {})]
+        if predictions:
+            lines += ['', 'Predicted for the given device iteration times '
+                      '(from the per-node cost of each mode):', '',
+                      '| mode | model | precision | T (ms) | GS@1 / Dyn-LS | '
+                      'GS@100 / Dyn-LS |', '|---|---|---|---|---|---|']
+            lines += ['| {} | {} | {} | {:.1f} | {:.3f} | {:.3f} |'.format(*p)
+                      for p in predictions]
     lines += ['', '## Statistics throughput', '',
               'Median over alternated runs on one gradient-like tensor '
               '(normal values, 10% zeros); time / copy < 1 means faster '
@@ -462,8 +572,25 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(
         description=__doc__.split('\n')[0],
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--models', nargs='+', default=list(MODELS),
-                        choices=MODELS)
+    parser.add_argument('--models', nargs='+', default=None,
+                        choices=MODELS,
+                        help='default: {} (full), and the three ResNets and '
+                        'the small CNN (framework)'.format(
+                            ' '.join(DEFAULT_MODELS)))
+    parser.add_argument('--modes', nargs='+', default=['full', 'framework'],
+                        choices=('full', 'framework'),
+                        help='full: the sizes the targets name; framework: '
+                        'tiny inputs at batch 1, where time is per-function '
+                        'framework cost (default: both)')
+    parser.add_argument('--shape', nargs='+', default=[],
+                        metavar='MODEL=BATCHxSIZE',
+                        help="override a model's batch and input size in the "
+                        "full mode, e.g. resnet50=32x224")
+    parser.add_argument('--gpu-iteration-ms', nargs='+', default=[],
+                        metavar='MODEL=MS',
+                        help='Dyn-LS iteration times measured on a device: '
+                        'the report predicts GS@1 and GS@100 there from the '
+                        'per-node cost measured here')
     parser.add_argument('--precisions', nargs='+', default=None,
                         choices=('fp32', 'sim-fp16', 'mixed16'),
                         help='default: fp32 sim-fp16 (CPU), fp32 mixed16 '
@@ -505,6 +632,28 @@ def parse_args(argv):
                            else 'sim-fp16']
     if min(args.intervals) < 1:
         parser.error('--intervals must be >= 1')
+    args.shapes = {mode: dict(SHAPES['quick' if args.quick else mode])
+                   for mode in args.modes}
+    for spec in args.shape:
+        model, _, dims = spec.partition('=')
+        batch, _, size = dims.partition('x')
+        if model not in MODELS or not (batch.isdigit() and size.isdigit()) \
+                or int(batch) < 1 or int(size) < 1:
+            parser.error('--shape wants MODEL=BATCHxSIZE with MODEL one of '
+                         '{}, got {!r}'.format(', '.join(MODELS), spec))
+        args.shapes.setdefault('full', {})[model] = (int(batch), int(size))
+    args.gpu_times = {}
+    for spec in args.gpu_iteration_ms:
+        model, _, ms = spec.partition('=')
+        try:
+            args.gpu_times[model] = float(ms)
+        except ValueError:
+            parser.error('--gpu-iteration-ms wants MODEL=MS, got {!r}'
+                         .format(spec))
+        if model not in MODELS or not args.gpu_times[model] > 0:
+            parser.error('--gpu-iteration-ms wants MODEL=MS with MODEL one '
+                         'of {} and MS > 0, got {!r}'.format(
+                             ', '.join(MODELS), spec))
     if args.gpu is not None:
         try:
             import cupy  # NOQA
@@ -538,20 +687,32 @@ def main(argv=None):
         tracker = _HostPeak()
     machine = machine_description()
     machine.append(('BLAS threads', limit_blas_threads(args.blas_threads)))
-    shapes = QUICK_SHAPES if args.quick else SHAPES
     rows = []
-    for model in args.models:
-        for precision in args.precisions:
-            log('{} {} (batch, size) = {}'.format(model, precision,
-                                                  shapes[model]))
-            variants = build_variants(model, shapes[model], precision, device,
-                                      rng_seed=0)
-            times, peaks = measure_variants(variants, args.repeat,
-                                            args.memory_repeat, tracker, log)
-            skips = {v.label: v.skips for v in variants}
-            rows += summarise(model, precision, times, peaks, skips,
-                              args.intervals)
-            del variants
+    node_rows = []
+    for mode in args.modes:
+        shapes = args.shapes[mode]
+        models = args.models or (DEFAULT_MODELS if mode == 'full' else (
+            'small_cnn', 'resnet18', 'resnet50', 'resnet101'))
+        for model in models:
+            if model not in shapes:
+                log('{}: no {} mode (its input size is fixed)'.format(
+                    model, mode))
+                continue
+            for precision in args.precisions:
+                log('{} {} {} (batch, size) = {}'.format(
+                    mode, model, precision, shapes[model]))
+                variants = build_variants(model, shapes[model], precision,
+                                          device, rng_seed=0)
+                nodes = count_backward_nodes(variants[0])
+                times, peaks = measure_variants(
+                    variants, args.repeat, args.memory_repeat, tracker, log)
+                skips = {v.label: v.skips for v in variants}
+                shape = '{} {}x{}'.format(mode, *shapes[model])
+                rows += [(row[0], shape) + row[1:] for row in summarise(
+                    model, precision, times, peaks, skips, args.intervals)]
+                node_rows.append(per_node_row(mode, model, precision, times,
+                                              nodes))
+                del variants
     stat_rows = []
     for dtype in args.stat_dtypes:
         stat_rows += statistics_rows(
@@ -564,7 +725,7 @@ def main(argv=None):
         pass
     report = format_report(['scripts/benchmark.py'] + argv_list, machine,
                            rows, stat_rows, time.perf_counter() - start,
-                           gpu_name)
+                           gpu_name, node_rows, args.gpu_times)
     print(report)
     if args.out:
         directory = os.path.dirname(args.out)

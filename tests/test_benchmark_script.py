@@ -38,9 +38,10 @@ def _table(text, heading):
 @pytest.fixture(scope='module')
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp('benchmark') / 'benchmark.md'
-    result = _run('--quick', '--models', 'small_cnn', '--stat-dtypes',
-                  'float32', '--blas-threads', '0', '--quiet', '--out',
-                  str(out))
+    result = _run('--quick', '--models', 'small_cnn', '--modes',
+                  'framework', '--stat-dtypes', 'float32', '--blas-threads',
+                  '0', '--quiet', '--out', str(out), '--gpu-iteration-ms',
+                  'small_cnn=0.5')
     assert result.returncode == 0, result.stderr
     return out.read_text()
 
@@ -55,20 +56,48 @@ def test_quick_report_describes_the_run(report):
 def test_quick_iteration_table_has_every_variant_with_positive_ratios(
         report):
     rows = _table(report, '## Training iteration')
-    assert [(r[0], r[1], r[2]) for r in rows] == [
-        ('small_cnn', precision, variant)
+    assert [(r[0], r[1], r[2], r[3]) for r in rows] == [
+        ('small_cnn', 'framework 4x16', precision, variant)
         for precision in ('fp32', 'sim-fp16') for variant in VARIANTS]
     for row in rows:
         # wall, CPU, wall / none, CPU / none, CPU / dynamic, peak (MB),
         # peak / none
-        values = [float(cell) for cell in row[3:10]]
+        values = [float(cell) for cell in row[4:11]]
         assert all(math.isfinite(v) and v > 0 for v in values), row
-        assert int(row[10]) == 0, row  # no skipped step
-        low, high = (float(q) for q in row[11].split('-'))
-        assert 0 < low <= float(row[6]) <= high, row
+        assert int(row[11]) == 0, row  # no skipped step
+        low, high = (float(q) for q in row[12].split('-'))
+        assert 0 < low <= float(row[7]) <= high, row
     for row in rows:
-        if row[2] == 'none':
-            assert float(row[5]) == float(row[6]) == float(row[9]) == 1.0
+        if row[3] == 'none':
+            assert float(row[6]) == float(row[7]) == float(row[10]) == 1.0
+
+
+def test_quick_per_node_cost_table(report):
+    rows = _table(report, '## Per-node cost')
+    assert [(r[0], r[1], r[2]) for r in rows] == [
+        ('framework', 'small_cnn', p) for p in ('fp32', 'sim-fp16')]
+    for row in rows:
+        assert int(row[3]) >= 10  # backward function nodes counted
+        assert float(row[4]) > 0
+        float(row[5]), float(row[6])  # microseconds per node (may be < 0)
+    predicted = _table(report, 'Predicted for the given device')
+    assert [(r[0], r[1], r[2], r[3]) for r in predicted] == [
+        ('framework', 'small_cnn', p, '0.5') for p in ('fp32', 'sim-fp16')]
+    for row, cost in zip(predicted, rows):
+        nodes, cached, refresh = int(cost[3]), float(cost[5]), float(cost[6])
+        assert float(row[4]) == pytest.approx(
+            1 + nodes * refresh * 1e-6 / 5e-4, abs=2e-3)
+
+
+def test_prediction_formula():
+    sys.path.insert(0, os.path.join(ROOT, 'scripts'))
+    import benchmark
+    # 100 nodes, 10 us each cached, 110 us refreshing, on a 10 ms device
+    # iteration: 1 ms a cached pass, +10 ms every k passes
+    assert benchmark.predicted_ratio(100, 10, 110, 0.01, 1) == \
+        pytest.approx(1 + 100 * 110e-6 / 0.01)
+    assert benchmark.predicted_ratio(100, 10, 110, 0.01, 100) == \
+        pytest.approx(1 + 100 * 11e-6 / 0.01)
 
 
 def test_quick_statistics_table_compares_with_a_copy(report):

@@ -63,13 +63,30 @@ def small_cnn(batch, size, rng):
     return model, _images_and_labels(rng, batch, (size, size), 10)
 
 
-def resnet50(batch, size, rng):
-    """ChainerCV's ResNet-50 (``arch='he'``), 10 classes."""
-    from chainercv.links import ResNet50
-    net = ResNet50(n_class=10, arch='he')
+def _chainercv_resnet(cls, batch, size, rng):
+    net = cls(n_class=10, arch='he')
     net.pick = 'fc6'  # logits, not ChainerCV's default softmax output
     return Classification(net), _images_and_labels(rng, batch, (size, size),
                                                    10)
+
+
+def resnet50(batch, size, rng):
+    """ChainerCV's ResNet-50 (``arch='he'``), 10 classes."""
+    from chainercv.links import ResNet50
+    return _chainercv_resnet(ResNet50, batch, size, rng)
+
+
+def resnet101(batch, size, rng):
+    """ChainerCV's ResNet-101 (``arch='he'``), 10 classes."""
+    from chainercv.links import ResNet101
+    return _chainercv_resnet(ResNet101, batch, size, rng)
+
+
+def resnet18(batch, size, rng):
+    """:class:`chainer_links.ResNet18` (ImageNet-style), 10 classes."""
+    from chainer_links import ResNet18
+    return Classification(ResNet18(n_class=10)), _images_and_labels(
+        rng, batch, (size, size), 10)
 
 
 def ssd300(batch, size, rng):
@@ -94,8 +111,8 @@ def segnet(batch, size, rng):
                                      tuple(size))
 
 
-CASES = {'small_cnn': small_cnn, 'resnet50': resnet50, 'ssd300': ssd300,
-         'segnet': segnet}
+CASES = {'small_cnn': small_cnn, 'resnet18': resnet18, 'resnet50': resnet50,
+         'resnet101': resnet101, 'ssd300': ssd300, 'segnet': segnet}
 
 
 def gradient_like_tensor(size, dtype, device, seed):
