@@ -53,8 +53,9 @@ from gradient_scaling import sites
 from gradient_scaling import statistics
 from gradient_scaling import underflow
 
-__all__ = ['ESTIMATORS', 'make_estimator', 'ModelEstimator',
-           'MeasuredEstimator', 'HybridEstimator', 'AmaxEstimator']
+__all__ = ['ESTIMATORS', 'make_estimator', 'scale_from_histogram',
+           'ModelEstimator', 'MeasuredEstimator', 'HybridEstimator',
+           'AmaxEstimator']
 
 ESTIMATORS = ('model', 'measured', 'hybrid', 'amax-current', 'amax-delayed')
 
@@ -133,13 +134,8 @@ class MeasuredEstimator(ModelEstimator):
                                                         key, staged))
 
     def _choose(self, h, cap, model):
-        """The smallest power of two (>= 1) meeting the rate, under cap."""
-        high = underflow.MAX_SCALE if cap == math.inf else cap
-        k = h.smallest_exponent(self.underflow_rate, self.fmt, low=0,
-                                high=int(math.log2(high)) if high >= 1
-                                else 0)
-        beta = min(math.ldexp(1.0, k), cap)
-        beta = self._combine(beta, model, cap)
+        beta = self._combine(scale_from_histogram(
+            h, self.underflow_rate, self.fmt, cap), model, cap)
         k = math.frexp(beta)[1] - 1
         return (beta, h.underflow_fraction(k, self.fmt),
                 h.underflow_fraction(0, self.fmt))
@@ -227,6 +223,29 @@ class AmaxEstimator(ModelEstimator):
             [len(self.amax[k]) for k in keys], dtype=numpy.int64))
         serializer('amax_values', numpy.array(
             [v for k in keys for v in self.amax[k]], dtype=numpy.float64))
+
+
+def scale_from_histogram(h, underflow_rate, fmt, cap=math.inf):
+    """The measured estimator's choice: the smallest power of two (at
+    least 1) whose exact underflow on the histogrammed tensor is at most
+    ``underflow_rate`` and which does not overflow, at most ``cap`` (the
+    paper's overflow bound, for the batches to come).
+
+    Args:
+        h (~gradient_scaling.histogram.ExponentHistogram): Of the site's
+            output gradient at scale 1.
+        underflow_rate (float): Target.
+        fmt: The format.
+        cap (float): A power of two (or inf).
+
+    Returns:
+        float: The scale.
+
+    """
+    high = underflow.MAX_SCALE if cap == math.inf else cap
+    k = h.smallest_exponent(underflow_rate, fmt, low=0,
+                            high=int(math.log2(high)) if high >= 1 else 0)
+    return min(math.ldexp(1.0, k), cap)
 
 
 def make_estimator(name, underflow_rate, fmt, amax_history=1024,

@@ -10,7 +10,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, 'scripts', 'benchmark.py')
-VARIANTS = ['none', 'dynamic'] + [
+VARIANTS = ['none', 'none+check', 'dynamic'] + [
     'gs@{}{}'.format(k, suffix) for suffix in ('', '+measure')
     for k in (1, 10, 100)]
 STAT_OPERATIONS = ['copy', 'tensor_statistics(log=False)',

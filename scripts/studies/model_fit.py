@@ -19,7 +19,9 @@ import numpy as np
 import chainer
 import chainer.functions as F
 
+from gradient_scaling import estimators
 from gradient_scaling import formats
+from gradient_scaling import histogram
 from gradient_scaling import sites
 from gradient_scaling import statistics
 from gradient_scaling import underflow
@@ -36,6 +38,9 @@ NAME = 'model'
 PRODUCT = 'model_fit.csv'
 SCALES = [2.0 ** k for k in range(-4, 17, 2)]
 FP16 = formats.get('float16')
+RATE = 1e-3  # GS's target (the paper's default)
+ESTIMATED_SCALES = (('model', 'gs_scale'), ('measured', 'measured_scale'),
+                    ('hybrid', 'hybrid_scale'))
 # FP32 learning rate of the steps before the second probe.
 LR = {'ssd300': 1e-3, 'segnet': 0.1, 'resnet18': 0.05}
 
@@ -82,21 +87,36 @@ class GemmProbe(chainer.FunctionHook):
         name = self.names.get(id(param), type(function).__name__)
         g = statistics.tensor_statistics(out_grad[0], log=False)
         w = statistics.tensor_statistics(weight, log=False)
-        self.sites.append({
+        self.sites.append(with_estimators({
             'site': name, 'kind': 'gemm', 'n': n,
             'sigma': math.sqrt(n) * g.std * w.std,
             'gs_scale': underflow.gemm_scale_from_stats(
                 g.std, g.max_abs, w.std, w.max_abs, n),
-            'values': gx.array.ravel().copy()})
+            'cap': underflow.gemm_cap(g.max_abs, w.max_abs, n),
+            'values': gx.array.ravel().copy()}))
 
 
 def softmax_site(grad):
     s = statistics.tensor_statistics(grad, log=True)
-    return {'site': 'softmax input', 'kind': 'cast', 'n': 0,
-            'mu': s.log_mean, 'log_sigma': s.log_std,
-            'gs_scale': underflow.lognormal_scale_from_stats(
-                s.log_mean, s.log_std, s.max_abs),
-            'values': grad.ravel().copy()}
+    return with_estimators({
+        'site': 'softmax input', 'kind': 'cast', 'n': 0,
+        'mu': s.log_mean, 'log_sigma': s.log_std,
+        'gs_scale': underflow.lognormal_scale_from_stats(
+            s.log_mean, s.log_std, s.max_abs),
+        'cap': underflow.cast_cap(s.max_abs),
+        'values': grad.ravel().copy()})
+
+
+def with_estimators(site):
+    """Adds the closed loop's scales: measured (the exact underflow of
+    every power of two of this very gradient, under the same cap) and
+    hybrid (the larger of the model's and the measured one)."""
+    h = histogram.exponent_histogram(site['values'])
+    site['measured_scale'] = estimators.scale_from_histogram(
+        h, RATE, FP16, site['cap'])
+    site['hybrid_scale'] = min(max(site['measured_scale'],
+                                   site['gs_scale']), site['cap'])
+    return site
 
 
 def predicted_rate(site, scale):
@@ -189,12 +209,16 @@ def run(args):
                     train_steps(model, loss_fn, steps, LR[name])
                 log('{} ({}): probing every site'.format(name, stage))
                 for site in probe(model, loss_fn):
-                    for scale in sorted(set(SCALES + [site['gs_scale']])):
+                    chosen = [site[key] for _, key in ESTIMATED_SCALES]
+                    for scale in sorted(set(SCALES + chosen)):
                         rows.append({
                             'model': name, 'stage': stage,
                             'site': site['site'], 'kind': site['kind'],
                             'n': site['n'], 'scale': scale,
                             'gs_scale': site['gs_scale'],
+                            'measured_scale': site['measured_scale'],
+                            'hybrid_scale': site['hybrid_scale'],
+                            'cap': site['cap'],
                             'predicted': predicted_rate(site, scale),
                             'measured': measured_rate(site['values'],
                                                       scale)})
@@ -236,9 +260,49 @@ def write_model_fit_summary(out, rows):
                          len({r['site'] for r in sub}), n, median, p90,
                          float(np.median(at_gs)) if at_gs else math.nan,
                          max(at_gs) if at_gs else math.nan))
+    lines += ['', estimator_table(rows)]
     with open(os.path.join(out, 'model_fit.md'), 'w') as f:
         f.write('\n'.join(lines) + '\n')
     print('\n'.join(lines))
+
+
+def estimator_table(rows):
+    """Per model, stage and kind: the fraction of each site's values lost
+    at the scale each estimator chose, against the 1e-3 target."""
+    lines = [
+        'Lost fraction (float16) at the scale each estimator chose, per '
+        'site: median (max) over the sites; "over" counts the sites above '
+        'the target {:g}, "cap" those where even the overflow cap cannot '
+        'meet it.'.format(RATE), '',
+        '| model | stage | kind | sites | cap | ' + ' | '.join(
+            '{0}: median (max) | {0}: over'.format(name)
+            for name, _ in ESTIMATED_SCALES) + ' |',
+        '|---|---|---|---|---|' + '---|---|' * len(ESTIMATED_SCALES)]
+    keys = sorted({(r['model'], r['stage'], r['kind']) for r in rows})
+    for model, stage, kind in keys:
+        sites_rows = {}
+        for r in rows:
+            if (r['model'], r['stage'], r['kind']) == (model, stage, kind):
+                sites_rows.setdefault(r['site'], []).append(r)
+        cells = []
+        at_cap = 0
+        for name, key in ESTIMATED_SCALES:
+            lost = []
+            for site, site_rows in sites_rows.items():
+                chosen = site_rows[0][key]
+                value = next(r['measured'] for r in site_rows
+                             if r['scale'] == chosen)
+                if not math.isnan(value):
+                    lost.append(value)
+                if name == 'measured' and value > RATE:
+                    at_cap += 1
+            cells.append('{:.2e} ({:.2e}) | {}'.format(
+                float(np.median(lost)) if lost else math.nan,
+                max(lost) if lost else math.nan,
+                sum(v > RATE for v in lost)))
+        lines.append('| {} | {} | {} | {} | {} | {} |'.format(
+            model, stage, kind, len(sites_rows), at_cap, ' | '.join(cells)))
+    return '\n'.join(lines)
 
 
 def plot_model_fit(path, rows):

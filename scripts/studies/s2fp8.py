@@ -5,7 +5,9 @@ Fashion-MNIST (the Debian package dataset-fashion-mnist; the embedded
 shapes when it is absent: the runs' start lines and the summary say which)
 trained by ``examples/cifar/train.py`` with the same budget (seed,
 iterations, batch, lr schedule) in FP32, FP8 E5M2 unscaled, FP8 with a
-fixed loss scale of 100, S2FP8, GS-FP8 and GS-FP16; test accuracy in FP32.
+fixed loss scale of 100, S2FP8, GS-FP8 with the paper's model and with the
+closed loop (hybrid), Transformer Engine's amax recipes (delayed and
+current), FP8 E4M3 (unscaled, amax, GS) and GS-FP16; test accuracy in FP32.
 A training study (:mod:`studies.training`): it resumes run by run and
 writes ``s2fp8.md``, ``s2fp8_runs.csv`` and ``s2fp8.png``.
 """
@@ -27,10 +29,24 @@ STUDY = Study(
      '100', '--lr', '0.05', '--eval-interval', '50', '--update-interval',
      '10'],
     [Variant('FP32', ['--scaling', 'fp32'], None),
-     Variant('FP8', ['--scaling', 'none'], None, 'sim-fp8-e5m2'),
+     Variant('FP8 E5M2', ['--scaling', 'none'], None, 'sim-fp8-e5m2'),
      Variant('FP8+LS(100)', ['--scaling', 'fixed', '--loss-scale', '100'],
              100, 'sim-fp8-e5m2'),
      Variant('S2FP8', ['--scaling', 'none'], None, 's2fp8'),
-     Variant('GS-FP8', ['--scaling', 'gs'], None, 'sim-fp8-e5m2'),
+     Variant('GS-FP8 (model)', ['--scaling', 'gs'], None, 'sim-fp8-e5m2'),
+     Variant('GS-FP8 (hybrid)', ['--scaling', 'gs', '--gs-estimator',
+                                 'hybrid'], None, 'sim-fp8-e5m2'),
+     # Transformer Engine's recipes: GEMM inputs in FP8, outputs FP32.
+     Variant('amax-delayed', ['--scaling', 'amax-delayed'], None,
+             'sim-fp8-e5m2'),
+     Variant('amax-current', ['--scaling', 'amax-current'], None,
+             'sim-fp8-e5m2'),
+     # E4M3 (range 2**-9 .. 448) for gradients: unscaled, it loses most
+     # of them; with a per-tensor scale it is a real candidate.
+     Variant('FP8 E4M3', ['--scaling', 'none'], None, 'sim-fp8-e4m3'),
+     Variant('amax-current E4M3', ['--scaling', 'amax-current'], None,
+             'sim-fp8-e4m3'),
+     Variant('GS-FP8 E4M3 (hybrid)', ['--scaling', 'gs', '--gs-estimator',
+                                      'hybrid'], None, 'sim-fp8-e4m3'),
      Variant('GS-FP16', ['--scaling', 'gs'], None, 'sim-fp16')],
     {}, [], precision=None)

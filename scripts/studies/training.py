@@ -54,6 +54,22 @@ def _variants(fixed_scales, dynamic_intervals):
     return variants
 
 
+# What FP8 users compare today, and the closed loop: Transformer Engine's
+# amax recipes (GEMM inputs in FP8, outputs FP32), GS with the measured
+# correction, and E4M3 gradients (range 2**-9 .. 448) with a scale.
+_FP8_VARIANTS = [
+    Variant('GS (hybrid)', ['--scaling', 'gs', '--gs-estimator', 'hybrid'],
+            None),
+    Variant('amax-delayed', ['--scaling', 'amax-delayed'], None),
+    Variant('amax-current', ['--scaling', 'amax-current'], None),
+    Variant('E4M3: no scaling', ['--scaling', 'none'], None, 'sim-fp8-e4m3'),
+    Variant('E4M3: amax-current', ['--scaling', 'amax-current'], None,
+            'sim-fp8-e4m3'),
+    Variant('E4M3: GS (hybrid)', ['--scaling', 'gs', '--gs-estimator',
+                                  'hybrid'], None, 'sim-fp8-e4m3'),
+]
+
+
 # GS refreshes its scales every 10 iterations (the paper: 100 of 120k);
 # Chainer's Dyn-LS starts at scale 1 and doubles after `interval` clean
 # steps, so with its default 1000 it never grows in runs this short: the
@@ -79,7 +95,8 @@ STUDIES = collections.OrderedDict((s.name, s) for s in [
           'validation/main/map', 'VOC07 mAP', [8],
           ['--iteration', '200', '--step', '140', '180', '--lr', '1e-2',
            '--eval-interval', '50', '--update-interval', '10'],
-          _variants([2 ** 3, 2 ** 7, 2 ** 11, 2 ** 15, 2 ** 19], [1000, 10]),
+          _variants([2 ** 3, 2 ** 7, 2 ** 11, 2 ** 15, 2 ** 19], [1000, 10])
+          + _FP8_VARIANTS,
           {}, [], 'sim-fp8-e5m2'),
     Study('classification', 'Table 1',
           'ResNet-18 on the embedded classification data (32x32)',
