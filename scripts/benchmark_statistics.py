@@ -30,6 +30,8 @@ import numpy
 
 from gradient_scaling import statistics
 
+from benchmarking.cases import gradient_like_tensor
+
 TARGET = 0.70  # of the copy's bandwidth, kernel with log statistics
 
 
@@ -45,17 +47,6 @@ def parse_args():
     parser.add_argument('--device', default='cpu', choices=('cpu', 'gpu'))
     parser.add_argument('--seed', type=int, default=0)
     return parser.parse_args()
-
-
-def make_tensor(size, dtype, device, seed):
-    rng = numpy.random.default_rng(seed)
-    x = rng.standard_normal(size, dtype=numpy.float32) * numpy.float32(1e-3)
-    x[rng.random(size, dtype=numpy.float32) < 0.1] = 0
-    x = x.astype(dtype)
-    if device == 'gpu':
-        import cupy
-        return cupy.asarray(x), cupy.cuda.Device().synchronize
-    return x, lambda: None
 
 
 def median_seconds(fn, synchronize, repeat):
@@ -112,8 +103,8 @@ def operations(x, device):
 
 def main():
     args = parse_args()
-    x, synchronize = make_tensor(args.size, args.dtype, args.device,
-                                 args.seed)
+    x, synchronize = gradient_like_tensor(args.size, args.dtype,
+                                          args.device, args.seed)
     print('device={} dtype={} size={} ({:.1f} MB) repeat={}'.format(
         args.device, args.dtype, args.size, x.nbytes / 1e6, args.repeat))
     print('{:<30} {:>10} {:>9} {:>8}'.format(

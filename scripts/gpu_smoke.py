@@ -27,30 +27,12 @@ import time
 import numpy as np
 
 import chainer
-import chainer.functions as F
-import chainer.links as L
 
+from chainer_links import ClassifierTrainChain
+from chainer_links import SmallCNN
 from gradient_scaling import formats
 from gradient_scaling import statistics
 from gradient_scaling import training
-
-
-class SmallCNN(chainer.Chain):
-
-    def __init__(self):
-        super().__init__()
-        with self.init_scope():
-            self.c1 = L.Convolution2D(3, 32, 3, pad=1)
-            self.b1 = L.BatchNormalization(32)
-            self.c2 = L.Convolution2D(32, 64, 3, pad=1)
-            self.fc = L.Linear(64 * 8 * 8, 10)
-
-    def forward(self, x, t):
-        x = x.astype(chainer.get_dtype(), copy=False)
-        h = F.max_pooling_2d(F.relu(self.b1(self.c1(x))), 2)
-        h = F.max_pooling_2d(F.relu(self.c2(h)), 2)
-        y = F.cast(self.fc(h), np.float32)
-        return F.softmax_cross_entropy(y, t)
 
 
 def info(cp, device_id):
@@ -125,7 +107,7 @@ def train(mode, device, iterations, batch):
                                     update_interval=10)
     np.random.seed(0)
     with config.model_dtype():
-        model = SmallCNN()
+        model = ClassifierTrainChain(SmallCNN(residual=False, insize=32))
     model.to_device(device)
     optimizer, scaler = training.setup_optimizer(
         chainer.optimizers.MomentumSGD(lr=0.05), model, config)
@@ -149,8 +131,8 @@ def train(mode, device, iterations, batch):
     print('{:>20}: loss {:.4f} -> {:.4f}, {:.1f} ms/iter'.format(
         mode, losses[0], losses[-1], 1e3 * elapsed / iterations))
     assert np.isfinite(losses[-1]) and losses[-1] < losses[0], losses
-    assert model.c1.W.dtype == (np.float32 if mode == 'fp32'
-                                else np.float16)
+    assert model.model.c1.W.dtype == (np.float32 if mode == 'fp32'
+                                      else np.float16)
     return losses
 
 
