@@ -26,7 +26,6 @@ import argparse
 import statistics as stdlib_statistics
 import time
 
-import numpy
 
 from gradient_scaling import statistics
 
