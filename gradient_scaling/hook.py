@@ -125,7 +125,13 @@ class _Step(object):
         self.results = []
         self.new_pass()
 
-    def new_pass(self):
+    def new_pass(self, loss_scale=1.0):
+        # While no site of this pass has applied a scale other than 1,
+        # every gradient so far is at scale 1, which an untagged gradient
+        # means: a pass-through function needs no wrapper (section 2 of
+        # docs/DESIGN.md; Chainer's traversal is sequential, so the first
+        # site that scales turns this off for everything after it).
+        self.unit = loss_scale == 1.0
         self.roots = []  # the output nodes backward started from
         self.losses = []
         self.leaves = {}  # id -> leaf Variable, each once
@@ -332,7 +338,7 @@ class GradientScaling(chainer.FunctionHook):
                                          function, in_data)
         elif kind is _CAST and self._is_up_cast(function):
             internals.wrap_backward_once(function, self._cast_rule)
-        else:
+        elif kind is not _PLAIN or not self._step.unit:
             internals.wrap_backward_once(function, self._plain_rule, kind)
 
     def _kind_of(self, cls):
@@ -362,8 +368,7 @@ class GradientScaling(chainer.FunctionHook):
     def begin_backward(self, outputs, loss_scale):
         if self._step is None:
             self._step = _Step(self.schedule.due(), held=False)
-        else:
-            self._step.new_pass()
+        self._step.new_pass(float(loss_scale or 1.0))
         self.in_backward = True
         self.iteration += 1
         for node, grad in outputs:
@@ -558,6 +563,8 @@ class GradientScaling(chainer.FunctionHook):
             groups = sorted(by_scale.items(), key=lambda g: 0 not in g[1])
         result = {}
         for scale, group in groups:
+            if scale != 1.0:
+                self._step.unit = False
             group = tuple(group)
             gxs = sites.select_gradients(
                 class_backward(group, (_rescale(gy, scale),)), group,
@@ -601,6 +608,8 @@ class GradientScaling(chainer.FunctionHook):
             largest = statistics.max_abs(gy.array)
             if 0 < largest < math.inf:
                 beta = min(beta, underflow.pow2_floor(self.fmt.max / largest))
+        if beta != 1.0:
+            step.unit = False
         scaled = _rescale(gy, beta)
         if record is not None:
             self._measure(record, scaled)
