@@ -303,6 +303,10 @@ class LowPrecisionSimulation(GemmSimulation):
             per GEMM (see :meth:`GemmSimulation.underflow_report`).
         target (~chainer.Link): Optional model, to name GEMMs by link path.
         round_outputs (bool): See :class:`GemmSimulation`.
+        saturate (bool): A finite value beyond the format's range becomes
+            its largest finite value of the same sign (CUDA's FP8
+            conversions, ``__NV_SATFINITE``, as Transformer Engine casts),
+            instead of infinity (IEEE rounding, mixed16's FP16).
 
     """
 
@@ -310,7 +314,7 @@ class LowPrecisionSimulation(GemmSimulation):
 
     def __init__(self, fmt='float16', rounding='nearest', seed=None,
                  round_incoming_gradients=True, measure_underflow=False,
-                 target=None, round_outputs=True):
+                 target=None, round_outputs=True, saturate=False):
         super().__init__(round_bias=True,
                          round_incoming_gradients=round_incoming_gradients,
                          measure_underflow=measure_underflow, target=target,
@@ -320,19 +324,30 @@ class LowPrecisionSimulation(GemmSimulation):
             raise ValueError("rounding must be 'nearest' or 'stochastic', "
                              'got {!r}'.format(rounding))
         self.rounding = rounding
+        self.saturate = bool(saturate)
         self.seed = seed
         self._rngs = {}
 
     def truncate(self, array):
         with statistics.device_scope(array):
-            if self.rounding == 'nearest':
-                return round_nearest(array, self.fmt)
             xp = backend.get_array_module(array)
-            rng = self._rngs.get(xp.__name__)
-            if rng is None:
-                rng = self._rngs[xp.__name__] = xp.random.default_rng(
-                    self.seed)
-            return self.fmt.quantize(array, 'stochastic', rng)
+            if self.rounding == 'nearest':
+                rounded = round_nearest(array, self.fmt)
+            else:
+                rng = self._rngs.get(xp.__name__)
+                if rng is None:
+                    rng = self._rngs[xp.__name__] = xp.random.default_rng(
+                        self.seed)
+                rounded = self.fmt.quantize(array, 'stochastic', rng)
+            if self.saturate:
+                # cuda_fp8's conversions (__NV_SATFINITE, which Transformer
+                # Engine uses): a finite value beyond the range becomes the
+                # largest finite one; inf and NaN stay.
+                rounded = xp.where(
+                    xp.isfinite(array) & ~xp.isfinite(rounded),
+                    xp.copysign(array.dtype.type(self.fmt.max), array),
+                    rounded)
+            return rounded
 
 
 def round_nearest(array, fmt):

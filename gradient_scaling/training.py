@@ -155,7 +155,8 @@ class ScalingConfig(object):
 
     @property
     def amax(self):
-        """Transformer Engine's recipes: only GEMM inputs in the format."""
+        """Transformer Engine's recipes: only GEMM inputs in the format,
+        and casts to it saturate."""
         return self.scaling in ('amax-delayed', 'amax-current')
 
     @property
@@ -178,7 +179,7 @@ class ScalingConfig(object):
                 SIMULATED_FORMATS[self.precision],
                 rounding='stochastic' if self.stochastic_rounding
                 else 'nearest', measure_underflow=self.count_underflow,
-                round_outputs=not self.amax)
+                round_outputs=not self.amax, saturate=self.amax)
         return None
 
     def model_dtype(self):

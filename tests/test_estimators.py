@@ -219,7 +219,14 @@ def test_cli_and_config():
         training.ScalingConfig(scaling='amax-delayed', precision='mixed16')
     config = training.ScalingConfig(scaling='amax-current',
                                     precision='sim-fp8-e5m2', amax_margin=2)
-    assert config.simulation_hook().round_outputs is False
+    sim = config.simulation_hook()
+    assert sim.round_outputs is False and sim.saturate is True
+    big = np.array([1e6, -1e6, np.inf, 3.0], np.float32)
+    np.testing.assert_array_equal(sim.truncate(big),
+                                  [57344, -57344, np.inf, 3.0])
+    assert training.ScalingConfig(
+        scaling='gs', precision='sim-fp8-e5m2').simulation_hook().truncate(
+            big)[0] == np.inf  # GS's simulation: IEEE overflow
     model = SmallNet()
     _, scaler = training.setup_optimizer(chainer.optimizers.SGD(), model,
                                          config)
