@@ -17,7 +17,8 @@ from studies.common import write_csv
 __all__ = ['aggregate', 'mean_std', 'best_fixed', 'write_summary',
            'write_runs_csv', 'mean_curve', 'plot']
 
-FORMAT_NAMES = {'sim-fp16': 'float16', 'sim-fp8-e5m2': 'FP8 E5M2',
+FORMAT_NAMES = {'sim-fp16': 'float16', 'sim-bf16': 'bfloat16',
+                'sim-fp8-e5m2': 'FP8 E5M2', 'sim-fp8-e4m3': 'FP8 E4M3',
                 's2fp8': 'S2FP8'}
 
 
