@@ -42,6 +42,7 @@ from chainercv.datasets import CamVidDataset
 from chainercv.extensions import SemanticSegmentationEvaluator
 from chainercv.links import SegNetBasic
 
+from gradient_scaling import files
 from gradient_scaling import training as gs_training
 
 from embedded_datasets import class_weights
@@ -219,10 +220,12 @@ def load_class_weight(args, train, n_class):
         return class_weights(((None, label) for label in labels), n_class)
     path = args.class_weight
     try:
-        weight = np.load(path)
-    except (OSError, ValueError) as e:
-        raise DatasetError('--class-weight {}: cannot read a .npy array '
-                           '({})'.format(path, e))
+        weight = files.load_array(path)  # pickle disabled
+    except files.FileError as e:
+        raise DatasetError('--class-weight {}: {}'.format(path, e.why))
+    if weight.dtype.kind not in 'biuf':
+        raise DatasetError('--class-weight {}: expected numbers, got a {} '
+                           'array'.format(path, weight.dtype))
     weight = np.asarray(weight, dtype=np.float32)
     if weight.shape == (n_class + 1,):
         # Older calc_weight.py files also weight CamVid's unlabelled pixels
