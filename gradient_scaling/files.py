@@ -111,19 +111,23 @@ def _array_header(fp, path, name):
     return shape, dtype
 
 
-def check(path):
+def check(path, archive=False):
     """Checks that ``path`` loads without pickle; returns its array names.
 
     Reads the archive's directory and every array's header (not the data):
     cheap, so scripts call it on every file option before any work.  An
-    ``.npy`` file has one array, named ``''``.
+    ``.npy`` file has one array, named ``''``; ``archive=True`` refuses it
+    (a snapshot or weights file is an ``.npz`` archive).
 
     Raises:
         UnsafeFileError: A pickle, or an object array.
-        FileError: Missing, not a NumPy file, truncated or corrupt.
+        FileError: Missing, not a NumPy file (or not an archive), truncated
+            or corrupt.
 
     """
     if _kind(path) == 'npy':
+        if archive:
+            raise FileError(path, 'a single .npy array, not an .npz archive')
         with open(path, 'rb') as f:
             _array_header(f, path, '')
         return ['']
@@ -150,7 +154,7 @@ def read_npz(path):
         dict: Array name to ``numpy.ndarray``.
 
     """
-    check(path)
+    check(path, archive=True)
     try:
         with numpy.load(path, allow_pickle=False) as npz:
             return {name: npz[name] for name in npz.files}
@@ -195,7 +199,7 @@ def load_npz(path, obj, prefix='', strict=True, optional=()):
             model), or what made the file unreadable.
 
     """
-    check(path)
+    check(path, archive=True)
     absent = []
     with numpy.load(path, allow_pickle=False) as npz:
         _CheckedDeserializer(_Arrays(npz), path, prefix, strict, optional,

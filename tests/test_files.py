@@ -167,3 +167,7 @@ def test_load_array(tmp_path):
     np.save(str(tmp_path / 'o.npy'), np.array([None, 1], dtype=object))
     with pytest.raises(files.UnsafeFileError, match='the array holds Python'):
         files.load_array(str(tmp_path / 'o.npy'))
+    # A snapshot or weights file is an archive.
+    with pytest.raises(files.FileError, match='a single .npy array, not an '
+                       '.npz archive'):
+        files.load_npz(str(tmp_path / 'w.npy'), L.Linear(2))
