@@ -49,10 +49,11 @@ _COUNTS = ('batchsize', 'iteration', 'epoch', 'eval_interval',
 # Environment variables that MPI launchers set in every rank.
 MPI_LAUNCH_VARIABLES = ('OMPI_COMM_WORLD_SIZE', 'PMI_SIZE', 'PMIX_RANK',
                         'MV2_COMM_WORLD_SIZE')
-# Options that name a NumPy file the script will load, and what it is.
-FILE_OPTIONS = {'resume': 'a trainer snapshot',
-                'pretrained_model': 'an .npz of weights',
-                'class_weight': 'a .npy of class weights'}
+# Options that name a NumPy file the script will load: what it is, and
+# whether it must be an .npz archive.
+FILE_OPTIONS = {'resume': ('a trainer snapshot', True),
+                'pretrained_model': ('an .npz of weights', True),
+                'class_weight': ('a .npy of class weights', False)}
 
 
 def make_parser(doc):
@@ -159,11 +160,11 @@ def check_inputs(args):
         check_out(args.out)
     if getattr(args, 'gpu', -1) >= 0:
         check_gpu(args.gpu)
-    for name, what in FILE_OPTIONS.items():
+    for name, (what, archive) in FILE_OPTIONS.items():
         path = getattr(args, name, None)
         if path is not None:
             try:
-                files.check(path)
+                files.check(path, archive)
             except files.FileError as e:
                 raise InputError('--{} {}: {} (expected {})'.format(
                     name.replace('_', '-'), path, e.why, what))

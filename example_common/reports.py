@@ -322,11 +322,16 @@ def resume(trainer, path, comm=None, log=print):
                                      prefix=prefix, optional=(prefix,))
     except files.FileError as e:
         raise InputError('--resume {}: {} ({})'.format(path, e.why, expected))
-    if absent:
-        log('Note: {} has no state for {} (written by an older version): '
-            'training continues, but not bit for bit as an uninterrupted '
-            'run would'.format(path, ', '.join(sorted(
-                {'/'.join(key.split('/')[:2]) for key in absent}))))
+    parts = sorted({'/'.join(key.split('/')[:2]) for key in absent})
+    scales = [p for p in parts if p.startswith('extensions/')]
+    if scales:
+        log('Note: {} has no {} (written by an older version): the scale '
+            'record starts at the resume'.format(path, scales[0]))
+    if len(parts) > len(scales):
+        log('Note: {} has no state for {} (written by an older version or '
+            'another number of processes): training continues, but not bit '
+            'for bit as an uninterrupted run would'.format(
+                path, ', '.join(p for p in parts if p not in scales)))
 
 
 def resume_and_run(trainer, resume_from, start_line, log=print, comm=None):

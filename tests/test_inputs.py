@@ -81,9 +81,11 @@ def test_resume_file_missing_directory_noise_truncated(tmp_path, capsys,
     (tmp_path / 'truncated').write_bytes(data[:len(data) // 2])
     (tmp_path / 'noise.npz').write_bytes(os.urandom(4000) + b'x')
     (tmp_path / 'folder').mkdir()
+    np.save(str(tmp_path / 'weights.npy'), np.ones(3))
     cases = {'missing.npz': 'no such file',
              'folder': 'a directory, not a file',
-             'noise.npz': 'not a NumPy .npz or .npy file'}
+             'noise.npz': 'not a NumPy .npz or .npy file',
+             'weights.npy': 'a single .npy array, not an .npz archive'}
     for name, why in cases.items():
         path = tmp_path / name
         assert fails('ssd', ['--out', str(out), '--resume', str(path)],
