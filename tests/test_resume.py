@@ -14,6 +14,8 @@ two ChainerMN ranks (each restores its own order and generators).
 
 import gradient_scaling  # NOQA: compat must precede chainer
 
+import contextlib
+import io
 import math
 import os
 import signal
@@ -80,12 +82,27 @@ def argv_of(example, out, voc):
     return path, COMMON + data + options + ['--out', str(out)]
 
 
-def train(example, out, voc, capsys, *extra):
-    """Runs the script in this process; returns its final line."""
+def train(example, out, voc, *extra):
+    """Runs the script in this process; returns the lines it printed."""
     path, argv = argv_of(example, out, voc)
-    capsys.readouterr()
-    load_example(path).main(argv + list(extra))
-    return capsys.readouterr().out.strip().splitlines()[-1]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        load_example(path).main(argv + list(extra))
+    return printed.getvalue().strip().splitlines()
+
+
+@pytest.fixture(scope='module')
+def straight(tmp_path_factory, voc):
+    """The straight run of an example (made once): its ``--out`` and its
+    final line."""
+    runs = {}
+
+    def run(example):
+        if example not in runs:
+            out = tmp_path_factory.mktemp('straight-' + example)
+            runs[example] = out, train(example, out, voc)[-1]
+        return runs[example]
+    return run
 
 
 def arrays(path):
@@ -148,9 +165,8 @@ def assert_same_scale_record(straight, resumed):
 
 
 @pytest.mark.parametrize('example', sorted(RUNS))
-def test_resume_is_bit_for_bit(example, voc, tmp_path, capsys):
-    straight, resumed = tmp_path / 'straight', tmp_path / 'resumed'
-    final = train(example, straight, voc, capsys)
+def test_resume_is_bit_for_bit(example, straight, voc, tmp_path):
+    (straight, final), resumed = straight(example), tmp_path / 'resumed'
     snapshot = straight / 'snapshot_iter_{}'.format(N // 2)
     # The snapshot carries every generator the run draws from.
     saved = arrays(snapshot)
@@ -158,44 +174,41 @@ def test_resume_is_bit_for_bit(example, voc, tmp_path, capsys):
             'updater/iterator:main/order'} <= set(saved)
     assert saved['updater/iterator:main/epoch'] == 1  # inside epoch 2
     assert not any(a.dtype == object for a in saved.values())
-    assert train(example, resumed, voc, capsys, '--resume',
-                 str(snapshot)) == final
+    assert train(example, resumed, voc, '--resume',
+                 str(snapshot))[-1] == final
     assert final.startswith('Final ')
     log = read_log(str(straight))
     assert log[-1]['epoch'] == 2 and log[-1]['iteration'] == N
     assert_same_run(straight, resumed)
 
 
-def test_resume_without_generator_state_differs(voc, tmp_path, capsys):
+def test_resume_without_generator_state_differs(straight, voc, tmp_path):
     """The comparison above can fail: a snapshot without the generators'
     state (as written before they were saved) resumes, says so, and the
     augmentation and shuffle then differ from the straight run."""
-    straight, resumed = tmp_path / 'straight', tmp_path / 'resumed'
-    train('ssd', straight, voc, capsys)
+    (straight, _), resumed = straight('ssd'), tmp_path / 'resumed'
     saved = arrays(straight / 'snapshot_iter_{}'.format(N // 2))
     old = tmp_path / 'old_snapshot'
     with open(str(old), 'wb') as f:
         np.savez_compressed(f, **{k: v for k, v in saved.items()
                                   if not k.startswith('updater/random/')})
-    path, argv = argv_of('ssd', resumed, voc)
-    capsys.readouterr()
-    load_example(path).main(argv + ['--resume', str(old)])
-    printed = capsys.readouterr().out
-    assert 'has no state for updater/random' in printed
+    printed = train('ssd', resumed, voc, '--resume', str(old))
+    assert any('has no state for updater/random' in line for line in printed)
     a = arrays(straight / 'model_iter_{}'.format(N))
     b = arrays(resumed / 'model_iter_{}'.format(N))
     differing = [k for k in a if not np.array_equal(a[k], b[k])]
     assert len(differing) > len(a) // 2, differing
 
 
-def test_sigkill_after_a_snapshot_then_resume(tmp_path, voc, capsys):
+@pytest.mark.parametrize('example', sorted(RUNS))
+def test_sigkill_after_a_snapshot_then_resume(example, straight, voc,
+                                              tmp_path):
     """A run killed (SIGKILL) after its snapshot at N/2, while writing the
     next one (a ``tmpsnapshot_iter_*`` folder left behind), resumes in the
     same directory: the partial folder is removed, and the run ends as
     the straight one did."""
-    straight, killed = tmp_path / 'straight', tmp_path / 'killed'
-    final = train('ssd', straight, voc, capsys)
-    path, argv = argv_of('ssd', killed, voc)
+    (straight, final), killed = straight(example), tmp_path / 'killed'
+    path, argv = argv_of(example, killed, voc)
     # The same run, slowed down after its snapshot at N/2 so that it is
     # surely killed before the end.
     proc = subprocess.Popen(
@@ -216,10 +229,7 @@ def test_sigkill_after_a_snapshot_then_resume(tmp_path, voc, capsys):
     partial.mkdir()
     with open(str(partial / 'snapshot_iter_6'), 'wb') as f:
         f.write(b'PK\x03\x04 half a snapshot')
-    path, argv = argv_of('ssd', killed, voc)
-    capsys.readouterr()
-    load_example(path).main(argv + ['--resume', str(snapshot)])
-    printed = capsys.readouterr().out.strip().splitlines()
+    printed = train(example, killed, voc, '--resume', str(snapshot))
     assert 'Removed {}: a snapshot an interrupted run was writing'.format(
         partial) in printed
     assert printed[-1] == final
