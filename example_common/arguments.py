@@ -100,7 +100,7 @@ def add_run_options(parser, out, snapshot_interval=True,
         parser (argparse.ArgumentParser): Gets the options.
         out (str): Default of ``--out``.
         snapshot_interval (bool): Add ``--snapshot-interval`` (default:
-            :func:`example_common.reports.snapshot_interval`).
+            :func:`example_common.snapshots.snapshot_interval`).
         gpu_help (str): Help of ``--gpu``, if it says more than the id.
 
     """

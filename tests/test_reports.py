@@ -1,21 +1,16 @@
-"""example_common.reports: what a run prints and keeps.
+"""example_common.reports: what a run prints.
 
-The log always ends with the last iteration (and its metric), a log on a
-pipe has no terminal control codes, snapshot defaults fit the run, and a
-killed run's partial snapshot folders are removed.
+The log always ends with the last iteration (and its metric), and a log on
+a pipe has no terminal control codes.
 """
 
 import gradient_scaling  # NOQA: compat must precede chainer
 
-import argparse
 import io
-import os
 import re
 import sys
 
 import pytest
-
-from example_common import reports
 
 from helpers import last
 from helpers import load_example
@@ -76,36 +71,3 @@ def test_control_codes_only_on_a_terminal(terminal, tmp_path, monkeypatch,
         r'\x1b\[[0-9;]*[A-Za-z]', '', text).splitlines()]
     assert [['0', '1'], ['1', '2'], ['1', '3']] == [
         r for r in rows if r in (['0', '1'], ['1', '2'], ['1', '3'])]
-
-
-def interval(iteration, given=None):
-    return reports.snapshot_interval(
-        argparse.Namespace(snapshot_interval=given), iteration)
-
-
-def test_snapshot_defaults_fit_the_run(tmp_path, capsys):
-    # A quarter of the run, unless that is under 50 iterations.
-    assert [interval(n) for n in (2, 100, 199, 200, 120000)] == [
-        0, 0, 0, 50, 30000]
-    assert interval(2, given=1) == 1 and interval(400, given=0) == 0
-    run_cifar(tmp_path / 'out', capsys, '--iteration', '2')
-    assert sorted(os.listdir(str(tmp_path / 'out'))) == [
-        'log', 'model_iter_2']
-
-
-def test_partial_snapshots_are_removed_and_nothing_else(tmp_path):
-    for name in ('tmpsnapshot_iter_40abc', 'tmpmodel_iter_8xyz',
-                 'tmpother', 'snapshot_iter_20'):
-        (tmp_path / name).mkdir()
-    (tmp_path / 'tmpsnapshot_iter_40abc' / 'snapshot_iter_40').write_bytes(
-        b'PK\x03\x04')
-    (tmp_path / 'tmpsnapshot_iter_file').write_text('not a folder')
-    said = []
-    reports.remove_partial_snapshots(str(tmp_path), log=said.append)
-    assert sorted(os.listdir(str(tmp_path))) == [
-        'snapshot_iter_20', 'tmpother', 'tmpsnapshot_iter_file']
-    assert said == ['Removed {}: a snapshot an interrupted run was '
-                    'writing'.format(tmp_path / name)
-                    for name in ('tmpmodel_iter_8xyz',
-                                 'tmpsnapshot_iter_40abc')]
-    reports.remove_partial_snapshots(str(tmp_path / 'absent'))

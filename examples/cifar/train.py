@@ -55,6 +55,7 @@ from example_common.errors import DatasetError
 from example_common.errors import DatasetNotFound
 from example_common.errors import run_main
 from example_common import reports
+from example_common import snapshots
 
 EMBEDDED_DEFAULTS = {'iteration': 300, 'batchsize': 32, 'lr': 0.1,
                      'eval_interval': 100}
@@ -274,11 +275,11 @@ def main(argv=None):
     reports.extend_evaluation(trainer, extensions.Evaluator(
         test_iter, train_chain, device=device), config, points)
     reports.extend_classifier_reports(trainer, args, scaler, config, points)
-    reports.extend_snapshots(trainer, model,
-                             reports.snapshot_interval(args, iteration),
-                             iteration)
+    snapshots.extend_snapshots(
+        trainer, model, snapshots.snapshot_interval(args, iteration),
+        iteration)
 
-    reports.resume_and_run(
+    snapshots.resume_and_run(
         trainer, args.resume,
         '{} on {} data: {} train / {} test images, scaling={}, '
         'precision={}, batch {}, {} iterations ({:.1f} epochs)'.format(

@@ -65,6 +65,7 @@ from example_common.errors import DatasetError
 from example_common.errors import DatasetNotFound
 from example_common.errors import run_main
 from example_common import reports
+from example_common import snapshots
 
 # The embedded run uses a larger lr than the linear scaling rule's 0.0125
 # for its 32 images, and milder crops: its shapes are small.
@@ -379,13 +380,13 @@ def main(argv=None):
     if rank == 0:  # the others neither print nor write
         reports.extend_classifier_reports(trainer, args, scaler, config,
                                           points)
-    # Every rank takes part: rank 0 writes each rank's iterator and
-    # generator state into its snapshot.
-    reports.extend_snapshots(trainer, model,
-                             reports.snapshot_interval(args, iteration),
-                             iteration, compress=False, comm=comm)
+    # Every rank takes part: rank 0 writes each rank's iterator, BatchNorm
+    # statistics and generators into its snapshot.
+    snapshots.extend_snapshots(
+        trainer, model, snapshots.snapshot_interval(args, iteration),
+        iteration, compress=False, comm=comm)
 
-    reports.resume_and_run(
+    snapshots.resume_and_run(
         trainer, args.resume,
         '{} on {} data: {} train / {} val images, {} process(es) x batch '
         '{}, lr {:g}, scaling={}, precision={}, {} iterations ({:.1f} '

@@ -53,6 +53,7 @@ from example_common.errors import DatasetError
 from example_common.errors import DatasetNotFound
 from example_common.errors import run_main
 from example_common import reports
+from example_common import snapshots
 
 EMBEDDED_DEFAULTS = {'iteration': 200, 'batchsize': 4, 'lr': 0.1,
                      'eval_interval': 50}
@@ -290,11 +291,11 @@ def main(argv=None):
         {'loss.png': ['main/loss'],
          'miou.png': ['validation/main/miou',
                       'validation/main/pixel_accuracy']}, points)
-    reports.extend_snapshots(
-        trainer, model, reports.snapshot_interval(args, args.iteration),
+    snapshots.extend_snapshots(
+        trainer, model, snapshots.snapshot_interval(args, args.iteration),
         args.iteration)
 
-    reports.resume_and_run(
+    snapshots.resume_and_run(
         trainer, args.resume,
         'SegNetBasic on {} data: {} train / {} test images, scaling={}, '
         'precision={}, batch {}, {} iterations'.format(

@@ -63,6 +63,7 @@ from example_common import data
 from example_common.errors import DatasetError
 from example_common.errors import run_main
 from example_common import reports
+from example_common import snapshots
 from example_common.voc_format import read_label_names
 from example_common.voc_format import voc_root
 from example_common.voc_format import VOCFormatBboxDataset
@@ -278,11 +279,11 @@ def main(argv=None):
         ['validation/main/map'],
         {'loss.png': ['main/loss', 'main/loss/loc', 'main/loss/conf'],
          'map.png': ['validation/main/map']}, points)
-    reports.extend_snapshots(
-        trainer, model, reports.snapshot_interval(args, args.iteration),
+    snapshots.extend_snapshots(
+        trainer, model, snapshots.snapshot_interval(args, args.iteration),
         args.iteration)
 
-    reports.resume_and_run(
+    snapshots.resume_and_run(
         trainer, args.resume,
         'SSD ({}) on {} data: {} train / {} test images, scaling={}, '
         'precision={}, batch {}, {} iterations'.format(
