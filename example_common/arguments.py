@@ -4,7 +4,12 @@ A script's ``parse_args`` reads in one order: :func:`make_parser`,
 :func:`add_dataset`, the script's own options (data, model, schedule),
 then :func:`add_run_options` (how to run, and the scaling options of
 :func:`gradient_scaling.training.add_arguments`); after parsing,
-:func:`check_options` refuses out-of-range numbers among the shared ones.
+:func:`check_options` refuses out-of-range numbers among the shared ones
+and, through :func:`check_inputs`, what would fail later: an ``--out``
+that is not a writable directory, a ``--gpu`` without CuPy or that device,
+and a file option (``--resume``, ``--pretrained-model``,
+``--class-weight``) naming a file that is missing, damaged or would need
+pickle to load -- before any work, nothing written.
 
 Schedule options left at ``None`` take the defaults of the data actually
 used, which is known only after a possible fall-back to the embedded data:
@@ -20,21 +25,35 @@ used, which is known only after a possible fall-back to the embedded data:
 """
 
 import argparse
+import os
 import random
+import tempfile
 
 import numpy as np
 
 import chainer
 
+from gradient_scaling import files
 from gradient_scaling import training as gs_training
 
+from example_common.errors import InputError
+
 __all__ = ['make_parser', 'add_dataset', 'add_embedded_size',
-           'add_run_options', 'check_options', 'apply_defaults',
-           'seed_generators', 'use_device']
+           'add_run_options', 'check_options', 'check_inputs', 'check_out',
+           'check_gpu', 'apply_defaults', 'seed_generators',
+           'launched_by_mpi', 'use_device']
 
 # Options that count something: a value below 1 is refused.
 _COUNTS = ('batchsize', 'iteration', 'epoch', 'eval_interval',
            'log_interval')
+# Environment variables that MPI launchers set in every rank.
+MPI_LAUNCH_VARIABLES = ('OMPI_COMM_WORLD_SIZE', 'PMI_SIZE', 'PMIX_RANK',
+                        'MV2_COMM_WORLD_SIZE')
+# Options that name a NumPy file the script will load: what it is, and
+# whether it must be an .npz archive.
+FILE_OPTIONS = {'resume': ('a trainer snapshot', True),
+                'pretrained_model': ('an .npz of weights', True),
+                'class_weight': ('a .npy of class weights', False)}
 
 
 def make_parser(doc):
@@ -80,8 +99,8 @@ def add_run_options(parser, out, snapshot_interval=True,
     Args:
         parser (argparse.ArgumentParser): Gets the options.
         out (str): Default of ``--out``.
-        snapshot_interval (bool): Add ``--snapshot-interval`` (default: a
-            trainer snapshot every quarter of the run).
+        snapshot_interval (bool): Add ``--snapshot-interval`` (default:
+            :func:`example_common.snapshots.snapshot_interval`).
         gpu_help (str): Help of ``--gpu``, if it says more than the id.
 
     """
@@ -89,14 +108,17 @@ def add_run_options(parser, out, snapshot_interval=True,
     parser.add_argument('--gpu', type=int, default=-1, help=gpu_help)
     parser.add_argument('--loaderjob', type=int, default=0,
                         help='worker processes for data loading (0: none)')
-    parser.add_argument('--out', default=out)
+    parser.add_argument('--out', default=out,
+                        help='directory of the log, plots and snapshots')
     parser.add_argument('--resume', default=None,
-                        help='a trainer snapshot to resume from')
+                        help='a trainer snapshot (snapshot_iter_N) of this '
+                        'script to continue from, bit for bit')
     if snapshot_interval:
         parser.add_argument('--snapshot-interval', type=int, default=None,
                             help='write a trainer snapshot every N '
-                            'iterations (default: a quarter of the run; '
-                            '0: none)')
+                            'iterations (default: every quarter of a run '
+                            'of 200 iterations or more, none in a shorter '
+                            'one; 0: none)')
     parser.add_argument('--seed', type=int, default=0)
     parser.add_argument('--no-plot', action='store_true')
     gs_training.add_arguments(parser)
@@ -124,6 +146,64 @@ def check_options(parser, args):
     if sizes is not None and min(sizes) < 1:
         parser.error('--embedded-size needs two numbers >= 1, got {}'.format(
             ' '.join(map(str, sizes))))
+    check_inputs(args)
+
+
+def check_inputs(args):
+    """Raises :class:`~example_common.errors.InputError` (one line) for
+    an ``--out``, ``--gpu`` or file option that would fail later.
+
+    Nothing is created: ``--out`` is probed with a temporary file that is
+    removed at once.  Options ``args`` lacks are not checked.
+    """
+    if getattr(args, 'out', None) is not None:
+        check_out(args.out)
+    if getattr(args, 'gpu', -1) >= 0:
+        check_gpu(args.gpu)
+    for name, (what, archive) in FILE_OPTIONS.items():
+        path = getattr(args, name, None)
+        if path is not None:
+            try:
+                files.check(path, archive)
+            except files.FileError as e:
+                raise InputError('--{} {}: {} (expected {})'.format(
+                    name.replace('_', '-'), path, e.why, what))
+
+
+def check_out(out):
+    """``--out`` must be a writable directory, or creatable as one."""
+    expected = 'expected a writable directory'
+    existing = out
+    while not os.path.exists(existing or '.'):
+        existing = os.path.dirname(existing.rstrip(os.sep))
+    existing = existing or '.'
+    if not os.path.isdir(existing):
+        raise InputError('--out {}: {} is a file; {}'.format(
+            out, existing, expected))
+    try:
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as e:
+        raise InputError('--out {}: cannot write in {} ({}); {}'.format(
+            out, existing, e.strerror or e, expected))
+
+
+def check_gpu(gpu):
+    """GPU ``gpu`` must exist and CuPy be importable."""
+    from chainer.backends import cuda
+    cpu = 'to train on the CPU, leave --gpu out (or pass --gpu -1)'
+    if not cuda.available:
+        raise InputError('--gpu {}: CuPy is not available (install the '
+                         'cupy package of your CUDA version, e.g. '
+                         'cupy-cuda13x); {}'.format(gpu, cpu))
+    try:
+        count = cuda.cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:
+        raise InputError('--gpu {}: no CUDA device ({}); {}'.format(
+            gpu, ' '.join(str(e).splitlines()), cpu))
+    if gpu >= count:
+        raise InputError('--gpu {}: this machine has {} CUDA device(s), '
+                         'expected an id in 0..{}; {}'.format(
+                             gpu, count, count - 1, cpu))
 
 
 def apply_defaults(args, embedded, real):
@@ -145,9 +225,18 @@ def apply_defaults(args, embedded, real):
 
 def seed_generators(seed):
     """Seeds NumPy's generator and Python's (ChainerCV's transforms draw
-    from ``random``), so that ``--seed`` fixes a run completely."""
+    from ``random``), so that ``--seed`` fixes a run completely.
+
+    A resumed run then takes their state from the snapshot
+    (:meth:`gradient_scaling.training.ScalingUpdater.serialize`).
+    """
     np.random.seed(seed)
     random.seed(seed)
+
+
+def launched_by_mpi():
+    """Whether an MPI launcher (``mpiexec``) started this process."""
+    return any(name in os.environ for name in MPI_LAUNCH_VARIABLES)
 
 
 def use_device(link, gpu):

@@ -1,17 +1,31 @@
-"""Errors that end an example script with a one-line message.
+"""Errors that end an example script with one line and exit status 2.
 
-A script's ``__main__`` block is ``errors.run_main(main)``: a
-:class:`DatasetError` (a missing, unreadable or malformed dataset file)
-becomes ``error: <message>`` on stderr and exit status 1, with nothing
-written to ``--out``; every other exception keeps its traceback.
+A script's ``__main__`` block is ``errors.run_main(main)``: an
+:class:`InputError` (a bad option value or file: ``--resume``, ``--out``,
+``--gpu``, a dataset file, ...) or a file the library refused to read
+(:class:`gradient_scaling.files.FileError`: missing, damaged, or needing
+pickle) becomes ``error: <message>`` on stderr, one line, and exit status 2
+(argparse's status for a bad command line), with nothing written to
+``--out``; every other exception keeps its traceback.
 """
 
 import sys
 
-__all__ = ['DatasetError', 'DatasetNotFound', 'run_main']
+from gradient_scaling.files import FileError
+
+__all__ = ['InputError', 'DatasetError', 'DatasetNotFound', 'EXIT_STATUS',
+           'run_main']
+
+# argparse's exit status for a bad command line.
+EXIT_STATUS = 2
 
 
-class DatasetError(ValueError):
+class InputError(ValueError):
+    """A value the user gave is unusable; the message names it and what
+    was expected."""
+
+
+class DatasetError(InputError):
     """A dataset file is missing, unreadable or malformed."""
 
 
@@ -25,8 +39,11 @@ class DatasetNotFound(DatasetError):
 
 
 def run_main(main):
-    """Calls ``main()``; a :class:`DatasetError` exits with its message."""
+    """Calls ``main()``; a bad input exits with its message, one line."""
     try:
         main()
-    except DatasetError as e:
-        sys.exit('error: {}'.format(e))
+    except (InputError, FileError) as e:
+        message = ' '.join(str(e).splitlines())
+        sys.stderr.write('error: {}\n'.format(message))
+        sys.stderr.flush()
+        sys.exit(EXIT_STATUS)

@@ -1,37 +1,40 @@
-"""What a run shows and keeps: evaluation, log, plots, snapshots, results.
+"""What a run shows: evaluation, log, printed table, plots, final metric.
 
 The tail every example's ``main`` shares, in the order the extensions are
-added::
+added (snapshots and resuming: :mod:`example_common.snapshots`)::
 
     points = reports.evaluation_points(iteration, args.eval_interval)
     reports.extend_evaluation(trainer, evaluator, config, points)
     reports.extend_reports(trainer, args, scaler, config, ['main/loss'],
                            ['validation/main/miou'], plots, points)
-    reports.extend_snapshots(trainer, model, interval, iteration)
-    reports.resume_and_run(trainer, args.resume, 'SegNet on ...')
+    snapshots.extend_snapshots(trainer, model, interval, iteration)
+    snapshots.resume_and_run(trainer, args.resume, 'SegNet on ...')
     return reports.final_metric(trainer, updater, 'validation/main/miou',
                                 'mIoU')
 
 The printed table has the iteration, the learning rate, the training
 values, how many steps were skipped and the largest scale (from
 :class:`~gradient_scaling.training.ScalingUpdater`), then the validation
-values; a GS run also records every site's scale
-(:class:`~gradient_scaling.extensions.ScaleHistory`).
+values, every ``--log-interval`` iterations and at the last one; a GS run
+also records every site's scale
+(:class:`~gradient_scaling.extensions.ScaleHistory`).  The progress bar is
+shown on a terminal only (no control codes in a redirected log; never
+under MPI, whose ranks always see a pseudo-terminal).
 """
 
-import functools
+import re
 import sys
 
-from chainer import serializers
 from chainer import training
 from chainer.training import extensions
 from chainer.training import triggers
 
 from gradient_scaling.extensions import ScaleHistory
 
+from example_common.arguments import launched_by_mpi
+
 __all__ = ['DtypeEvaluator', 'evaluation_points', 'extend_evaluation',
-           'extend_reports', 'extend_classifier_reports', 'snapshot_interval',
-           'extend_snapshots', 'resume_and_run', 'final_metric']
+           'extend_reports', 'extend_classifier_reports', 'final_metric']
 
 # What the updater reports every iteration, printed between the training
 # and the validation values.
@@ -74,8 +77,9 @@ class DtypeEvaluator(training.Extension):
 
 def evaluation_points(iteration, interval, extra=()):
     """The iterations to evaluate at, sorted: every ``interval`` (none if
-    ``None``), the ``extra`` ones (e.g. the lr steps) and the last."""
-    points = set(extra) | {iteration}
+    ``None``), the ``extra`` ones (e.g. the lr steps) within the run and
+    the last."""
+    points = {p for p in extra if p <= iteration} | {iteration}
     if interval:
         points.update(range(interval, iteration, interval))
     return sorted(points)
@@ -83,6 +87,44 @@ def evaluation_points(iteration, interval, extra=()):
 
 def _at(points):
     return triggers.ManualScheduleTrigger(points, 'iteration')
+
+
+class _PlainText(object):
+
+    """A text stream without terminal control codes: PrintReport erases
+    the line (``ESC [J``) before each row, for the progress bar's sake."""
+
+    _CONTROL = re.compile(r'\x1b\[[0-9;]*[A-Za-z]')
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text):
+        return self._stream.write(self._CONTROL.sub('', text))
+
+    def flush(self):
+        self._stream.flush()
+
+
+class _EveryAndLast(object):
+
+    """Fires every ``interval`` iterations and at iteration ``last``.
+
+    The log of a run shorter than its log interval, or not a multiple of
+    it, still ends with the last iteration (and its final evaluation).
+    Serialized as the ``IntervalTrigger`` it wraps.
+    """
+
+    def __init__(self, interval, last):
+        self._interval = triggers.IntervalTrigger(interval, 'iteration')
+        self.last = last
+
+    def __call__(self, trainer):
+        fired = self._interval(trainer)
+        return fired or trainer.updater.iteration == self.last
+
+    def serialize(self, serializer):
+        self._interval.serialize(serializer)
 
 
 def extend_evaluation(trainer, evaluator, config, points):
@@ -112,16 +154,23 @@ def extend_reports(trainer, args, scaler, config, train_keys,
 
     """
     log_interval = args.log_interval, 'iteration'
-    trainer.extend(extensions.LogReport(trigger=log_interval))
-    trainer.extend(extensions.observe_lr(), trigger=log_interval)
+    trainer.extend(extensions.LogReport(
+        trigger=_EveryAndLast(args.log_interval, points[-1])))
+    trainer.extend(extensions.observe_lr(),
+                   trigger=_EveryAndLast(args.log_interval, points[-1]))
     # Both print to sys.stdout as it is now (their default is the one of
     # when Chainer was imported), so that a redirection catches them too.
+    # MPI launchers hand their ranks a pseudo-terminal even when their own
+    # output goes to a file.
+    terminal = sys.stdout.isatty() and not launched_by_mpi()
     trainer.extend(extensions.PrintReport(
         ['epoch', 'iteration', 'lr'] + train_keys + SCALING_KEYS
-        + validation_keys + ['elapsed_time'], out=sys.stdout),
-        trigger=log_interval)
-    trainer.extend(extensions.ProgressBar(update_interval=log_interval[0],
-                                          out=sys.stdout))
+        + validation_keys + ['elapsed_time'],
+        out=sys.stdout if terminal else _PlainText(sys.stdout)),
+        trigger=_EveryAndLast(args.log_interval, points[-1]))
+    if terminal:
+        trainer.extend(extensions.ProgressBar(
+            update_interval=log_interval[0], out=sys.stdout))
     if not args.no_plot:
         for filename, keys in plots.items():
             validation_only = all(k.startswith('validation/') for k in keys)
@@ -144,48 +193,16 @@ def extend_classifier_reports(trainer, args, scaler, config, points):
         points)
 
 
-def snapshot_interval(args, iteration):
-    """``--snapshot-interval``, by default a quarter of the run."""
-    if args.snapshot_interval is None:
-        return max(iteration // 4, 1)
-    return args.snapshot_interval
-
-
-def extend_snapshots(trainer, model, interval, iteration, compress=True):
-    """A trainer snapshot every ``interval`` iterations (none if 0), and
-    the model at the end (``model_iter_<iteration>``).
-
-    ``compress=False`` writes uncompressed snapshots: float weights barely
-    compress, and compressing a ResNet's takes seconds.
-    """
-    if interval:
-        savefun = None if compress else functools.partial(
-            serializers.save_npz, compression=False)
-        trainer.extend(extensions.snapshot(savefun=savefun),
-                       trigger=(interval, 'iteration'))
-    trainer.extend(
-        extensions.snapshot_object(model, 'model_iter_{.updater.iteration}'),
-        trigger=(iteration, 'iteration'))
-
-
-def resume_and_run(trainer, resume, start_line, log=print):
-    """Loads the ``resume`` snapshot (if any), prints ``start_line``, trains.
-    """
-    if resume:
-        serializers.load_npz(resume, trainer)
-    log(start_line, flush=True)
-    trainer.run()
-
-
 def final_metric(trainer, updater, key, label):
     """Prints and returns the last value of ``key`` in the log (or None).
 
-    The line reads ``Final <label>: 0.1234 (<n> skipped steps)``.
+    The line reads ``Final <label>: 0.1234 (<n> skipped steps)``; the log
+    always has the last iteration, where the scripts evaluate.
     """
     values = [entry[key] for entry in trainer.get_extension('LogReport').log
               if key in entry]
-    if not values:
-        return None
-    print('Final {}: {:.4f} ({} skipped steps)'.format(
-        label, values[-1], updater.skips))
-    return values[-1]
+    value = values[-1] if values else None
+    print('Final {}: {} ({} skipped steps)'.format(
+        label, 'not measured' if value is None else '{:.4f}'.format(value),
+        updater.skips))
+    return value

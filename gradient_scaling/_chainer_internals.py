@@ -38,6 +38,9 @@ needs that the public ``FunctionHook`` API does not give (docs/DESIGN.md, 3):
   running statistics), restored when a step is skipped.
 * ``chainer.dataset.convert._call_converter``: how StandardUpdater calls its
   converter (old and new converter styles).
+* CuPy's ``BitGenerator._state``: the cuRAND states of a CuPy
+  ``Generator`` (the simulation's stochastic rounding on a GPU), which CuPy
+  does not expose otherwise; saved in snapshots as raw bytes.
 
 The scale of a gradient travels as an attribute of its ``Variable``
 (Variables are unhashable and ``id()`` values are reused, so a side table
@@ -335,3 +338,9 @@ def persistent_names(link):
 def call_converter(converter, batch, device):
     """Converts a batch as ``StandardUpdater`` does."""
     return convert._call_converter(converter, batch, device)
+
+
+def curand_state(bit_generator):
+    """The device array of a CuPy bit generator's cuRAND states (int8),
+    read and written in place to save and restore the generator."""
+    return bit_generator._state

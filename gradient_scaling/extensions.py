@@ -16,9 +16,17 @@ import os
 
 import numpy
 
+import chainer
 from chainer import training
 
 __all__ = ['ScaleHistory']
+
+# ScaleHistory's row: (name in snapshots, dtype, type of the value).
+_COLUMNS = (('iteration', numpy.int64, int), ('site', numpy.str_, str),
+            ('kind', numpy.str_, str), ('local_scale', numpy.float64, float),
+            ('output_scale', numpy.float64, float),
+            ('estimated_underflow_rate', numpy.float64, float),
+            ('measured_underflow_rate', numpy.float64, float))
 
 
 def _pyplot():
@@ -79,6 +87,21 @@ class ScaleHistory(training.Extension):
                 out, self.prefix + '_over_iterations.png'))
             self.plot_per_layer(os.path.join(
                 out, self.prefix + '_per_layer.png'))
+
+    def serialize(self, serializer):
+        """The rows recorded so far, one array per column (no pickle
+        needed), so that a resumed run's CSV and figures cover the whole
+        run.  A file without them (an older snapshot) leaves the rows."""
+        loading = isinstance(serializer, chainer.serializer.Deserializer)
+        columns = list(zip(*self.rows)) or [()] * len(_COLUMNS)
+        loaded = []
+        for (name, dtype, convert), column in zip(_COLUMNS, columns):
+            value = serializer(name, None if loading else numpy.array(
+                column, dtype=dtype))
+            loaded.append(None if value is None else [convert(v)
+                                                      for v in value])
+        if loading and None not in loaded:
+            self.rows = list(zip(*loaded))
 
     def write_csv(self, path):
         tmp = path + '.tmp'

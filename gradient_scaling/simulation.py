@@ -63,6 +63,7 @@ from chainer import backend
 
 from gradient_scaling import _chainer_internals as internals
 from gradient_scaling import formats
+from gradient_scaling import random_state
 from gradient_scaling import sites
 from gradient_scaling import statistics
 
@@ -293,7 +294,9 @@ class LowPrecisionSimulation(GemmSimulation):
             ``'bfloat16'``, ``'float8_e5m2'`` or ``'float8_e4m3'``.
         rounding (str): ``'nearest'`` (ties to even) or ``'stochastic'``.
         seed (int): Seed of the stochastic rounding's generator (a
-            ``default_rng`` of the arrays' module); None for a random one.
+            ``default_rng`` of the arrays' module); None draws one from
+            NumPy's global generator, so that ``numpy.random.seed`` fixes
+            it too. :meth:`serialize` saves and restores its state.
         round_incoming_gradients (bool): Round the gradient of each GEMM's
             output before its backward (in mixed16 it is an FP16 array, the
             output being FP16). Composed with ``GradientScaling``, the
@@ -325,6 +328,8 @@ class LowPrecisionSimulation(GemmSimulation):
                              'got {!r}'.format(rounding))
         self.rounding = rounding
         self.saturate = bool(saturate)
+        if seed is None and rounding == 'stochastic':
+            seed = int(numpy.random.randint(2 ** 31))
         self.seed = seed
         self._rngs = {}
 
@@ -334,11 +339,8 @@ class LowPrecisionSimulation(GemmSimulation):
             if self.rounding == 'nearest':
                 rounded = round_nearest(array, self.fmt)
             else:
-                rng = self._rngs.get(xp.__name__)
-                if rng is None:
-                    rng = self._rngs[xp.__name__] = xp.random.default_rng(
-                        self.seed)
-                rounded = self.fmt.quantize(array, 'stochastic', rng)
+                rounded = self.fmt.quantize(array, 'stochastic',
+                                            self._generator(xp))
             if self.saturate:
                 # cuda_fp8's conversions (__NV_SATFINITE, which Transformer
                 # Engine uses): a finite value beyond the range becomes the
@@ -348,6 +350,36 @@ class LowPrecisionSimulation(GemmSimulation):
                     xp.copysign(array.dtype.type(self.fmt.max), array),
                     rounded)
             return rounded
+
+    def _generator(self, xp):
+        rng = self._rngs.get(xp.__name__)
+        if rng is None:
+            rng = self._rngs[xp.__name__] = xp.random.default_rng(self.seed)
+        return rng
+
+    def serialize(self, serializer):
+        """Saves or restores the stochastic rounding's generators (one
+        per array module used so far), so that a resumed run rounds as the
+        straight run would have."""
+        if isinstance(serializer, chainer.serializer.Deserializer):
+            modules = serializer('modules', None)
+            if modules is None:  # an older snapshot: nothing saved
+                return
+        else:
+            modules = serializer('modules', numpy.array(
+                sorted(self._rngs), dtype=numpy.str_))
+        for name in modules:
+            name = str(name)
+            xp = self._generator_module(name)
+            random_state.serialize_generator(serializer[name],
+                                             self._generator(xp))
+
+    @staticmethod
+    def _generator_module(name):
+        if name == 'numpy':
+            return numpy
+        import cupy
+        return cupy
 
 
 def round_nearest(array, fmt):

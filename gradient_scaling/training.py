@@ -37,6 +37,7 @@ from gradient_scaling import _chainer_internals as internals
 from gradient_scaling import _validate
 from gradient_scaling import estimators
 from gradient_scaling import formats
+from gradient_scaling import random_state
 from gradient_scaling import scalers
 from gradient_scaling import step as step_module
 from gradient_scaling.scalers import SCALING_MODES
@@ -382,6 +383,8 @@ class ScalingUpdater(updaters.StandardUpdater):
                  **kwargs):
         super().__init__(iterator, optimizer, converter=converter,
                          device=device, loss_func=loss_func, **kwargs)
+        self._iterator_names = sorted(iterator) if isinstance(
+            iterator, dict) else ['main']
         self.scaler = scaler
         self.config = config
         self.communicator = communicator
@@ -434,8 +437,52 @@ class ScalingUpdater(updaters.StandardUpdater):
                 c.underflowed for c in counts) / nonzero}
 
     def serialize(self, serializer):
+        """Everything a resumed run needs to continue bit for bit.
+
+        Chainer's (iterators, optimizers, iteration), the scaler's state,
+        the FP32 master weights (Chainer's optimizer snapshot lacks them)
+        and, under ``random/``, the generators the run draws from
+        (:meth:`serialize_generators`).
+        """
         super().serialize(serializer)
         self.skips = int(serializer('scaling_skips', self.skips))
         self.scaler.serialize(serializer['scaler'])
         for optimizer in self.get_all_optimizers().values():
             serialize_fp32_masters(optimizer, serializer['fp32_masters'])
+        self.serialize_generators(serializer['random'])
+
+    def serialize_generators(self, serializer):
+        """Python's and NumPy's global generators and the simulation's.
+
+        The iterators' shuffle (Chainer's order samplers), ChainerCV's
+        augmentations and dropout draw from the global ones, a simulation
+        with stochastic rounding from its own; none of them is in Chainer's
+        snapshot.  Saved as numeric arrays (:mod:`~gradient_scaling.
+        random_state`).
+        """
+        random_state.serialize_python(serializer['python'])
+        random_state.serialize_numpy(serializer['numpy'])
+        if hasattr(self.simulation, 'serialize'):
+            self.simulation.serialize(serializer['simulation'])
+
+    def serialize_process_state(self, serializer):
+        """What differs between the ranks of a data-parallel run: the
+        iterators' order and position (each rank reads its own share), the
+        models' persistent values (BatchNorm's running statistics, from
+        each rank's own batches) and the generators
+        (:meth:`serialize_generators`)."""
+        for name in self._iterator_names:
+            self.get_iterator(name).serialize(serializer['iterator:' + name])
+        for name, optimizer in sorted(self.get_all_optimizers().items()):
+            _serialize_persistents(optimizer.target,
+                                   serializer['persistent:' + name])
+        self.serialize_generators(serializer['random'])
+
+
+def _serialize_persistents(model, serializer):
+    """The persistent values of ``model`` and its children, by link path.
+    """
+    for path, link in model.namedlinks():
+        sub = serializer[path] if path != '/' else serializer
+        for name in internals.persistent_names(link):
+            setattr(link, name, sub(name, getattr(link, name)))

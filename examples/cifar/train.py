@@ -43,6 +43,7 @@ from chainer.training import triggers
 
 from chainercv import transforms
 
+from gradient_scaling import files
 from gradient_scaling import training as gs_training
 
 import chainer_links
@@ -54,6 +55,7 @@ from example_common.errors import DatasetError
 from example_common.errors import DatasetNotFound
 from example_common.errors import run_main
 from example_common import reports
+from example_common import snapshots
 
 EMBEDDED_DEFAULTS = {'iteration': 300, 'batchsize': 32, 'lr': 0.1,
                      'eval_interval': 100}
@@ -209,7 +211,7 @@ def load_cifar10(args):
     if not os.path.isfile(path):
         raise DatasetNotFound('CIFAR-10 not found: {} does not exist '
                               '(nothing is downloaded)'.format(path))
-    train, test = read_cifar10(path, chainer_cache)
+    train, test = read_cifar10(path)
     return train, test, cifar10_label_names
 
 
@@ -222,18 +224,19 @@ def load_datasets(args):
         ShapesClassificationDataset, (EMBEDDED_DEFAULTS, REAL_DEFAULTS))
 
 
-def read_cifar10(path, chainer_cache):
-    """A cifar-10.npz as Chainer caches it, as images in [0, 255]."""
+def read_cifar10(path):
+    """A cifar-10.npz as Chainer caches it (``train_x`` uint8 (N, 3072),
+    ``train_y``, ``test_x``, ``test_y``), as images in [0, 255]; read with
+    pickle disabled."""
     try:
-        if os.path.dirname(path) == chainer_cache:
-            # Chainer's own loader: the file exists, so it downloads nothing.
-            return chainer.datasets.get_cifar10(scale=255.)
-        with np.load(path) as npz:
-            return tuple(chainer.datasets.TupleDataset(
-                npz[x].reshape(-1, 3, 32, 32).astype(np.float32),
-                npz[y].astype(np.int32))
-                for x, y in (('train_x', 'train_y'), ('test_x', 'test_y')))
-    except (OSError, ValueError, KeyError) as e:
+        npz = files.read_npz(path)
+        return tuple(chainer.datasets.TupleDataset(
+            npz[x].reshape(-1, 3, 32, 32).astype(np.float32),
+            npz[y].astype(np.int32))
+            for x, y in (('train_x', 'train_y'), ('test_x', 'test_y')))
+    except files.FileError as e:
+        raise DatasetError(str(e))
+    except (ValueError, KeyError) as e:
         raise DatasetError('cannot read {}: {}'.format(path, e))
 
 
@@ -272,11 +275,11 @@ def main(argv=None):
     reports.extend_evaluation(trainer, extensions.Evaluator(
         test_iter, train_chain, device=device), config, points)
     reports.extend_classifier_reports(trainer, args, scaler, config, points)
-    reports.extend_snapshots(trainer, model,
-                             reports.snapshot_interval(args, iteration),
-                             iteration)
+    snapshots.extend_snapshots(
+        trainer, model, snapshots.snapshot_interval(args, iteration),
+        iteration)
 
-    reports.resume_and_run(
+    snapshots.resume_and_run(
         trainer, args.resume,
         '{} on {} data: {} train / {} test images, scaling={}, '
         'precision={}, batch {}, {} iterations ({:.1f} epochs)'.format(

@@ -65,6 +65,7 @@ from example_common.errors import DatasetError
 from example_common.errors import DatasetNotFound
 from example_common.errors import run_main
 from example_common import reports
+from example_common import snapshots
 
 # The embedded run uses a larger lr than the linear scaling rule's 0.0125
 # for its 32 images, and milder crops: its shapes are small.
@@ -79,9 +80,6 @@ IMAGENET_DEFAULTS = {'iteration': None, 'epoch': 90, 'batchsize': 32,
 GOYAL_EPOCHS = 90
 GOYAL_WARMUP = 5
 GOYAL_STEPS = (30, 60, 80)
-# Environment variables that MPI launchers set in every rank.
-MPI_LAUNCH_VARIABLES = ('OMPI_COMM_WORLD_SIZE', 'PMI_SIZE', 'PMIX_RANK',
-                        'MV2_COMM_WORLD_SIZE')
 
 
 class TrainTransform(object):
@@ -209,13 +207,9 @@ def parse_args(argv=None):
     return args
 
 
-def launched_by_mpi():
-    return any(name in os.environ for name in MPI_LAUNCH_VARIABLES)
-
-
 def create_communicator(args):
     """A ChainerMN communicator under mpiexec; None in a plain process."""
-    if not launched_by_mpi():
+    if not arguments.launched_by_mpi():
         return None
     import chainermn
     # One rank's uncaught exception would leave the others waiting in a
@@ -386,18 +380,20 @@ def main(argv=None):
     if rank == 0:  # the others neither print nor write
         reports.extend_classifier_reports(trainer, args, scaler, config,
                                           points)
-        reports.extend_snapshots(trainer, model,
-                                 reports.snapshot_interval(args, iteration),
-                                 iteration, compress=False)
+    # Every rank takes part: rank 0 writes each rank's iterator, BatchNorm
+    # statistics and generators into its snapshot.
+    snapshots.extend_snapshots(
+        trainer, model, snapshots.snapshot_interval(args, iteration),
+        iteration, compress=False, comm=comm)
 
-    reports.resume_and_run(
+    snapshots.resume_and_run(
         trainer, args.resume,
         '{} on {} data: {} train / {} val images, {} process(es) x batch '
         '{}, lr {:g}, scaling={}, precision={}, {} iterations ({:.1f} '
         'epochs)'.format(
             args.arch, args.dataset, n_train, n_val, n_process,
             args.batchsize, lr, config.scaling, config.precision, iteration,
-            iteration / epoch_length), log=log)
+            iteration / epoch_length), log=log, comm=comm)
     if rank == 0:  # the one with a log
         return reports.final_metric(
             trainer, updater, 'validation/main/accuracy',

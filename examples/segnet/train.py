@@ -42,6 +42,7 @@ from chainercv.datasets import CamVidDataset
 from chainercv.extensions import SemanticSegmentationEvaluator
 from chainercv.links import SegNetBasic
 
+from gradient_scaling import files
 from gradient_scaling import training as gs_training
 
 from embedded_datasets import class_weights
@@ -52,6 +53,7 @@ from example_common.errors import DatasetError
 from example_common.errors import DatasetNotFound
 from example_common.errors import run_main
 from example_common import reports
+from example_common import snapshots
 
 EMBEDDED_DEFAULTS = {'iteration': 200, 'batchsize': 4, 'lr': 0.1,
                      'eval_interval': 50}
@@ -219,10 +221,12 @@ def load_class_weight(args, train, n_class):
         return class_weights(((None, label) for label in labels), n_class)
     path = args.class_weight
     try:
-        weight = np.load(path)
-    except (OSError, ValueError) as e:
-        raise DatasetError('--class-weight {}: cannot read a .npy array '
-                           '({})'.format(path, e))
+        weight = files.load_array(path)  # pickle disabled
+    except files.FileError as e:
+        raise DatasetError('--class-weight {}: {}'.format(path, e.why))
+    if weight.dtype.kind not in 'biuf':
+        raise DatasetError('--class-weight {}: expected numbers, got a {} '
+                           'array'.format(path, weight.dtype))
     weight = np.asarray(weight, dtype=np.float32)
     if weight.shape == (n_class + 1,):
         # Older calc_weight.py files also weight CamVid's unlabelled pixels
@@ -287,11 +291,11 @@ def main(argv=None):
         {'loss.png': ['main/loss'],
          'miou.png': ['validation/main/miou',
                       'validation/main/pixel_accuracy']}, points)
-    reports.extend_snapshots(
-        trainer, model, reports.snapshot_interval(args, args.iteration),
+    snapshots.extend_snapshots(
+        trainer, model, snapshots.snapshot_interval(args, args.iteration),
         args.iteration)
 
-    reports.resume_and_run(
+    snapshots.resume_and_run(
         trainer, args.resume,
         'SegNetBasic on {} data: {} train / {} test images, scaling={}, '
         'precision={}, batch {}, {} iterations'.format(

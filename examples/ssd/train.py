@@ -34,7 +34,6 @@ import chainer
 from chainer.datasets import ConcatenatedDataset
 from chainer.datasets import TransformDataset
 from chainer.optimizer_hooks import WeightDecay
-from chainer import serializers
 from chainer import training
 from chainer.training import extensions
 from chainer.training import triggers
@@ -53,6 +52,7 @@ from chainercv.links import SSD300
 from chainercv.links import SSD512
 from chainercv import transforms
 
+from gradient_scaling import files
 from gradient_scaling import training as gs_training
 
 from chainer_links import mixed_precision_ssd
@@ -63,6 +63,7 @@ from example_common import data
 from example_common.errors import DatasetError
 from example_common.errors import run_main
 from example_common import reports
+from example_common import snapshots
 from example_common.voc_format import read_label_names
 from example_common.voc_format import voc_root
 from example_common.voc_format import VOCFormatBboxDataset
@@ -173,16 +174,13 @@ def parse_args(argv=None):
     parser.add_argument('--lr', type=float, default=None)
     parser.add_argument('--eval-interval', type=int, default=None,
                         help='also evaluate every N iterations')
-    arguments.add_run_options(parser, out='result/ssd',
-                              snapshot_interval=False)
+    arguments.add_run_options(parser, out='result/ssd')
     args = parser.parse_args(argv)
-    for name in ('batchsize', 'iteration'):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            parser.error('--{} must be >= 1'.format(name))
     if args.dataset == 'voc-format' and (args.data_dir is None
                                          or args.label_names is None):
         parser.error('--dataset voc-format needs --data-dir and '
                      '--label-names')
+    arguments.check_options(parser, args)
     gs_training.default_to_simulation_on_cpu(args)
     return args
 
@@ -231,12 +229,11 @@ def build_model(args, n_fg_class):
 
 
 def load_backbone(model, path):
-    if not os.path.isfile(path):
-        raise DatasetError('--pretrained-model {} not found'.format(path))
-    with np.load(path) as npz:
-        prefix = 'extractor/' if any(k.startswith('extractor/')
-                                     for k in npz.files) else ''
-    serializers.load_npz(path, model.extractor, path=prefix, strict=False)
+    """The extractor's weights from ``path`` (pickle disabled: checked by
+    parse_args), a whole model's or the extractor's own."""
+    prefix = 'extractor/' if any(name.startswith('extractor/')
+                                 for name in files.check(path)) else ''
+    files.load_npz(path, model.extractor, prefix=prefix, strict=False)
     print('Loaded backbone weights from {}'.format(path))
 
 
@@ -282,10 +279,11 @@ def main(argv=None):
         ['validation/main/map'],
         {'loss.png': ['main/loss', 'main/loss/loc', 'main/loss/conf'],
          'map.png': ['validation/main/map']}, points)
-    reports.extend_snapshots(trainer, model, max(args.iteration // 4, 1),
-                             args.iteration)
+    snapshots.extend_snapshots(
+        trainer, model, snapshots.snapshot_interval(args, args.iteration),
+        args.iteration)
 
-    reports.resume_and_run(
+    snapshots.resume_and_run(
         trainer, args.resume,
         'SSD ({}) on {} data: {} train / {} test images, scaling={}, '
         'precision={}, batch {}, {} iterations'.format(
