@@ -40,8 +40,11 @@ SNAPSHOT_NAMES = ('snapshot_iter_', 'model_iter_')
 # at least this many iterations (a 2-iteration SSD300 run wrote 338 MB).
 MIN_SNAPSHOT_INTERVAL = 50
 # Snapshot keys older snapshots lack: without them a run resumes, not bit
-# for bit (the generators) or with the scale record from the resume on.
-NEWER_KEYS = ('updater/random/', 'extensions/ScaleHistory/')
+# for bit (the generators) or with the scale record (and GS's per-site
+# telemetry) from the resume, or the next refresh, on.
+# Records, not state: without them only the logs differ.
+RECORD_KEYS = ('extensions/ScaleHistory/', 'updater/scaler/records/')
+NEWER_KEYS = ('updater/random/',) + RECORD_KEYS
 
 
 def snapshot_interval(args, iteration):
@@ -146,16 +149,18 @@ def resume(trainer, path, comm=None, log=print):
                                      prefix=prefix, optional=(prefix,))
     except files.FileError as e:
         raise InputError('--resume {}: {} ({})'.format(path, e.why, expected))
-    parts = sorted({'/'.join(key.split('/')[:2]) for key in absent})
-    scales = [p for p in parts if p.startswith('extensions/')]
-    if scales:
+    records = [k for k in absent if k.startswith(RECORD_KEYS)]
+    if records:
         log('Note: {} has no {} (written by an older version): the scale '
-            'record starts at the resume'.format(path, scales[0]))
-    if len(parts) > len(scales):
+            'record starts at the resume'.format(
+                path, '/'.join(records[0].split('/')[:-1])))
+    parts = sorted({'/'.join(key.split('/')[:2]) for key in absent
+                    if not key.startswith(RECORD_KEYS)})
+    if parts:
         log('Note: {} has no state for {} (written by an older version or '
             'another number of processes): training continues, but not bit '
             'for bit as an uninterrupted run would'.format(
-                path, ', '.join(p for p in parts if p not in scales)))
+                path, ', '.join(parts)))
 
 
 def resume_and_run(trainer, resume_from, start_line, log=print, comm=None):

@@ -787,10 +787,12 @@ class GradientScaling(chainer.FunctionHook):
     def serialize(self, serializer):
         """Saves or loads the state between steps (Trainer snapshots).
 
-        Exactly the state machines' state: the refresh schedule, the scale
-        table, the weight-path backoffs and the overflow guard, plus the
-        pass counter that telemetry uses. Telemetry (:meth:`report`) is not
-        state and is not saved.
+        The state machines' state: the refresh schedule, the scale table,
+        the weight-path backoffs, the overflow guard and the estimator's
+        (amax histories); and, so that a resumed run logs what the straight
+        run logs, the pass counter and the last refresh's telemetry
+        (:meth:`report`, under ``records/``; a file without it leaves the
+        telemetry empty until the next refresh).
         """
         if self._step is not None:
             raise RuntimeError('GradientScaling: cannot serialize in the '
@@ -807,6 +809,27 @@ class GradientScaling(chainer.FunctionHook):
         self.backoff.serialize(serializer['backoff'])
         self.guard.serialize(serializer['guard'])
         self.estimator.serialize(serializer['estimator'])
+        self._serialize_records(serializer['records'])
+
+    def _serialize_records(self, serializer):
+        fields = dataclasses.fields(SiteRecord)
+        records = list(self._records.values())
+        if not isinstance(serializer, chainer.serializer.Deserializer):
+            for f in fields:
+                serializer(f.name, numpy.array(
+                    [getattr(r, f.name) for r in records],
+                    dtype=numpy.str_ if f.type is str else numpy.float64))
+            return
+        columns = [serializer(f.name, None) for f in fields]
+        if any(c is None for c in columns):
+            return  # an older snapshot: telemetry returns at the refresh
+        self._records = {}
+        for values in zip(*columns):
+            record = SiteRecord(**{
+                f.name: (str(v) if f.type is str else
+                         int(v) if f.type is int else float(v))
+                for f, v in zip(fields, values)})
+            self._records[record.name] = record
 
 
 def _tag(gxs, scale, from_softmax):

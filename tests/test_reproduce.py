@@ -143,18 +143,20 @@ def test_s2fp8(reproduce, tmp_path):
     runs = tmp_path / 'runs'
     argv = ['s2fp8', '--out', str(tmp_path), '--runs-dir', str(runs),
             '--seeds', '0', '--jobs', '2', '--variants', 'FP32', 'S2FP8',
-            'GS-FP8', '--run-args=--dataset embedded --embedded-size 16 8 '
+            'GS-FP8 (model)',
+            '--run-args=--dataset embedded --embedded-size 16 8 '
             '--iteration 2 --eval-interval 1 --log-interval 1']
     reproduce.main(argv)
     rows = read_csv(tmp_path / 's2fp8_runs.csv')
-    assert sorted(r['variant'] for r in rows) == ['FP32', 'GS-FP8', 'S2FP8']
+    assert sorted(r['variant'] for r in rows) == [
+        'FP32', 'GS-FP8 (model)', 'S2FP8']
     for r in rows:
         assert r['returncode'] == '0' and r['batchsize'] == '32'
         assert r['data'] == 'embedded'
         assert 0 <= float(r['metric']) <= 1
         assert r['command'].startswith('examples/cifar/train.py ')
         precision = {'FP32': None, 'S2FP8': 's2fp8',
-                     'GS-FP8': 'sim-fp8-e5m2'}[r['variant']]
+                     'GS-FP8 (model)': 'sim-fp8-e5m2'}[r['variant']]
         if precision is None:
             assert '--precision' not in r['command']
         else:
@@ -164,9 +166,9 @@ def test_s2fp8(reproduce, tmp_path):
     summary = (tmp_path / 's2fp8.md').read_text()
     assert summary.startswith('# S2FP8 Table 1 (s2fp8) at CPU scale')
     assert "each variant's `--precision`: values rounded to FP8 E5M2, " \
-        'S2FP8, float16 where' in summary
-    gs = next(r for r in rows if r['variant'] == 'GS-FP8')
-    assert '| GS-FP8 | {:.2f} | {} |'.format(
+        'S2FP8, FP8 E4M3, float16 where' in summary
+    gs = next(r for r in rows if r['variant'] == 'GS-FP8 (model)')
+    assert '| GS-FP8 (model) | {:.2f} | {} |'.format(
         100 * float(gs['metric']), gs['skipped_steps']) in summary
     assert (tmp_path / 's2fp8.png').stat().st_size > 0
 
