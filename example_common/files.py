@@ -77,14 +77,19 @@ def image_size(path):
         return img.size[::-1]
 
 
-def decode_image(path):
-    """Decodes ``path`` fully (header checked first); its ``(H, W)``."""
+def decode_image(path, with_mean=False):
+    """Decodes ``path`` fully (header checked first); its ``(H, W)``, and
+    with ``with_mean`` also its mean RGB colour, ``(3,)``."""
     with _open(path) as img:
         try:
             img.load()
+            if with_mean:
+                mean = np.asarray(img.convert('RGB'),
+                                  dtype=np.float64).mean(axis=(0, 1))
         except Exception as e:
             raise DatasetError('cannot decode image {}: {}'.format(path, e))
-        return img.size[::-1]
+        size = img.size[::-1]
+    return (size, mean) if with_mean else size
 
 
 def read_image(path, color=True):
