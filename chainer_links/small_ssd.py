@@ -15,7 +15,7 @@ from chainercv.links.model.ssd import SSD
 from chainercv.links.model.ssd.ssd_vgg16 import _imagenet_mean
 
 __all__ = ['SmallSSDExtractor', 'MixedPrecisionSSDMixin',
-           'mixed_precision_ssd', 'SmallSSD', 'default_box_sizes']
+           'mixed_precision_ssd', 'SmallSSD']
 
 
 def _halve(grid):
@@ -171,9 +171,8 @@ class SmallSSD(MixedPrecisionSSDMixin, SSD):
     map: four default boxes per cell), so ``model.coder``,
     ``model.predict``, ``use_preset``, ChainerCV's ``multibox_loss`` and
     the SSD training transform of ChainerCV's example work unchanged.
-    Default box sizes are 0.15, 0.3, 0.5, 0.75 (and 1.0) of ``insize``
-    unless ``sizes`` says otherwise (e.g. :func:`default_box_sizes` of a
-    dataset's boxes), steps are ``insize / grid``.
+    Default box sizes are 0.15, 0.3, 0.5, 0.75 (and 1.0) of ``insize``,
+    steps are ``insize / grid``.
 
     >>> model = SmallSSD(n_fg_class=3)
     >>> mb_locs, mb_confs = model(numpy.zeros((2, 3, 64, 64), 'f'))
@@ -195,27 +194,17 @@ class SmallSSD(MixedPrecisionSSDMixin, SSD):
             it by ``predict`` and by the training transform.
         mean (numpy.ndarray): Mean subtracted from [0, 255] RGB images,
             ``(3, 1, 1)``; defaults to ChainerCV's SSD mean (123, 117, 104).
-        sizes (tuple of float): The five default box sizes in pixels of
-            the input (SSD's ``s_k``: map ``k`` has boxes of ``s_k`` and
-            ``sqrt(s_k s_{k+1})``), increasing; default: the fractions
-            above of ``insize``.
     """
 
     _size_fractions = (0.15, 0.3, 0.5, 0.75, 1.0)
 
-    def __init__(self, n_fg_class, insize=64, mean=None, sizes=None):
+    def __init__(self, n_fg_class, insize=64, mean=None):
         extractor = SmallSSDExtractor(insize)
         multibox = Multibox(
             n_class=n_fg_class + 1,
             aspect_ratios=((2,),) * len(extractor.grids))
         steps = tuple(insize / grid for grid in extractor.grids)
-        if sizes is None:
-            sizes = tuple(f * insize for f in self._size_fractions)
-        sizes = tuple(float(s) for s in sizes)
-        if len(sizes) != len(extractor.grids) + 1 or not all(
-                0 < a < b for a, b in zip(sizes, sizes[1:])):
-            raise ValueError('sizes must be {} increasing positive numbers, '
-                             'got {}'.format(len(extractor.grids) + 1, sizes))
+        sizes = tuple(f * insize for f in self._size_fractions)
         if mean is None:
             mean = _imagenet_mean
         super(SmallSSD, self).__init__(
@@ -225,39 +214,3 @@ class SmallSSD(MixedPrecisionSSDMixin, SSD):
         with chainer.using_config('train', False), \
                 chainer.no_backprop_mode():
             self.forward(numpy.zeros((1, 3, 8, 8), dtype=numpy.float32))
-
-
-def default_box_sizes(sides, insize):
-    """The five default box sizes of a :class:`SmallSSD` for these boxes.
-
-    Geometrically spaced from the 5th percentile of the boxes' sides to
-    their largest side (both in input pixels), so that the four feature
-    maps share the boxes of the data between them, as SSD's linear
-    spacing from 0.2 to 0.9 of the image shares VOC's.  A spread below a
-    factor of 4 is widened about its geometric middle (adjacent maps'
-    sizes then differ by at least ~1.4x, SSD's ``sqrt(s_k s_{k+1})`` boxes
-    between them).
-
-    >>> default_box_sizes(numpy.array([10., 12, 14, 20, 24]), 64)
-    (7.9, 11.2, 15.8, 22.3, 31.6)
-
-    Args:
-        sides (numpy.ndarray): Box side lengths in input pixels (any
-            shape: heights and widths together).
-        insize (int): The input size; sizes stay within ``[2, insize]``.
-
-    Returns:
-        tuple of float: Increasing sizes, rounded to 0.1 pixel.
-    """
-    sides = numpy.asarray(sides, dtype=numpy.float64).ravel()
-    if sides.size == 0:
-        return tuple(f * insize for f in SmallSSD._size_fractions)
-    low = max(float(numpy.percentile(sides, 5)), 2.0)
-    high = min(float(sides.max()), float(insize))
-    middle = (low * max(high, low)) ** 0.5
-    spread = max(high / low, 4.0)
-    low, high = middle / spread ** 0.5, middle * spread ** 0.5
-    if high > insize:
-        low, high = low * insize / high, float(insize)
-    sizes = low * (high / low) ** (numpy.arange(5) / 4)
-    return tuple(round(float(s), 1) for s in sizes)

@@ -174,8 +174,16 @@ class WarmupStepSchedule(training.Extension):
         optimizer.lr = self.lr_at(trainer.updater.iteration)
 
 
+OWN_DATA = '''your own data (one folder of images per class, DIR/<class>/*.png,
+or DIR/train/<class>/ and DIR/val/<class>/; README, "Your own data"):
+  python examples/classification/train_imagenet_multi.py \\
+      --dataset folders --data-dir DIR
+input size and mean colour follow the images; every file is checked.'''
+
+
 def parse_args(argv=None):
     parser = arguments.make_parser(__doc__)
+    parser.epilog = OWN_DATA
     arguments.add_dataset(parser, [
         ('imagenet', 'class folders under --data-dir/train and '
          '--data-dir/val'),

@@ -214,8 +214,16 @@ class RandomCropFlip(object):
         return random_flip((img, label))
 
 
+OWN_DATA = '''your own data (DIR/train/images/*.jpg + DIR/train/masks/*.png, the
+same under DIR/val/, or DIR/images + DIR/masks; README, "Your own data"):
+  python examples/segnet/train.py --dataset folders --data-dir DIR
+masks: one class per value, 0/255 read as background/foreground;
+--label-names, --ignore-label; every file is checked before training.'''
+
+
 def parse_args(argv=None):
     parser = arguments.make_parser(__doc__)
+    parser.epilog = OWN_DATA
     arguments.add_dataset(parser, [
         ('camvid', 'CamVid in ChainerCV\'s layout'),
         ('folders', 'your own images and label masks (--data-dir)')])

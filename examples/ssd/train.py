@@ -22,8 +22,8 @@ steps at 80k and 100k, ChainerCV's augmentation, VOC07 test with the 07
 metric); the embedded data uses a small SSD (64x64) and a short schedule;
 voc-format data get defaults fitted to their box sizes
 (example_common/fitting.py): on a CPU the small SSD at the input size where
-the median box is ~20 pixels, default boxes spanning the data's, and a run
-of about 15 minutes.
+the median box is ~24 pixels (its default boxes follow the input size) and
+a run of about 15 minutes.
 On a CPU, mixed precision is simulated (``--precision sim-fp16``) unless
 ``--precision`` says otherwise: real float16 arithmetic in NumPy is 60-115x
 slower (docs/DESIGN.md, 5.3; how the simulation works: 4).
@@ -64,7 +64,6 @@ from gradient_scaling import training as gs_training
 
 from chainer_links import mixed_precision_ssd
 from chainer_links import SmallSSD
-from chainer_links.small_ssd import default_box_sizes
 from embedded_datasets import ShapesDetectionDataset
 from example_common import arguments
 from example_common import data
@@ -80,10 +79,10 @@ from example_common.voc_format import VOCFormatBboxDataset
 # minutes (measured); lr 1e-3 (the paper's, for VOC) learns too slowly here.
 EMBEDDED_DEFAULTS = {'iteration': 300, 'step': [200, 260],
                      'batchsize': 16, 'lr': 1e-2, 'eval_interval': 100,
-                     'model': 'small', 'input_size': 64, 'box_sizes': None}
+                     'model': 'small', 'input_size': 64}
 VOC_DEFAULTS = {'iteration': 120000, 'step': [80000, 100000],
                 'batchsize': 8, 'lr': 1e-3, 'eval_interval': None,
-                'model': 'ssd300', 'input_size': 'auto', 'box_sizes': None}
+                'model': 'ssd300', 'input_size': 'auto'}
 
 
 class MultiboxTrainChain(chainer.Chain):
@@ -154,8 +153,17 @@ class Transform(object):
         return img, mb_loc, mb_label
 
 
+OWN_DATA = '''your own data (VOC layout: DIR/ImageSets/Main/{train,val}.txt,
+DIR/Annotations/*.xml, DIR/JPEGImages/*.jpg; README, "Your own data"):
+  python examples/ssd/train.py --dataset voc-format --data-dir DIR \\
+      --label-names tree --train-split train --test-split val
+model, input size and schedule are fitted to the boxes and this machine,
+and printed; every file is checked before training.'''
+
+
 def parse_args(argv=None):
     parser = arguments.make_parser(__doc__)
+    parser.epilog = OWN_DATA
     arguments.add_dataset(parser, [
         ('voc', 'VOC07+12 trainval, VOC07 test'),
         ('voc-format', 'any VOC-layout directory (--data-dir, '
@@ -178,8 +186,8 @@ def parse_args(argv=None):
                         help='small SSD: input side in pixels (a multiple '
                         'of 8; its default boxes follow it), or auto: the '
                         'size at which the median box of the training data '
-                        'is ~{} px, with default boxes spanning the data\'s '
-                        '(default: 64 for embedded data, else auto)'.format(
+                        'is ~{} px (default: 64 for embedded data, else '
+                        'auto)'.format(
                             fitting.TARGET_BOX_SIDE))
     parser.add_argument('--pretrained-model', default=None,
                         help='.npz with backbone weights (e.g. ChainerCV\'s '
@@ -273,17 +281,13 @@ def apply_defaults(args, train):
             else VOC_DEFAULTS
     arguments.apply_defaults(args, defaults, defaults)
     if args.model == 'small' and args.input_size == 'auto':
-        args.input_size, sides = fitting.input_size_for_boxes(
+        args.input_size, _ = fitting.input_size_for_boxes(
             train, 'gpu' if args.gpu >= 0 else 'cpu')
-        args.box_sizes = default_box_sizes(sides, args.input_size)
-    elif args.input_size != defaults.get('input_size'):
-        args.box_sizes = None  # the default fractions of the size given
 
 
 def build_model(args, n_fg_class):
     if args.model == 'small':
-        model = SmallSSD(n_fg_class=n_fg_class, insize=args.input_size,
-                         sizes=args.box_sizes)
+        model = SmallSSD(n_fg_class=n_fg_class, insize=args.input_size)
     else:
         cls = SSD300 if args.model == 'ssd300' else SSD512
         model = mixed_precision_ssd(cls)(n_fg_class=n_fg_class)
