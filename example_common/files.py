@@ -36,7 +36,7 @@ from example_common.errors import DatasetError
 
 __all__ = ['MAX_IMAGE_PIXELS', 'MAX_XML_BYTES', 'IMAGE_EXTENSIONS',
            'image_size', 'decode_image', 'read_image', 'read_label_map',
-           'parse_xml', 'check_all', 'list_images']
+           'decode_image_and_mask', 'parse_xml', 'check_all', 'list_images']
 
 # 2**26 pixels (8192 x 8192): 768 MB as a float32 RGB array, which is what
 # ChainerCV's read_image makes of it.  Tile larger images first.
@@ -44,8 +44,10 @@ MAX_IMAGE_PIXELS = 2 ** 26
 # A VOC annotation is a few KB; 16 MB holds some 50,000 objects.
 MAX_XML_BYTES = 16 * 2 ** 20
 IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.bmp', '.tif', '.tiff')
-# Sets of at least this many files show their progress.
+# Sets of at least this many files show their progress, once checking
+# them has taken this long.
 PROGRESS_MIN = 200
+PROGRESS_AFTER_S = 2.0
 
 
 def _open(path):
@@ -131,6 +133,22 @@ def read_label_map(path):
     return label.astype(np.int32)
 
 
+def decode_image_and_mask(pair):
+    """Decodes an ``(image path, mask path)`` pair: ``(size, label)``, the
+    image's ``(H, W)`` and the mask (:func:`read_label_map`), which must
+    have that size and no negative values."""
+    image_path, mask_path = pair
+    size = decode_image(image_path)
+    label = read_label_map(mask_path)
+    if label.shape != tuple(size):
+        raise DatasetError('mask {} is {}x{}, its image {} is {}x{}'.format(
+            mask_path, label.shape[1], label.shape[0], image_path, size[1],
+            size[0]))
+    if label.min(initial=0) < 0:
+        raise DatasetError('mask {} has negative values'.format(mask_path))
+    return tuple(size), label
+
+
 def _refuse_doctype(*_):
     raise ValueError('a document type declaration (<!DOCTYPE ...>) is not '
                      'allowed: it could declare entity bombs or external '
@@ -165,8 +183,8 @@ def parse_xml(path):
 
 def _progress(what, done, total, started, out):
     elapsed = time.time() - started
-    text = 'checking {}: {}/{} files ({:.0f} s)'.format(what, done, total,
-                                                       elapsed)
+    text = 'checking {}: {}/{} files ({:.0f} s)'.format(
+        what, done, total, elapsed)
     if out.isatty():
         out.write('\r' + text + ('\n' if done == total else ''))
     else:
@@ -177,9 +195,10 @@ def _progress(what, done, total, started, out):
 def check_all(items, check, what, out=None):
     """``[check(item) for item in items]``, with progress on large sets.
 
-    A set of :data:`PROGRESS_MIN` files or more prints its progress to
-    ``out`` (default ``sys.stderr``): on a terminal one line rewritten in
-    place, elsewhere a plain line at every quarter.
+    A set of :data:`PROGRESS_MIN` files or more that takes longer than
+    :data:`PROGRESS_AFTER_S` prints its progress to ``out`` (default
+    ``sys.stderr``): on a terminal one line rewritten in place, elsewhere
+    a plain line at every quarter (and the last one).
 
     Args:
         items (list): What ``check`` takes (e.g. paths).
@@ -194,10 +213,14 @@ def check_all(items, check, what, out=None):
     marks = {total * k // 4 for k in range(1, 5)}
     started = time.time()
     results = []
+    shown = False
     for i, item in enumerate(items, 1):
         results.append(check(item))
-        if show and (i in marks or (out.isatty() and i % 50 == 0)):
+        due = i in marks or (out.isatty() and i % 50 == 0)
+        if show and due and (shown or time.time() - started
+                             >= PROGRESS_AFTER_S):
             _progress(what, i, total, started, out)
+            shown = True
     return results
 
 

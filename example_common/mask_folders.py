@@ -116,17 +116,9 @@ def find_pairs(data_dir, train_split, test_split):
 
 def _scan(pair):
     """Decodes an image and its mask; ``(size, counts)`` of the mask's
-    values (a bincount), after checking the sizes agree."""
-    image_path, mask_path = pair
-    size = files.decode_image(image_path)
-    label = files.read_label_map(mask_path)
-    if label.shape != tuple(size):
-        raise DatasetError('mask {} is {}x{}, its image {} is {}x{}'.format(
-            mask_path, label.shape[1], label.shape[0], image_path, size[1],
-            size[0]))
-    if label.min() < 0:
-        raise DatasetError('mask {} has negative values'.format(mask_path))
-    return tuple(size), np.bincount(label.ravel())
+    values (a bincount)."""
+    size, label = files.decode_image_and_mask(pair)
+    return size, np.bincount(label.ravel())
 
 
 def _lookup(values, label_names, ignore_label, where):

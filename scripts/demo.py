@@ -28,6 +28,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -143,6 +144,9 @@ def main(argv=None):
     args, extra = parser.parse_known_args(argv)
     ssd = load_ssd()
     for name, label in RUNS:
+        run_dir = os.path.join(args.out, name)
+        if os.path.isfile(os.path.join(run_dir, 'log')):
+            shutil.rmtree(run_dir)  # a previous demo's run: rerun it
         print('\n=== SSD with {} ({}) ==='.format(label, name), flush=True)
         ssd.main(['--scaling', name, '--out', os.path.join(args.out, name)]
                  + COMMON + extra)

@@ -27,7 +27,6 @@ from chainercv.utils import bbox_iou
 from chainer_links import SmallSSD
 from embedded_datasets.detection import generate_scene
 from example_common.errors import DatasetError
-from example_common.errors import DatasetNotFound
 from example_common import files
 from example_common import fitting
 from example_common.voc_format import VOCFormatBboxDataset
@@ -402,8 +401,12 @@ def test_oversized_annotation_refused(tmp_path, monkeypatch):
         files.parse_xml(str(path))
 
 
-def test_progress_on_large_sets_plain_lines(tmp_path):
+def test_progress_on_large_sets_plain_lines(monkeypatch):
     import io
+    fast = io.StringIO()
+    files.check_all(range(400), lambda i: i, 'numbers', out=fast)
+    assert fast.getvalue() == ''  # done before PROGRESS_AFTER_S
+    monkeypatch.setattr(files, 'PROGRESS_AFTER_S', 0)
     out = io.StringIO()
     files.check_all(range(400), lambda i: i, 'numbers', out=out)
     lines = out.getvalue().splitlines()

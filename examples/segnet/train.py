@@ -28,7 +28,7 @@ layout (train/ trainannot/ val/ valannot/ test/ testannot/ and the
 stops.  Folders of images and masks (``--dataset folders``,
 example_common/mask_folders.py) give the class count and weights from their
 masks; the model trains on random crops (``--crop-size``, default: the
-largest multiple of 16 every image holds, at most 256 on a CPU) and is
+largest multiple of 16 every image holds, at most 64 on a CPU) and is
 evaluated on whole images.  mIoU is the mean over the classes present in
 the test masks.  On a CPU, mixed precision is simulated
 (``--precision sim-fp16``) unless ``--precision`` says otherwise: real
@@ -214,8 +214,9 @@ class RandomCropFlip(object):
         return random_flip((img, label))
 
 
-OWN_DATA = '''your own data (DIR/train/images/*.jpg + DIR/train/masks/*.png, the
-same under DIR/val/, or DIR/images + DIR/masks; README, "Your own data"):
+OWN_DATA = '''your own data (DIR/train/images/*.jpg + DIR/train/masks/*.png,
+the same under DIR/val/, or DIR/images + DIR/masks; README, "Your own
+data"):
   python examples/segnet/train.py --dataset folders --data-dir DIR
 masks: one class per value, 0/255 read as background/foreground;
 --label-names, --ignore-label; every file is checked before training.'''
@@ -243,7 +244,7 @@ def parse_args(argv=None):
     parser.add_argument('--crop-size', type=int, default=None,
                         help='folders: side of the random training crops, '
                         'a multiple of 16 (default: the largest every '
-                        'image holds, at most 256 on a CPU, 512 on a GPU)')
+                        'image holds, at most 64 on a CPU, 512 on a GPU)')
     parser.add_argument('--class-weight', default=None,
                         help='a .npy file with one weight per class (e.g. '
                         'from ChainerCV\'s calc_weight.py); default: median '
@@ -321,13 +322,8 @@ def camvid_split(root, split):
 def check_camvid_pair(paths):
     """Decodes a CamVid image and its label map; the labels must be
     CamVid's 11 classes or 11 (unlabelled), and the sizes agree."""
-    img_path, label_path = paths
-    size = files.decode_image(img_path)
-    label = files.read_label_map(label_path)
-    if label.shape != tuple(size):
-        raise DatasetError('label {} is {}x{}, its image {} is {}x{}'.format(
-            label_path, label.shape[1], label.shape[0], img_path, size[1],
-            size[0]))
+    _, label = files.decode_image_and_mask(paths)
+    label_path = paths[1]
     if label.max() > len(camvid_label_names):
         raise DatasetError(
             'label {} has value {}: CamVid has classes 0 .. {} and 11 for '
