@@ -26,7 +26,7 @@ own data"), from data that installs offline.
 
     pip download --no-deps stardist==0.9.2 -d /tmp/wheels
     python scripts/own_data.py --stardist-wheel /tmp/wheels/stardist-*.whl \\
-        --out data
+        --out result/own-data
 """
 
 import argparse
@@ -170,7 +170,7 @@ def main(argv=None):
                         'stardist==0.9.2); without it no nuclei folders')
     parser.add_argument('--fashion-mnist', default=FASHION_MNIST_DIR)
     parser.add_argument('--per-class', type=int, default=200)
-    parser.add_argument('--out', default='data')
+    parser.add_argument('--out', default='result/own-data')
     args = parser.parse_args(argv)
     if args.stardist_wheel:
         for tile in (128, 256):

@@ -434,3 +434,21 @@ def test_named_missing_dataset_is_an_error(script, argv, tmp_path):
         load_example(script).main(argv + [
             '--data-dir', str(tmp_path / 'nowhere'), '--out', str(out)])
     assert_empty(out)
+
+
+def test_camvid_layout_with_0_255_masks_names_the_file(tmp_path):
+    """Own masks copied into CamVid's layout: refused before training with
+    the file and the way out, not a broadcasting error in class_weights."""
+    from test_examples import write_camvid
+    write_camvid(tmp_path / 'camvid')
+    path = tmp_path / 'camvid' / 'trainannot' / 'train_001.png'
+    label = np.asarray(Image.open(str(path)))
+    Image.fromarray(((label > 0) * 255).astype(np.uint8)).save(str(path))
+    out = tmp_path / 'out'
+    with pytest.raises(DatasetError, match='train_001.png has value 255') \
+            as error:
+        load_example('segnet/train.py').main(
+            ['--dataset', 'camvid', '--data-dir', str(tmp_path / 'camvid'),
+             '--out', str(out)])
+    assert '--dataset folders' in str(error.value)
+    assert_empty(out)
