@@ -128,9 +128,11 @@ def plot_summary(path, lost, sites):
     left.set_title('Underflow: GS vs no scaling')
     left.legend()
     right.bar(range(len(sites)), [math.log2(s) for _, _, s in sites],
-              color=['tab:orange' if k == 'cast' else 'tab:blue'
+              color=['tab:purple' if k == 'cast' else 'tab:green'
                      for _, k, _ in sites])
-    right.set_xlabel('site (input to output; orange: softmax cast)')
+    right.set_xticks(range(len(sites)))
+    right.set_xlabel('site, input to output (green: GEMM, purple: softmax '
+                     'cast)')
     right.set_ylabel('log2 GS scale')
     right.set_title('GS scale per site at the last refresh')
     fig.tight_layout()
