@@ -189,8 +189,9 @@ def test_segnet_learns_from_binary_mask_folders(tmp_path, capsys):
     # Two classes, both present, named; no CamVid class in the log.
     assert {k for k in log[-1] if k.startswith('validation/main/iou/')} == {
         'validation/main/iou/background', 'validation/main/iou/foreground'}
-    # Chance (every pixel background) is mIoU ~0.4 here; measured 0.67.
-    assert result > 0.5
+    # Every pixel background scores mIoU 0.40 here (background IoU 0.80,
+    # foreground 0); measured 0.82.
+    assert result > 0.6
     assert result == pytest.approx(last(log, 'validation/main/miou'))
 
 
