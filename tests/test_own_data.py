@@ -453,3 +453,46 @@ def test_camvid_layout_with_0_255_masks_names_the_file(tmp_path):
              '--out', str(out)])
     assert '--dataset folders' in str(error.value)
     assert_empty(out)
+
+
+def test_own_data_script_builds_folders_the_examples_read(tmp_path):
+    """scripts/own_data.py on a stand-in for StarDist's wheel (the same
+    files: a 512x512 16-bit image and its instance labels) and for the
+    Debian Fashion-MNIST files."""
+    import zipfile
+    from helpers import load_script
+    from test_examples import write_fashion_mnist
+    from example_common.class_folders import load_class_folders
+    from example_common.mask_folders import load_mask_folders
+    rng = np.random.default_rng(3)
+    img = rng.integers(0, 40, (512, 512)).astype(np.uint16)
+    labels = np.zeros((512, 512), np.uint16)
+    for i, (y, x) in enumerate(rng.integers(10, 490, (60, 2)), 1):
+        labels[y - 10:y + 10, x - 8:x + 8] = i
+        img[y - 10:y + 10, x - 8:x + 8] = 200
+    wheel = tmp_path / 'stardist-0.9.2-py3-none-any.whl'
+    with zipfile.ZipFile(str(wheel), 'w') as z:
+        for name, array in (('img2d', img), ('mask2d', labels)):
+            path = tmp_path / (name + '.tif')
+            Image.fromarray(array).save(str(path))
+            z.write(str(path), 'stardist/data/images/{}.tif'.format(name))
+    write_fashion_mnist(str(tmp_path / 'fm'), n_train=30)
+    out = tmp_path / 'data'
+    load_script('own_data').main(['--stardist-wheel', str(wheel),
+                                  '--fashion-mnist', str(tmp_path / 'fm'),
+                                  '--per-class', '3', '--out', str(out)])
+    train = VOCFormatBboxDataset(str(out / 'nuclei-voc-256'), 'train',
+                                 ('nucleus',))
+    test = VOCFormatBboxDataset(str(out / 'nuclei-voc-256'), 'val',
+                                ('nucleus',))
+    assert (len(train), len(test)) == (45, 2)
+    sides, _, _ = fitting.box_statistics(test)
+    # 20x16 nuclei (some overlap others), VOC's 1-based inclusive boxes.
+    assert sides.max() == 19 and 12 <= np.median(sides) <= 19
+    masks_train, masks_test, names = load_mask_folders(
+        str(out / 'nuclei-masks'), 'train', 'val')
+    assert (len(masks_train), len(masks_test)) == (35, 4)
+    assert names == ('background', 'foreground')
+    classes_train, classes_val, class_names = load_class_folders(
+        str(out / 'fashion-folders'))
+    assert len(class_names) == 10 and len(classes_train) == 20
