@@ -98,8 +98,9 @@ def detection_defaults(train, gpu):
 
     On a CPU: the small SSD at the input size of
     :func:`input_size_for_boxes`, batch 16, lr 1e-2 and as many
-    iterations as fit :data:`CPU_BUDGET_S` (within :data:`CPU_ITERATIONS`).  On a GPU: SSD300 with the paper's batch 8 and
-    lr 1e-3 when the data fit an input of 256 or more, otherwise the
+    iterations as fit :data:`CPU_BUDGET_S` (within
+    :data:`CPU_ITERATIONS`).  On a GPU: SSD300 with the paper's batch 8
+    and lr 1e-3 when the data fit an input of 256 or more, otherwise the
     small SSD; 100 epochs, at least 5000 and at most VOC's 120,000
     iterations.  The lr steps at 2/3 and 5/6 of the run.
 
