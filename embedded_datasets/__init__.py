@@ -15,9 +15,11 @@ from embedded_datasets.classification import ShapesClassificationDataset
 from embedded_datasets.detection import shapes_label_names
 from embedded_datasets.detection import ShapesDetectionDataset
 from embedded_datasets.segmentation import class_weights
+from embedded_datasets.segmentation import median_frequency_weights
 from embedded_datasets.segmentation import shapes_segmentation_label_names
 from embedded_datasets.segmentation import ShapesSegmentationDataset
 
 __all__ = ['shapes_classification_label_names', 'ShapesClassificationDataset',
            'shapes_label_names', 'ShapesDetectionDataset', 'class_weights',
+           'median_frequency_weights',
            'shapes_segmentation_label_names', 'ShapesSegmentationDataset']

@@ -7,7 +7,7 @@ from embedded_datasets.detection import GeneratedDataset
 from embedded_datasets.detection import shapes_label_names
 
 __all__ = ['shapes_segmentation_label_names', 'ShapesSegmentationDataset',
-           'class_weights']
+           'class_weights', 'median_frequency_weights']
 
 
 shapes_segmentation_label_names = ('background',) + shapes_label_names
@@ -83,12 +83,28 @@ def class_weights(dataset, n_class=None):
         n_class = len(dataset.label_names)
     n_class_pixels = numpy.zeros(n_class, dtype=numpy.int64)
     n_image_pixels = numpy.zeros(n_class, dtype=numpy.int64)
-    for _, label in dataset:
+    for i, (_, label) in enumerate(dataset):
+        if label.size and label.max() >= n_class:
+            raise ValueError(
+                'label {} of example {} is not a class (0 .. {}, or -1 '
+                'for ignored pixels)'.format(label.max(), i, n_class - 1))
         counts = numpy.bincount(label[label >= 0].ravel(), minlength=n_class)
         n_class_pixels += counts
         n_image_pixels[counts > 0] += label.size
-    present = n_class_pixels > 0
-    freq = n_class_pixels[present] / n_image_pixels[present]
-    weights = numpy.zeros(n_class, dtype=numpy.float32)
+    return median_frequency_weights(n_class_pixels, n_image_pixels)
+
+
+def median_frequency_weights(class_pixels, image_pixels):
+    """``median(freq) / freq[c]`` with ``freq = class_pixels /
+    image_pixels`` (see :func:`class_weights`); 0 for an absent class.
+
+    >>> median_frequency_weights(numpy.array([90, 10]), numpy.array([100,
+    ...                                                            50]))
+    array([0.6111111, 2.75     ], dtype=float32)
+    """
+    class_pixels = numpy.asarray(class_pixels)
+    present = class_pixels > 0
+    freq = class_pixels[present] / numpy.asarray(image_pixels)[present]
+    weights = numpy.zeros(len(class_pixels), dtype=numpy.float32)
     weights[present] = numpy.median(freq) / freq
     return weights

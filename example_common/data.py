@@ -1,11 +1,13 @@
-"""Real data, or the embedded data when it is absent; the iterators.
+"""The data a script was told to use (real or embedded); the iterators.
 
-Nothing is downloaded.  A script's loader for real data raises
-:class:`~example_common.errors.DatasetNotFound` when the data are not there
-(no directory, no file); :func:`real_or_embedded` then says so and returns
-the embedded data, so a first run always trains.  Data that are there but
-broken raise :class:`~example_common.errors.DatasetError`, naming the file,
-and stop the run.
+Nothing is downloaded.  ``--dataset embedded`` (every script's default)
+trains on generated data, so a first run always trains.  A dataset named
+on the command line is used or the run stops: its loader raises
+:class:`~example_common.errors.DatasetNotFound` when the data are not
+there (no directory, no file) and
+:class:`~example_common.errors.DatasetError` when they are broken, naming
+the file; both stop the run with that one line before anything is
+written.  There is no silent fall-back to the embedded data.
 
 >>> train, test, names = data.real_or_embedded(
 ...     args, {'camvid': load_camvid}, ShapesSegmentationDataset,
@@ -16,43 +18,36 @@ and stop the run.
 import chainer
 
 from example_common.arguments import apply_defaults
-from example_common.errors import DatasetNotFound
 
 __all__ = ['real_or_embedded', 'iterators']
 
 
-def real_or_embedded(args, loaders, embedded, defaults=None, log=print,
-                     **options):
-    """The datasets ``args.dataset`` names, or the embedded ones if absent.
+def real_or_embedded(args, loaders, embedded, defaults=None, **options):
+    """The datasets ``args.dataset`` names: a real one, or the embedded.
 
-    Then the options left ``None`` take the defaults of the data actually
-    used (:func:`~example_common.arguments.apply_defaults`): after a
-    fall-back, those of the embedded data.
+    Then the options left ``None`` take the defaults of the data used
+    (:func:`~example_common.arguments.apply_defaults`).
 
     Args:
-        args (argparse.Namespace): Its ``dataset`` names the loader (set to
-            ``'embedded'`` on a fall-back); its ``embedded_size`` (if the
-            script has that option) and ``seed`` choose the embedded data.
+        args (argparse.Namespace): Its ``dataset`` names the loader
+            (``'embedded'``: the generated data); its ``embedded_size`` (if
+            the script has that option) and ``seed`` choose the embedded
+            data.
         loaders (dict): Dataset name to a function of ``args`` that returns
-            ``(train, test, label_names)`` or raises ``DatasetNotFound``.
+            ``(train, test, label_names)``; it raises ``DatasetNotFound``
+            or ``DatasetError``, which stop the run.
         embedded: A dataset class of :mod:`embedded_datasets`, called with
             the split, ``size``, ``seed`` and ``options``.
         defaults (tuple of dict): The embedded data's defaults and the real
             data's; ``None`` leaves them to the caller.
-        log: Prints the fall-back message (under MPI: rank 0's print).
 
     Returns:
         tuple: ``(train, test, label_names)``.
 
     """
-    datasets = None
     if args.dataset != 'embedded':
-        try:
-            datasets = loaders[args.dataset](args)
-        except DatasetNotFound as e:
-            log('{}\nFalling back to the embedded dataset.'.format(e))
-            args.dataset = 'embedded'
-    if datasets is None:
+        datasets = loaders[args.dataset](args)
+    else:
         n_train, n_test = getattr(args, 'embedded_size', None) or (None,
                                                                    None)
         train = embedded('train', size=n_train, seed=args.seed, **options)

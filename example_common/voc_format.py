@@ -4,23 +4,25 @@
 ``<root>/Annotations/<id>.xml`` and ``<root>/JPEGImages/<id>.jpg`` exactly as
 ChainerCV's ``VOCBboxDataset`` does (same output format), but with the label
 names of your choice, no download, and errors that name the offending file.
-The whole split is checked when the dataset is created, so a bad file stops
-a run before anything is written.
+The whole split is checked when the dataset is created: every annotation is
+parsed (no document type declarations: :func:`example_common.dataset_files.parse_xml`)
+and every image decoded once (:func:`example_common.dataset_files.decode_image`),
+so a bad file stops a run before anything is written.  An image may also be
+``<id>.png`` or ``<id>.jpeg``.
 """
 
 import gradient_scaling  # NOQA: restores what Chainer needs, first
 
 import os
-import xml.etree.ElementTree as ET
 
 import numpy as np
 
 import chainer
 from chainercv.datasets import voc_bbox_label_names
-from chainercv.utils import read_image
 
 from example_common.errors import DatasetError
 from example_common.errors import DatasetNotFound
+from example_common import dataset_files
 
 __all__ = ['read_label_names', 'voc_root', 'VOCFormatBboxDataset']
 
@@ -73,10 +75,14 @@ class VOCFormatBboxDataset(chainer.dataset.DatasetMixin):
         use_difficult (bool): Keep objects marked difficult.
         return_difficult (bool): Also return the difficult flags.
 
+    Attributes:
+        image_sizes (list of tuple): ``(H, W)`` of every image, in id order.
+
     Raises:
         DatasetError: naming the file, if a directory or id list is missing,
-            an annotation is not valid XML, lacks a field, names an unknown
-            label, has an empty or inverted box, or an image is missing.
+            an annotation is not valid XML (or declares a document type),
+            lacks a field, names an unknown label, has an empty or inverted
+            box, or an image is missing, too large or does not decode.
 
     """
 
@@ -97,25 +103,36 @@ class VOCFormatBboxDataset(chainer.dataset.DatasetMixin):
                         if line.strip()]
         if not self.ids:
             raise DatasetError('id list is empty: {}'.format(id_file))
-        self._annotations = [self._parse(id_) for id_ in self.ids]
+        what = '{} ({})'.format(split, root)
+        self._annotations = dataset_files.check_all(self.ids, self._parse,
+                                            what + ' annotations')
+        self._image_paths = [self._image_path(id_) for id_ in self.ids]
+        self.image_sizes = dataset_files.check_all(self._image_paths,
+                                           dataset_files.decode_image,
+                                           what + ' images')
 
     def __len__(self):
         return len(self.ids)
 
     def _image_path(self, id_):
-        return os.path.join(self.root, 'JPEGImages', id_ + '.jpg')
+        stem = os.path.join(self.root, 'JPEGImages', id_)
+        for ext in ('.jpg', '.jpeg', '.png'):
+            if os.path.isfile(stem + ext):
+                return stem + ext
+        raise DatasetError('image not found: {}.jpg'.format(stem))
+
+    def box_sides(self):
+        """``(sides, image_sides)``: the height and width of every box in
+        pixels, ``(R, 2)``, and those of its image, ``(R, 2)``."""
+        sides, images = [np.zeros((0, 2), np.float32)], [np.zeros((0, 2))]
+        for (bbox, _, _), size in zip(self._annotations, self.image_sizes):
+            sides.append(bbox[:, 2:] - bbox[:, :2])
+            images.append(np.tile(np.array(size, np.float64), (len(bbox), 1)))
+        return np.concatenate(sides), np.concatenate(images)
 
     def _parse(self, id_):
         path = os.path.join(self.root, 'Annotations', id_ + '.xml')
-        if not os.path.isfile(path):
-            raise DatasetError('annotation not found: {}'.format(path))
-        if not os.path.isfile(self._image_path(id_)):
-            raise DatasetError('image not found: {}'.format(
-                self._image_path(id_)))
-        try:
-            tree = ET.parse(path)
-        except ET.ParseError as e:
-            raise DatasetError('malformed annotation {}: {}'.format(path, e))
+        tree = dataset_files.parse_xml(path)
         bbox, label, difficult = [], [], []
         for obj in tree.findall('object'):
             try:
@@ -145,11 +162,7 @@ class VOCFormatBboxDataset(chainer.dataset.DatasetMixin):
                 np.array(label, np.int32), np.array(difficult, bool))
 
     def get_example(self, i):
-        path = self._image_path(self.ids[i])
-        try:
-            img = read_image(path, color=True)
-        except Exception as e:
-            raise DatasetError('cannot read image {}: {}'.format(path, e))
+        img = dataset_files.read_image(self._image_paths[i], color=True)
         bbox, label, difficult = self._annotations[i]
         if self.return_difficult:
             return img, bbox.copy(), label.copy(), difficult.copy()

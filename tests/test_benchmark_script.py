@@ -84,7 +84,7 @@ def test_quick_per_node_cost_table(report):
     assert [(r[0], r[1], r[2], r[3]) for r in predicted] == [
         ('framework', 'small_cnn', p, '0.5') for p in ('fp32', 'sim-fp16')]
     for row, cost in zip(predicted, rows):
-        nodes, cached, refresh = int(cost[3]), float(cost[5]), float(cost[6])
+        nodes, refresh = int(cost[3]), float(cost[6])
         assert float(row[4]) == pytest.approx(
             1 + nodes * refresh * 1e-6 / 5e-4, abs=2e-3)
 

@@ -171,14 +171,16 @@ def test_same_seed_same_run(example, tmp_path):
 OPTIONS = {
     'ssd': [('dataset', 'embedded'), ('data_dir', None),
             ('label_names', None), ('train_split', 'trainval'),
-            ('test_split', 'test'), ('model', None),
+            ('test_split', 'test'), ('model', None), ('input_size', None),
             ('pretrained_model', None), ('batchsize', None),
             ('iteration', None), ('step', None), ('lr', None),
             ('eval_interval', None), ('log_interval', 10), ('gpu', -1),
             ('loaderjob', 0), ('out', 'result/ssd'), ('resume', None),
             ('snapshot_interval', None), ('seed', 0), ('no_plot', False)],
     'segnet': [('dataset', 'embedded'), ('data_dir', None),
-               ('test_split', 'test'), ('class_weight', None),
+               ('train_split', 'train'), ('test_split', 'test'),
+               ('label_names', None), ('ignore_label', None),
+               ('crop_size', None), ('class_weight', None),
                ('embedded_size', None), ('batchsize', None),
                ('iteration', None), ('lr', None), ('loss_pixels', None),
                ('eval_interval', None), ('log_interval', 10), ('gpu', -1),
@@ -448,15 +450,15 @@ def test_segnet_class_weight_file(tmp_path):
     assert sorted(weight)[1] <= 1 <= sorted(weight)[2]
 
 
-def test_segnet_falls_back_when_camvid_is_absent(tmp_path, capsys):
+def test_segnet_stops_when_camvid_is_absent(tmp_path, capsys):
+    # A dataset named on the command line is used or the run stops; only
+    # the default (embedded) trains on generated data.
     segnet = load_example('segnet/train.py')
     args = segnet.parse_args(['--dataset', 'camvid', '--data-dir',
                               str(tmp_path / 'nowhere')])
-    train, test, names = segnet.load_datasets(args)
-    assert 'Falling back to the embedded dataset' in capsys.readouterr().out
-    assert args.dataset == 'embedded' and len(names) == 4
-    # The embedded schedule, not CamVid's 16000 iterations.
-    assert args.iteration == segnet.EMBEDDED_DEFAULTS['iteration']
+    with pytest.raises(DatasetError, match='CamVid not found'):
+        segnet.load_datasets(args)
+    assert 'embedded' not in capsys.readouterr().out
 
 
 def write_idx(path, array, magic):

@@ -21,7 +21,7 @@ horizontal flips.  ``--iteration`` or ``--epoch`` sets the length; the steps
 keep their share of it.  Fashion-MNIST's 28x28 images are padded to 32x32
 and replicated to three channels.  The embedded data (10 classes of shapes,
 32x32) uses a short schedule.  When the chosen data are absent the script
-says so and trains on the embedded data.  On a CPU, mixed precision is
+says so and stops.  On a CPU, mixed precision is
 simulated (``--precision sim-fp16``) unless ``--precision`` says otherwise
 (docs/DESIGN.md, 4 and 5.3).
 """
@@ -216,9 +216,8 @@ def load_cifar10(args):
 
 
 def load_datasets(args):
-    """(train, test, label_names): Fashion-MNIST, CIFAR-10 or, when the
-    chosen data are not installed, the embedded shapes (said so); the
-    schedule follows the data used."""
+    """(train, test, label_names): Fashion-MNIST, CIFAR-10 or the
+    embedded shapes; the schedule follows the data used."""
     return data.real_or_embedded(
         args, {'fashion-mnist': load_fashion_mnist, 'cifar10': load_cifar10},
         ShapesClassificationDataset, (EMBEDDED_DEFAULTS, REAL_DEFAULTS))

@@ -8,6 +8,11 @@ Table 1 of Zhao et al. (IJCAI 2020)::
     python examples/classification/train_imagenet_multi.py --scaling gs
     mpiexec -n 2 python examples/classification/train_imagenet_multi.py
 
+    # your own images, one folder per class (DIR/<class>/*.png; every
+    # fifth image of each class held out), input size and mean from them:
+    python examples/classification/train_imagenet_multi.py \\
+        --dataset folders --data-dir DIR
+
     # the paper's run (16 GPUs, 32 images each; ImageNet as class folders
     # under DIR/train/<wnid>/*.JPEG and DIR/val/<wnid>/*.JPEG):
     mpiexec -n 16 python examples/classification/train_imagenet_multi.py \\
@@ -49,8 +54,6 @@ from chainer.optimizer_hooks import WeightDecay
 from chainer import training
 from chainer.training import extensions
 
-from chainercv.datasets import directory_parsing_label_names
-from chainercv.datasets import DirectoryParsingLabelDataset
 from chainercv.links.model.resnet import Bottleneck
 from chainercv import transforms
 
@@ -60,10 +63,12 @@ import chainer_links
 from chainer_links import ClassifierTrainChain
 from embedded_datasets import ShapesClassificationDataset
 from example_common import arguments
+from example_common import class_folders
 from example_common import data
 from example_common.errors import DatasetError
 from example_common.errors import DatasetNotFound
 from example_common.errors import run_main
+from example_common import fitting
 from example_common import reports
 from example_common import snapshots
 
@@ -76,6 +81,9 @@ EMBEDDED_DEFAULTS = {'iteration': 450, 'epoch': None, 'batchsize': 32,
 IMAGENET_DEFAULTS = {'iteration': None, 'epoch': 90, 'batchsize': 32,
                      'lr': None, 'eval_interval': None, 'insize': 224,
                      'crop_area': (0.08, 1)}
+# A folder of class folders: the embedded schedule, the input size from the
+# images (example_common/fitting.py) and their mean colour.
+FOLDERS_DEFAULTS = dict(EMBEDDED_DEFAULTS, insize=None)
 # Goyal et al.: 90 epochs, 5 of warmup, x0.1 at 30, 60 and 80.
 GOYAL_EPOCHS = 90
 GOYAL_WARMUP = 5
@@ -164,14 +172,25 @@ class WarmupStepSchedule(training.Extension):
         optimizer.lr = self.lr_at(trainer.updater.iteration)
 
 
+OWN_DATA = '''your own data (one folder of images per class, DIR/<class>/*.png,
+or DIR/train/<class>/ and DIR/val/<class>/; README, "Your own data"):
+  python examples/classification/train_imagenet_multi.py \\
+      --dataset folders --data-dir DIR
+input size and mean colour follow the images; every file is checked.'''
+
+
 def parse_args(argv=None):
     parser = arguments.make_parser(__doc__)
+    parser.epilog = OWN_DATA
     arguments.add_dataset(parser, [
         ('imagenet', 'class folders under --data-dir/train and '
-         '--data-dir/val')])
+         '--data-dir/val'),
+        ('folders', 'your own images: one folder per class under '
+         '--data-dir (or under its train/ and val/)')])
     parser.add_argument('--data-dir', default=None,
                         help='imagenet: the directory holding train/ and '
-                        'val/, one sub-directory of images per class')
+                        'val/, one sub-directory of images per class; '
+                        'folders: the directory of class folders')
     parser.add_argument('--arch', choices=('resnet18', 'resnet50'),
                         default='resnet18')
     parser.add_argument('--communicator', default=None,
@@ -237,52 +256,59 @@ def imagenet_dirs(data_dir):
 
 
 def load_imagenet(args):
-    train_dir, val_dir = imagenet_dirs(args.data_dir)
-    label_names = directory_parsing_label_names(train_dir)
-    val_names = directory_parsing_label_names(val_dir)
-    if not label_names:
-        raise DatasetError('{} has no class directories'.format(train_dir))
-    if val_names != label_names:
-        missing = sorted(set(label_names) ^ set(val_names))
-        raise DatasetError('the classes of {} and {} differ: {}'.format(
-            train_dir, val_dir, ', '.join(missing[:5])))
-    datasets = []
-    for d in (train_dir, val_dir):
-        dataset = DirectoryParsingLabelDataset(d)
-        if len(dataset) == 0:
-            raise DatasetError('no images under {}'.format(d))
-        datasets.append(dataset)
-    return datasets[0], datasets[1], label_names
+    return class_folders.load_split_folders(*imagenet_dirs(args.data_dir))
+
+
+def load_folders(args):
+    """Class folders under ``--data-dir``, or under its train/ and val/."""
+    if args.data_dir is None:
+        raise DatasetNotFound('--dataset folders needs --data-dir')
+    if all(os.path.isdir(os.path.join(args.data_dir, d))
+           for d in ('train', 'val')):
+        return load_imagenet(args)
+    return class_folders.load_class_folders(args.data_dir)
 
 
 def load_datasets(args, comm, log):
     """(train, val, label_names) on rank 0, (None, None, label_names) on the
-    others; the embedded data when ImageNet is absent.
+    others; every file checked.
 
     Every rank raises rank 0's DatasetError, and takes the schedule
-    defaults of the data rank 0 uses.
+    defaults of the data rank 0 uses; a folder's input size (from its
+    images' sizes) and mean colour too.
     """
-    train, val, label_names, error = None, None, None, None
+    train, val, label_names, error, fitted = None, None, None, None, {}
     if comm is None or comm.rank == 0:
         try:
             train, val, label_names = data.real_or_embedded(
-                args, {'imagenet': load_imagenet},
-                ShapesClassificationDataset, log=log,
+                args, {'imagenet': load_imagenet, 'folders': load_folders},
+                ShapesClassificationDataset,
                 image_size=(EMBEDDED_DEFAULTS['insize'],) * 2)
+            if args.dataset == 'folders':
+                fitted = {'insize': fitting.classification_input_size(
+                    train.image_sizes, 'gpu' if args.gpu >= 0 else 'cpu'),
+                    'mean': train.mean}
         except DatasetError as e:
             error = str(e)
     if comm is not None:
-        args.dataset, label_names, error = comm.bcast_obj(
-            (args.dataset, label_names, error) if comm.rank == 0 else None)
+        label_names, error, fitted = comm.bcast_obj(
+            (label_names, error, fitted) if comm.rank == 0 else None)
     if error is not None:
         raise DatasetError(error)
-    arguments.apply_defaults(args, EMBEDDED_DEFAULTS, IMAGENET_DEFAULTS)
+    arguments.apply_defaults(args, EMBEDDED_DEFAULTS, dict(
+        FOLDERS_DEFAULTS, **fitted) if args.dataset == 'folders'
+        else IMAGENET_DEFAULTS)
+    if args.dataset == 'folders':
+        log('Input {0}x{0} (the images\' median short side, within [32, '
+            '64] on a CPU), mean colour {1} subtracted.'.format(
+                args.insize, ' '.join('{:.1f}'.format(m)
+                                      for m in args.mean.ravel())))
     return train, val, label_names
 
 
 def build_model(args, n_class):
     if args.arch == 'resnet18':
-        mean = None
+        mean = getattr(args, 'mean', None)
         if args.dataset == 'embedded':
             mean = np.full((3, 1, 1), 127.5, dtype=np.float32)
         model = chainer_links.ResNet18(n_class=n_class, mean=mean)

@@ -10,6 +10,12 @@ the scaling method, as in Table 3 of Zhao et al. (IJCAI 2020)::
     # $CHAINER_DATASET_ROOT/pfnet/chainercv/camvid or --data-dir):
     python examples/segnet/train.py --dataset camvid --gpu 0 --scaling gs
 
+    # your own images and masks (DIR/train/{images,masks}/,
+    # DIR/val/{images,masks}/; masks are PNGs with one class per value,
+    # 0/255 masks are background/foreground):
+    python examples/segnet/train.py --dataset folders --data-dir DIR \\
+        --iteration 300
+
 Defaults follow the paper and ChainerCV for CamVid: SegNetBasic, MomentumSGD
 (lr 0.1, momentum 0.9), weight decay 0.0005, batch 12, 16000 iterations,
 pixel-wise softmax cross entropy in FP32 weighted by median frequency
@@ -19,7 +25,12 @@ embedded data (generated shapes, 4 classes) uses 32x48 images and a short
 schedule.  Nothing is downloaded: CamVid must already be in ChainerCV's
 layout (train/ trainannot/ val/ valannot/ test/ testannot/ and the
 {train,val,test}.txt lists); when it is absent the script says so and
-trains on the embedded data.  On a CPU, mixed precision is simulated
+stops.  Folders of images and masks (``--dataset folders``,
+example_common/mask_folders.py) give the class count and weights from their
+masks; the model trains on random crops (``--crop-size``, default: the
+largest multiple of 16 every image holds, at most 64 on a CPU) and is
+evaluated on whole images.  mIoU is the mean over the classes present in
+the test masks.  On a CPU, mixed precision is simulated
 (``--precision sim-fp16``) unless ``--precision`` says otherwise: real
 float16 arithmetic in NumPy is 60-115x slower (docs/DESIGN.md, 5.3; how
 the simulation works: 4).
@@ -48,10 +59,18 @@ from gradient_scaling import training as gs_training
 from embedded_datasets import class_weights
 from embedded_datasets import ShapesSegmentationDataset
 from example_common import arguments
+from chainercv.evaluations import calc_semantic_segmentation_confusion
+from chainercv.utils import apply_to_iterator
+from chainercv import transforms
+
+from embedded_datasets import median_frequency_weights
 from example_common import data
 from example_common.errors import DatasetError
 from example_common.errors import DatasetNotFound
 from example_common.errors import run_main
+from example_common import dataset_files
+from example_common import fitting
+from example_common import mask_folders
 from example_common import reports
 from example_common import snapshots
 
@@ -59,6 +78,9 @@ EMBEDDED_DEFAULTS = {'iteration': 200, 'batchsize': 4, 'lr': 0.1,
                      'eval_interval': 50}
 CAMVID_DEFAULTS = {'iteration': 16000, 'batchsize': 12, 'lr': 0.1,
                    'eval_interval': 2000}
+# A user's folder on a CPU: a run of a few minutes at the crop size.
+FOLDERS_DEFAULTS = {'iteration': 300, 'batchsize': 4, 'lr': 0.1,
+                    'eval_interval': 100}
 # Generated images: small, and divisible by 16 for SegNet's four poolings.
 EMBEDDED_IMAGE_SIZE = (32, 48)
 
@@ -103,7 +125,9 @@ class Predictor(chainer.Chain):
     """What the evaluator calls: ``model.predict`` on images in its dtype.
 
     SegNetBasic's ``predict`` feeds the images as they come; a mixed16
-    model needs them in float16.
+    model needs them in float16, and its four poolings need sides that
+    are multiples of 16: other images are padded (edge values) and the
+    labels cropped back.
     """
 
     def __init__(self, model):
@@ -113,8 +137,52 @@ class Predictor(chainer.Chain):
 
     def predict(self, imgs):
         dtype = chainer.get_dtype()
-        return self.model.predict(
-            [img.astype(dtype, copy=False) for img in imgs])
+        labels = []
+        for img in imgs:
+            _, H, W = img.shape
+            padded = np.pad(img, ((0, 0), (0, -H % 16), (0, -W % 16)),
+                            mode='edge')
+            label, = self.model.predict([padded.astype(dtype, copy=False)])
+            labels.append(label[:H, :W])
+        return labels
+
+
+class PresentClassesEvaluator(SemanticSegmentationEvaluator):
+
+    """ChainerCV's evaluator, with mIoU over the classes in the test masks.
+
+    ChainerCV's mIoU averages every class that is predicted or present; a
+    class the test masks do not have can only score 0 there.  Here
+    ``miou`` and ``mean_class_accuracy`` average the classes with test
+    pixels, and ``iou/<name>`` is reported for those classes only.
+    """
+
+    def evaluate(self):
+        target = self._targets['main']
+        iterator = self._iterators['main']
+        iterator.reset()
+        _, (pred_labels,), (gt_labels,) = apply_to_iterator(
+            target.predict, iterator)
+        n_class = len(self.label_names)
+        confusion = np.zeros((n_class, n_class), np.int64)
+        part = calc_semantic_segmentation_confusion(pred_labels, gt_labels)
+        confusion[:len(part), :len(part)] = part[:n_class, :n_class]
+        gt_pixels = confusion.sum(axis=1)
+        present = gt_pixels > 0
+        iou = np.diag(confusion) / np.maximum(
+            gt_pixels + confusion.sum(axis=0) - np.diag(confusion), 1)
+        report = {
+            'miou': iou[present].mean(),
+            'pixel_accuracy': np.diag(confusion).sum() / confusion.sum(),
+            'mean_class_accuracy': (np.diag(confusion)[present]
+                                    / gt_pixels[present]).mean()}
+        for name, value, is_present in zip(self.label_names, iou, present):
+            if is_present:
+                report['iou/' + name] = value
+        observation = {}
+        with chainer.reporter.report_scope(observation):
+            chainer.reporter.report(report, target)
+        return observation
 
 
 def random_flip(in_data):
@@ -126,18 +194,59 @@ def random_flip(in_data):
     return img, label
 
 
+class RandomCropFlip(object):
+
+    """A random ``size`` x ``size`` crop (images padded to it first, the
+    padding ignored in the loss), then :func:`random_flip`: images of
+    any size make batches of one size."""
+
+    def __init__(self, size):
+        self.size = size
+
+    def __call__(self, in_data):
+        img, label = in_data
+        _, H, W = img.shape
+        pad = ((0, max(0, self.size - H)), (0, max(0, self.size - W)))
+        if pad != ((0, 0), (0, 0)):
+            img = np.pad(img, ((0, 0),) + pad, mode='edge')
+            label = np.pad(label, pad, constant_values=-1)
+        img, param = transforms.random_crop(img, (self.size, self.size),
+                                            return_param=True)
+        label = label[param['y_slice'], param['x_slice']]
+        return random_flip((img, label))
+
+
+OWN_DATA = '''your own data (DIR/train/images/*.jpg + DIR/train/masks/*.png,
+the same under DIR/val/, or DIR/images + DIR/masks; README, "Your own
+data"):
+  python examples/segnet/train.py --dataset folders --data-dir DIR
+masks: one class per value, 0/255 read as background/foreground;
+--label-names, --ignore-label; every file is checked before training.'''
+
+
 def parse_args(argv=None):
     parser = arguments.make_parser(__doc__)
+    parser.epilog = OWN_DATA
     arguments.add_dataset(parser, [
-        ('camvid', 'CamVid in ChainerCV\'s layout')])
+        ('camvid', 'CamVid in ChainerCV\'s layout'),
+        ('folders', 'your own images and label masks (--data-dir)')])
     parser.add_argument('--data-dir', default=None,
                         help='camvid: the directory holding train.txt, '
                         'train/, trainannot/... (default: $CHAINER_DATASET_'
-                        'ROOT/pfnet/chainercv/camvid)')
-    parser.add_argument('--test-split', choices=('val', 'test'),
-                        default='test',
-                        help='camvid: the split to evaluate on (the paper '
-                        'reports test)')
+                        'ROOT/pfnet/chainercv/camvid); folders: the '
+                        'directory holding <split>/images/ and '
+                        '<split>/masks/, or images/ and masks/')
+    parser.add_argument('--train-split', default='train',
+                        help='folders: the training split\'s folder '
+                        '(default: %(default)s)')
+    parser.add_argument('--test-split', default=None,
+                        help='the split to evaluate on (default: test for '
+                        'camvid, as the paper reports; val for folders)')
+    mask_folders.add_arguments(parser)
+    parser.add_argument('--crop-size', type=int, default=None,
+                        help='folders: side of the random training crops, '
+                        'a multiple of 16 (default: the largest every '
+                        'image holds, at most 64 on a CPU, 512 on a GPU)')
     parser.add_argument('--class-weight', default=None,
                         help='a .npy file with one weight per class (e.g. '
                         'from ChainerCV\'s calc_weight.py); default: median '
@@ -160,6 +269,18 @@ def parse_args(argv=None):
     arguments.check_options(parser, args)
     if args.loss_pixels is not None and args.loss_pixels < 1:
         parser.error('--loss-pixels must be >= 1')
+    if args.crop_size is not None and (args.crop_size < 16
+                                       or args.crop_size % 16):
+        parser.error('--crop-size must be a multiple of 16, got {}'.format(
+            args.crop_size))
+    if args.dataset == 'folders' and args.data_dir is None:
+        parser.error('--dataset folders needs --data-dir')
+    if args.dataset != 'folders' and (args.label_names or
+                                      args.ignore_label is not None):
+        parser.error('--label-names and --ignore-label are for --dataset '
+                     'folders')
+    if args.test_split is None:
+        args.test_split = 'val' if args.dataset == 'folders' else 'test'
     gs_training.default_to_simulation_on_cpu(args)
     return args
 
@@ -195,7 +316,21 @@ def camvid_split(root, split):
                                    'found'.format(path, list_path, line))
     if len(dataset) == 0:
         raise DatasetError('{} lists no images'.format(list_path))
+    dataset_files.check_all(dataset.paths, check_camvid_pair,
+                    'CamVid {} images and labels'.format(split))
     return dataset
+
+
+def check_camvid_pair(paths):
+    """Decodes a CamVid image and its label map; the labels must be
+    CamVid's 11 classes or 11 (unlabelled), and the sizes agree."""
+    _, label = dataset_files.decode_image_and_mask(paths)
+    label_path = paths[1]
+    if label.max() > len(camvid_label_names):
+        raise DatasetError(
+            'label {} has value {}: CamVid has classes 0 .. {} and 11 for '
+            'unlabelled pixels (your own classes: --dataset folders)'.format(
+                label_path, label.max(), len(camvid_label_names) - 1))
 
 
 def load_camvid(args):
@@ -204,17 +339,37 @@ def load_camvid(args):
             camvid_label_names)
 
 
+def load_folders(args):
+    """Images and masks of ``--data-dir`` (example_common/mask_folders.py):
+    classes from the masks, every file checked."""
+    return mask_folders.load_mask_folders(
+        args.data_dir, args.train_split, args.test_split, args.label_names,
+        args.ignore_label)
+
+
 def load_datasets(args):
-    """(train, test, label_names) of CamVid, or of the embedded scenes when
-    CamVid is absent (said so), whose defaults the schedule then takes."""
-    return data.real_or_embedded(
-        args, {'camvid': load_camvid}, ShapesSegmentationDataset,
-        (EMBEDDED_DEFAULTS, CAMVID_DEFAULTS), image_size=EMBEDDED_IMAGE_SIZE)
+    """(train, test, label_names) of CamVid, a folder or the embedded
+    scenes, every file checked; the schedule takes their defaults, and a
+    folder's training crops a size that every image holds."""
+    train, test, names = data.real_or_embedded(
+        args, {'camvid': load_camvid, 'folders': load_folders},
+        ShapesSegmentationDataset, image_size=EMBEDDED_IMAGE_SIZE)
+    arguments.apply_defaults(args, EMBEDDED_DEFAULTS, FOLDERS_DEFAULTS
+                             if args.dataset == 'folders' else
+                             CAMVID_DEFAULTS)
+    if args.dataset == 'folders' and args.crop_size is None:
+        args.crop_size = fitting.segmentation_crop_size(
+            train.image_sizes, 'gpu' if args.gpu >= 0 else 'cpu')
+    return train, test, names
 
 
 def load_class_weight(args, train, n_class):
-    """``--class-weight`` FILE, else median frequency balancing of train."""
+    """``--class-weight`` FILE, else median frequency balancing of train
+    (from the pixel counts of a folder's file check)."""
     if args.class_weight is None:
+        if hasattr(train, 'class_pixel_counts'):
+            return median_frequency_weights(
+                *train.class_pixel_counts(n_class))
         labels = train.slice[:, 1] if hasattr(train, 'slice') else (
             label for _, label in train)
         # class_weights reads (img, label) pairs; only labels are loaded.
@@ -255,8 +410,16 @@ def main(argv=None):
     train, test, label_names = load_datasets(args)
     class_weight = load_class_weight(args, train, len(label_names))
     # --loss-pixels: the loss as for a batch of that many pixels.
-    pixels = args.batchsize * int(np.prod(train[0][1].shape))
+    pixels = args.batchsize * (args.crop_size ** 2 if args.crop_size
+                               else int(np.prod(train[0][1].shape)))
     factor = args.loss_pixels / pixels if args.loss_pixels else 1.0
+
+    if args.dataset == 'folders':
+        print('Classes from the masks: {}; class weights {}; training on '
+              'random {}x{} crops.'.format(
+                  ', '.join(label_names),
+                  ' '.join('{:.3g}'.format(w) for w in class_weight),
+                  args.crop_size, args.crop_size))
 
     with config.model_dtype():
         model = build_model(len(label_names))
@@ -264,7 +427,8 @@ def main(argv=None):
                                                  loss_factor=1 / factor)
     device = arguments.use_device(train_chain, args.gpu)
 
-    train = TransformDataset(train, random_flip)
+    train = TransformDataset(train, RandomCropFlip(args.crop_size)
+                             if args.crop_size else random_flip)
     train_iter, test_iter = data.iterators(train, test, args.batchsize,
                                            args.loaderjob)
 
@@ -282,7 +446,7 @@ def main(argv=None):
     trainer = training.Trainer(updater, (args.iteration, 'iteration'),
                                args.out)
     points = reports.evaluation_points(args.iteration, args.eval_interval)
-    reports.extend_evaluation(trainer, SemanticSegmentationEvaluator(
+    reports.extend_evaluation(trainer, PresentClassesEvaluator(
         test_iter, Predictor(model), label_names=label_names), config,
         points)
     reports.extend_reports(

@@ -11,13 +11,19 @@ scaling method, as in Table 2 of Zhao et al. (IJCAI 2020)::
     python examples/ssd/train.py --dataset voc --model ssd300 --batchsize 8 \\
         --gpu 0 --scaling gs --pretrained-model vgg16_imagenet.npz
 
-    # any VOC-layout directory with its own classes:
+    # your own data: any VOC-layout directory with its own classes (the
+    # model, input size, default boxes and schedule fit the data and this
+    # machine, and the script says what it picked):
     python examples/ssd/train.py --dataset voc-format --data-dir DIR \\
         --label-names cat,dog --train-split train --test-split val
 
 Defaults follow the paper and ChainerCV for VOC (lr 1e-3, 120k iterations,
 steps at 80k and 100k, ChainerCV's augmentation, VOC07 test with the 07
-metric); the embedded data uses a small SSD (64x64) and a short schedule.
+metric); the embedded data uses a small SSD (64x64) and a short schedule;
+voc-format data get defaults fitted to their box sizes
+(example_common/fitting.py): on a CPU the small SSD at the input size where
+the median box is ~24 pixels (its default boxes follow the input size) and
+a run of about 15 minutes.
 On a CPU, mixed precision is simulated (``--precision sim-fp16``) unless
 ``--precision`` says otherwise: real float16 arithmetic in NumPy is 60-115x
 slower (docs/DESIGN.md, 5.3; how the simulation works: 4).
@@ -25,6 +31,7 @@ slower (docs/DESIGN.md, 5.3; how the simulation works: 4).
 
 import gradient_scaling  # NOQA: restores what Chainer needs, first
 
+import argparse
 import copy
 import os
 
@@ -62,6 +69,7 @@ from example_common import arguments
 from example_common import data
 from example_common.errors import DatasetError
 from example_common.errors import run_main
+from example_common import fitting
 from example_common import reports
 from example_common import snapshots
 from example_common.voc_format import read_label_names
@@ -72,10 +80,10 @@ from example_common.voc_format import VOCFormatBboxDataset
 # minutes (measured); lr 1e-3 (the paper's, for VOC) learns too slowly here.
 EMBEDDED_DEFAULTS = {'iteration': 300, 'step': [200, 260],
                      'batchsize': 16, 'lr': 1e-2, 'eval_interval': 100,
-                     'model': 'small'}
+                     'model': 'small', 'input_size': 64}
 VOC_DEFAULTS = {'iteration': 120000, 'step': [80000, 100000],
                 'batchsize': 8, 'lr': 1e-3, 'eval_interval': None,
-                'model': 'ssd300'}
+                'model': 'ssd300', 'input_size': 'auto'}
 
 
 class MultiboxTrainChain(chainer.Chain):
@@ -146,8 +154,17 @@ class Transform(object):
         return img, mb_loc, mb_label
 
 
+OWN_DATA = '''your own data (VOC layout: DIR/ImageSets/Main/{train,val}.txt,
+DIR/Annotations/*.xml, DIR/JPEGImages/*.jpg; README, "Your own data"):
+  python examples/ssd/train.py --dataset voc-format --data-dir DIR \\
+      --label-names tree --train-split train --test-split val
+model, input size and schedule are fitted to the boxes and this machine,
+and printed; every file is checked before training.'''
+
+
 def parse_args(argv=None):
     parser = arguments.make_parser(__doc__)
+    parser.epilog = OWN_DATA
     arguments.add_dataset(parser, [
         ('voc', 'VOC07+12 trainval, VOC07 test'),
         ('voc-format', 'any VOC-layout directory (--data-dir, '
@@ -163,7 +180,16 @@ def parse_args(argv=None):
     parser.add_argument('--test-split', default='test')
     parser.add_argument('--model', choices=('small', 'ssd300', 'ssd512'),
                         default=None,
-                        help='default: small for embedded data, else ssd300')
+                        help='default: small for embedded data, ssd300 for '
+                        'voc; voc-format: fitted to the data and the '
+                        'machine (small on a CPU), and said so')
+    parser.add_argument('--input-size', type=input_size, default=None,
+                        help='small SSD: input side in pixels (a multiple '
+                        'of 8; its default boxes follow it), or auto: the '
+                        'size at which the median box of the training data '
+                        'is ~{} px (default: 64 for embedded data, else '
+                        'auto)'.format(
+                            fitting.TARGET_BOX_SIDE))
     parser.add_argument('--pretrained-model', default=None,
                         help='.npz with backbone weights (e.g. ChainerCV\'s '
                         'VGG16 ImageNet weights); nothing is downloaded')
@@ -183,6 +209,20 @@ def parse_args(argv=None):
     arguments.check_options(parser, args)
     gs_training.default_to_simulation_on_cpu(args)
     return args
+
+
+def input_size(text):
+    """``--input-size``: ``auto`` or a multiple of 8, at least 8."""
+    if text == 'auto':
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 8 or value % 8:
+        raise argparse.ArgumentTypeError(
+            'expected auto or a multiple of 8 (>= 8), got {!r}'.format(text))
+    return value
 
 
 def load_voc(args):
@@ -208,17 +248,44 @@ def load_voc_format(args):
 
 
 def load_datasets(args):
-    """(train, test, label_names): VOC, a VOC-layout directory, or the
-    embedded shapes when VOC is absent (said so); then the schedule and
-    model defaults of the data used."""
-    return data.real_or_embedded(
+    """(train, test, label_names): VOC, a VOC-layout directory or the
+    embedded shapes, every file checked; then the schedule and model
+    defaults of the data used (:func:`apply_defaults`)."""
+    datasets = data.real_or_embedded(
         args, {'voc': load_voc, 'voc-format': load_voc_format},
-        ShapesDetectionDataset, (EMBEDDED_DEFAULTS, VOC_DEFAULTS))
+        ShapesDetectionDataset)
+    apply_defaults(args, datasets[0])
+    return datasets
+
+
+def apply_defaults(args, train):
+    """Fills the options left ``None``: the embedded data's or VOC's
+    defaults, or, for voc-format, those fitted to ``train`` (printed);
+    ``--input-size auto`` of a small SSD takes the fitted size and
+    default boxes."""
+    if args.dataset == 'voc-format':
+        defaults, notes, about = fitting.detection_defaults(train, args.gpu)
+        if args.iteration is not None:
+            defaults['step'] = [args.iteration * 2 // 3,
+                                args.iteration * 5 // 6]
+            defaults['eval_interval'] = max(1, args.iteration // 4)
+        picked = [name for name in ('model', 'input_size', 'batchsize',
+                                    'lr', 'iteration')
+                  if getattr(args, name) is None]
+        if picked:
+            print(fitting.describe(defaults, notes, about, picked))
+    else:
+        defaults = EMBEDDED_DEFAULTS if args.dataset == 'embedded' \
+            else VOC_DEFAULTS
+    arguments.apply_defaults(args, defaults, defaults)
+    if args.model == 'small' and args.input_size == 'auto':
+        args.input_size, _ = fitting.input_size_for_boxes(
+            train, 'gpu' if args.gpu >= 0 else 'cpu')
 
 
 def build_model(args, n_fg_class):
     if args.model == 'small':
-        model = SmallSSD(n_fg_class=n_fg_class)
+        model = SmallSSD(n_fg_class=n_fg_class, insize=args.input_size)
     else:
         cls = SSD300 if args.model == 'ssd300' else SSD512
         model = mixed_precision_ssd(cls)(n_fg_class=n_fg_class)
