@@ -57,8 +57,11 @@ def main():
     scaler.serialize(serializer)
     arrays = {'param' + name.replace('/', '_'): p.array
               for name, p in model.namedparams()}
+    # GS's telemetry (records/) is each rank's own measurement; the state
+    # that decides the scales must agree.
     arrays.update({'scaler_' + k.replace('/', '_'): np.asarray(v)
-                   for k, v in serializer.target.items()})
+                   for k, v in serializer.target.items()
+                   if not k.startswith('records/')})
     arrays['skips'] = np.array(updater.skips)
     np.savez(os.path.join(out, 'rank{}.npz'.format(comm.rank)), **arrays)
 
