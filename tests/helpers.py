@@ -21,7 +21,7 @@ import sys
 
 __all__ = ['ROOT', 'EXAMPLES', 'SCRIPTS', 'load_example', 'load_script',
            'read_log', 'last', 'read_csv', 'is_power_of_two',
-           'mpiexec_command']
+           'mpiexec_command', 'cupy_or_skip']
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, 'examples')
@@ -95,3 +95,16 @@ def mpiexec_command():
         if hasattr(os, 'geteuid') and os.geteuid() == 0:
             command.append('--allow-run-as-root')
     return command
+
+
+def cupy_or_skip(devices=1):
+    """CuPy, or a skip unless it sees at least ``devices`` CUDA devices."""
+    import pytest
+    cupy = pytest.importorskip('cupy')
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError:
+        count = 0
+    if count < devices:
+        pytest.skip('needs {} CUDA device(s), found {}'.format(devices, count))
+    return cupy

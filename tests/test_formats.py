@@ -16,6 +16,7 @@ import numpy
 import pytest
 
 from gradient_scaling import formats
+from helpers import cupy_or_skip
 
 
 _DTYPES = {
@@ -426,12 +427,7 @@ def test_cupy_equals_numpy(name):
 
 @pytest.mark.gpu
 def test_cupy_rounds_on_the_arrays_device():
-    cupy = pytest.importorskip('cupy')
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 2:
-            pytest.skip('needs two CUDA devices')
-    except cupy.cuda.runtime.CUDARuntimeError:
-        pytest.skip('no CUDA device')
+    cupy = cupy_or_skip(devices=2)
     x = numpy.float32([1e-40, 3.1, -65519.0, numpy.nan])
     with cupy.cuda.Device(1):
         on_1 = cupy.asarray(x)

@@ -6,6 +6,7 @@ import numpy
 import pytest
 
 from gradient_scaling import statistics
+from helpers import cupy_or_skip
 
 
 CHUNK = statistics._CHUNK_SIZE
@@ -219,23 +220,13 @@ def test_get_array_module_without_cupy():
 # CuPy
 
 
-def _cupy_or_skip():
-    cupy = pytest.importorskip('cupy')
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip('no CUDA device')
-    except cupy.cuda.runtime.CUDARuntimeError:
-        pytest.skip('no CUDA device')
-    return cupy
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize('dtype', [numpy.float16, numpy.float32,
                                    numpy.float64, numpy.int32])
 @pytest.mark.parametrize('n', [0, 1, 1000, 3 * 1024 * 1024 + 5])
 @pytest.mark.parametrize('log', [True, False])
 def test_cupy_kernel_matches_numpy(dtype, n, log):
-    cupy = _cupy_or_skip()
+    cupy = cupy_or_skip()
     rng = numpy.random.default_rng(n)
     if dtype == numpy.int32:
         x = rng.integers(-1000, 1000, n).astype(dtype)
@@ -281,7 +272,7 @@ def softmax_like_gradient():
 
 @pytest.mark.gpu
 def test_cupy_float32_subnormals_count():
-    cupy = _cupy_or_skip()
+    cupy = cupy_or_skip()
     g = softmax_like_gradient()
     expected = statistics.tensor_statistics(g)
     actual = statistics.tensor_statistics(cupy.asarray(g))
@@ -294,9 +285,7 @@ def test_cupy_float32_subnormals_count():
 
 @pytest.mark.gpu
 def test_cupy_uses_the_arrays_device():
-    cupy = _cupy_or_skip()
-    if cupy.cuda.runtime.getDeviceCount() < 2:
-        pytest.skip('needs two CUDA devices')
+    cupy = cupy_or_skip(devices=2)
     x = _gradient_like(100000, numpy.random.default_rng(7), numpy.float32)
     with cupy.cuda.Device(1):
         on_1 = cupy.asarray(x)
@@ -310,7 +299,7 @@ def test_cupy_uses_the_arrays_device():
 
 @pytest.mark.gpu
 def test_cupy_non_contiguous_and_max_abs():
-    cupy = _cupy_or_skip()
+    cupy = cupy_or_skip()
     x = _gradient_like(60000, numpy.random.default_rng(5)).reshape(300, 200)
     view = x.T[::2, 1::3]
     _assert_close(statistics.tensor_statistics(cupy.asarray(x).T[::2, 1::3]),
