@@ -181,8 +181,9 @@ OPTIONS = {
                ('train_split', 'train'), ('test_split', 'test'),
                ('label_names', None), ('ignore_label', None),
                ('crop_size', None), ('class_weight', None),
-               ('embedded_size', None), ('batchsize', None),
-               ('iteration', None), ('lr', None), ('loss_pixels', None),
+               ('embedded_size', None), ('embedded_image_size', [32, 48]),
+               ('batchsize', None), ('iteration', None), ('lr', None),
+               ('loss_pixels', None),
                ('eval_interval', None), ('log_interval', 10), ('gpu', -1),
                ('loaderjob', 0), ('out', 'result/segnet'), ('resume', None),
                ('snapshot_interval', None), ('seed', 0), ('no_plot', False)],
@@ -639,3 +640,22 @@ def test_cifar_learns_in_fp8(tmp_path):
         ['--no-plot', '--precision', 'sim-fp8-e5m2',
          '--out', str(tmp_path / 'out')])
     assert result > 0.5  # measured 0.76 (300 iterations, 510 s)
+
+
+def test_segnet_embedded_image_size(tmp_path, capsys):
+    """--embedded-image-size generates images of that size (CamVid's
+    360x480 for a GPU check); a side SegNet cannot pool four times is one
+    line."""
+    segnet = load_example('segnet/train.py')
+    args = segnet.parse_args(['--embedded-image-size', '40', '56',
+                              '--embedded-size', '2', '1'])
+    train, test, _ = segnet.load_datasets(args)
+    assert train[0][0].shape == (3, 40, 56) and test[0][1].shape == (40, 56)
+    # Not a multiple of 16: SegNet's unpooling restores the size.
+    run('segnet', tmp_path / 'run', '--embedded-image-size', '40', '56',
+        '--iteration', '1')
+    assert 'validation/main/miou' in read_log(tmp_path / 'run')[-1]
+    with pytest.raises(SystemExit) as e:
+        segnet.parse_args(['--embedded-image-size', '8', '48'])
+    assert e.value.code == 2
+    assert 'each side must be at least 16, got 8 48' in capsys.readouterr().err

@@ -21,8 +21,8 @@ Defaults follow the paper and ChainerCV for CamVid: SegNetBasic, MomentumSGD
 pixel-wise softmax cross entropy in FP32 weighted by median frequency
 balancing (computed from the training labels, or ``--class-weight`` FILE
 as written by ChainerCV's calc_weight.py), mIoU on the test split.  The
-embedded data (generated shapes, 4 classes) uses 32x48 images and a short
-schedule.  Nothing is downloaded: CamVid must already be in ChainerCV's
+embedded data (generated shapes, 4 classes) uses 32x48 images
+(``--embedded-image-size``) and a short schedule.  Nothing is downloaded: CamVid must already be in ChainerCV's
 layout (train/ trainannot/ val/ valannot/ test/ testannot/ and the
 {train,val,test}.txt lists); when it is absent the script says so and
 stops.  Folders of images and masks (``--dataset folders``,
@@ -252,6 +252,11 @@ def parse_args(argv=None):
                         'from ChainerCV\'s calc_weight.py); default: median '
                         'frequency balancing of the training labels')
     arguments.add_embedded_size(parser, 300, 50)
+    parser.add_argument('--embedded-image-size', type=int, nargs=2,
+                        default=list(EMBEDDED_IMAGE_SIZE),
+                        metavar=('HEIGHT', 'WIDTH'),
+                        help='embedded: the generated images\' size '
+                        '(default: %(default)s; CamVid\'s is 360 480)')
     parser.add_argument('--batchsize', type=int, default=None)
     parser.add_argument('--iteration', type=int, default=None)
     parser.add_argument('--lr', type=float, default=None)
@@ -273,6 +278,10 @@ def parse_args(argv=None):
                                        or args.crop_size % 16):
         parser.error('--crop-size must be a multiple of 16, got {}'.format(
             args.crop_size))
+    if min(args.embedded_image_size) < 16:
+        parser.error('--embedded-image-size: SegNet pools four times; each '
+                     'side must be at least 16, got {} {}'.format(
+                         *args.embedded_image_size))
     if args.dataset == 'folders' and args.data_dir is None:
         parser.error('--dataset folders needs --data-dir')
     if args.dataset != 'folders' and (args.label_names or
@@ -353,7 +362,8 @@ def load_datasets(args):
     folder's training crops a size that every image holds."""
     train, test, names = data.real_or_embedded(
         args, {'camvid': load_camvid, 'folders': load_folders},
-        ShapesSegmentationDataset, image_size=EMBEDDED_IMAGE_SIZE)
+        ShapesSegmentationDataset,
+        image_size=tuple(args.embedded_image_size))
     arguments.apply_defaults(args, EMBEDDED_DEFAULTS, FOLDERS_DEFAULTS
                              if args.dataset == 'folders' else
                              CAMVID_DEFAULTS)
