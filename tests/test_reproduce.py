@@ -152,6 +152,7 @@ def test_s2fp8(reproduce, tmp_path):
         'FP32', 'GS-FP8 (model)', 'S2FP8']
     for r in rows:
         assert r['returncode'] == '0' and r['batchsize'] == '32'
+        assert r['finite_weights'] == 'True'
         assert r['data'] == 'embedded'
         assert 0 <= float(r['metric']) <= 1
         assert r['command'].startswith('examples/cifar/train.py ')
@@ -233,6 +234,11 @@ def test_training_study_statistics(studies):
     assert cell['std'] == pytest.approx(0.1414214)  # sample std, ddof=1
     assert cell['skips'] == 1 and cell['underflow'] == 0.001
     assert summary.mean_std(cell) == '60.00 ± 14.14 (1 diverged) (1 failed)'
+    # Weights checked: a NaN loss logged for a skipped step's overflowing
+    # forward pass is not a divergence; weights that are not finite are.
+    assert not summary.diverged({'final_loss': math.nan,
+                                 'finite_weights': True})
+    assert summary.diverged({'final_loss': 1.0, 'finite_weights': False})
     study = studies.training.STUDIES['detection']
     stats = {('Fixed-LS (8)', 8): {'mean': 0.2},
              ('Fixed-LS (128)', 8): {'mean': 0.6},

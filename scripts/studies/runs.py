@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 
+from gradient_scaling import files
 from studies.common import log
 from studies.common import ROOT
 
@@ -95,6 +96,7 @@ class Run(object):
                                  stderr=subprocess.STDOUT, env=env,
                                  cwd=ROOT)
         record = self._summarise(rc, time.time() - start)
+        record['finite_weights'] = self._final_weights_finite()
         for name in os.listdir(self.out):
             if name.startswith(('snapshot_iter_', 'model_iter_')):
                 os.remove(os.path.join(self.out, name))
@@ -103,6 +105,19 @@ class Run(object):
             json.dump(record, f, indent=1)
         os.replace(tmp, self.record_path())
         return record
+
+    def _final_weights_finite(self):
+        """Whether the final model holds only finite values (None without
+        a model file): a run diverged when they are not; a non-finite
+        logged loss alone can be a skipped step's overflowing forward."""
+        models = [n for n in os.listdir(self.out)
+                  if n.startswith('model_iter_')]
+        if not models:
+            return None
+        final = max(models, key=lambda n: int(re.sub(r'\D', '', n) or 0))
+        arrays = files.read_npz(os.path.join(self.out, final))
+        return all(np.isfinite(a).all() for a in arrays.values()
+                   if a.dtype.kind == 'f')
 
     def _summarise(self, rc, seconds):
         entries = []

@@ -22,6 +22,15 @@ FORMAT_NAMES = {'sim-fp16': 'float16', 'sim-bf16': 'bfloat16',
                 's2fp8': 'S2FP8'}
 
 
+def diverged(record):
+    """The final weights are not finite; for a record written before
+    that was checked, the last logged loss is not finite."""
+    if record.get('finite_weights') is not None:
+        return not record['finite_weights']
+    loss = record.get('final_loss')
+    return loss is not None and not math.isfinite(loss)
+
+
 def aggregate(records):
     """{(variant, batchsize): dict(mean, std, n, values, skips, ...)}."""
     groups = collections.OrderedDict()
@@ -33,8 +42,7 @@ def aggregate(records):
                   and math.isfinite(r['metric'])]
         out[key] = {
             'values': values, 'n': len(rs), 'failed': len(rs) - len(values),
-            'diverged': sum(1 for r in rs if r.get('final_loss') is not None
-                            and not math.isfinite(r['final_loss'])),
+            'diverged': sum(1 for r in rs if diverged(r)),
             'mean': float(np.mean(values)) if values else math.nan,
             'std': float(np.std(values, ddof=1)) if len(values) > 1
             else math.nan,
@@ -110,8 +118,8 @@ def _description(study, records, command, runs_dir, wall):
         'Each cell: {} in percent after the last iteration, mean ± '
         'standard deviation over seeds {} (each seed: its own {}initial '
         'weights and batch order, the same for every variant); '
-        '"diverged": runs whose loss became NaN; skipped: mean steps '
-        'skipped for overflow per run; lost: mean fraction of the non-zero '
+        '"diverged": runs whose final weights hold NaN or infinity; '
+        'skipped: mean steps skipped for overflow per run; lost: mean fraction of the non-zero '
         'gradient values (entering and leaving every GEMM) that rounding '
         'turned into zeros, over the run (`--count-underflow`). Low '
         'precision is simulated in FP32 ({} where mixed precision stores '
@@ -164,8 +172,8 @@ def _table(study, stats, batchsizes):
 
 
 RUN_FIELDS = ['study', 'variant', 'batchsize', 'seed', 'metric',
-              'skipped_steps', 'final_loss', 'underflow', 'seconds',
-              'returncode', 'curve', 'data', 'command']
+              'skipped_steps', 'final_loss', 'finite_weights', 'underflow',
+              'seconds', 'returncode', 'curve', 'data', 'command']
 
 
 def write_runs_csv(records, path):
