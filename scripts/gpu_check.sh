@@ -35,7 +35,6 @@ SUMMARY=$LOGDIR/summary.md
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 MPLBACKEND=Agg
 START=$SECONDS
-PARTIAL=
 STEPS=()
 FAILED=0
 
@@ -76,20 +75,9 @@ step() {
         note=$("note_$name" "$log" 2>/dev/null)
     fi
     note=${note:-$(grep -v '^\s*$' "$log" | tail -n 1 | cut -c1-150)}
-    if [[ $PARTIAL ]]; then
-        [[ $status == ok ]] && status=partial
-        note="$PARTIAL; $note"
-    fi
-    PARTIAL=
     [[ $status == ok ]] || FAILED=$((FAILED + 1))
     STEPS+=("$name|$status|$((SECONDS - t0))|${note//|//}")
     echo "    $status in $((SECONDS - t0)) s: $note"
-}
-
-# Whether SCRIPT's --help mentions FLAG (flags it lacks today are named
-# in the summary instead of failing the whole step).
-has_flag() {
-    "$PYTHON" "$1" --help 2>/dev/null | grep -q -- "$2"
 }
 
 # gradient_scaling first: on Python 3.12 its compat module restores what
@@ -146,30 +134,21 @@ step statistics_bandwidth 60 "$PYTHON" scripts/benchmark_statistics.py \
     --device gpu --size $((2 ** 24)) --dtype float32
 
 # GS's cost: the targets are about ResNet-50 at batch 32 (benchmark.py's
-# own GPU shapes are smaller); that needs --shape MODEL=BATCHxSIZE.
+# own GPU shapes are smaller).
 BENCH=(--gpu "$GPU" --models small_cnn resnet50 ssd300
        --precisions fp32 mixed16 --intervals 1 10 100 --repeat 3
-       --memory-repeat 1 --out "$LOGDIR/benchmark.md")
-if has_flag scripts/benchmark.py --shape; then
-    BENCH+=(--shape resnet50=32x224 ssd300=8x300)
-else
-    PARTIAL="benchmark.py has no --shape: ResNet-50 at its default batch, not 32"
-fi
+       --memory-repeat 1 --shape resnet50=32x224 ssd300=8x300
+       --out "$LOGDIR/benchmark.md")
 step benchmark 150 "$PYTHON" scripts/benchmark.py "${BENCH[@]}"
 
 # The examples: 20 iterations with GS refreshing every 10 (so that the
 # scales are written at 10 and 20), SSD300 at 300x300, SegNetBasic at
-# CamVid's 360x480 where the script can generate such images.
+# CamVid's 360x480.
 EXAMPLE=(--gpu "$GPU" --scaling gs --iteration 20 --update-interval 10
          --log-interval 10 --no-plot)
 step example_ssd300 90 "$PYTHON" examples/ssd/train.py "${EXAMPLE[@]}" \
     --model ssd300 --batchsize 8 --out "$LOGDIR/ssd300"
-SEGNET=(--batchsize 4 --embedded-size 40 8)
-if has_flag examples/segnet/train.py --embedded-image-size; then
-    SEGNET+=(--embedded-image-size 360 480)
-else
-    PARTIAL="segnet has no --embedded-image-size: ran at 32x48, not 360x480"
-fi
+SEGNET=(--batchsize 4 --embedded-size 40 8 --embedded-image-size 360 480)
 step example_segnet 90 "$PYTHON" examples/segnet/train.py "${EXAMPLE[@]}" \
     "${SEGNET[@]}" --out "$LOGDIR/segnet"
 step example_resnet50 90 "$PYTHON" examples/classification/train_imagenet_multi.py \
