@@ -62,7 +62,7 @@ PY312_TESTS := tests/test_formats.py tests/test_underflow.py \
 	tests/test_cuda_emulation.py tests/test_gpu_check.py \
 	tests/test_step.py tests/test_scale_state.py tests/test_bad_steps.py \
 	tests/test_histogram.py tests/test_estimators.py \
-	tests/test_private_access.py
+	tests/test_private_access.py tests/test_files.py tests/test_random_state.py
 test-py312:
 	$(MAKE) test PYTHON=$(PY312) PYTEST_ARGS='$(PY312_TESTS) $(PYTEST_ARGS)'
 
