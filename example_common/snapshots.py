@@ -39,10 +39,9 @@ SNAPSHOT_NAMES = ('snapshot_iter_', 'model_iter_')
 # By default a run has a trainer snapshot every quarter of it, if that is
 # at least this many iterations (a 2-iteration SSD300 run wrote 338 MB).
 MIN_SNAPSHOT_INTERVAL = 50
-# Snapshot keys older snapshots lack: without them a run resumes, not bit
-# for bit (the generators) or with the scale record (and GS's per-site
-# telemetry) from the resume, or the next refresh, on.
-# Records, not state: without them only the logs differ.
+# Snapshot keys older snapshots lack. Without the generators a run resumes,
+# but not bit for bit; without the records (the scale record, GS's last
+# refresh telemetry), which are not state, only the logs differ.
 RECORD_KEYS = ('extensions/ScaleHistory/', 'updater/scaler/records/')
 NEWER_KEYS = ('updater/random/',) + RECORD_KEYS
 
