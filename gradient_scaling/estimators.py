@@ -81,14 +81,15 @@ class ModelEstimator(object):
         """(beta, estimated rate at beta, estimated rate at 1) of a GEMM's
         data path, for the incoming gradient ``grad`` (at scale alpha)."""
         n = sites.accumulation_length(function, weight)
-        g = _finite_stats(grad, log=False)
+        g_std, g_max = statistics.spread_and_max(grad, sample=False)
+        if not math.isfinite(g_max):
+            raise underflow.NonFiniteStatisticsError('non-finite gradient')
         w_std, w_max = statistics.spread_and_max(weight)
         if not math.isfinite(w_max):
             raise underflow.NonFiniteStatisticsError('non-finite weights')
         beta = underflow.gemm_scale_from_stats(
-            g.std, g.max_abs, w_std, w_max, n, self.underflow_rate,
-            self.fmt)
-        sigma = math.sqrt(n) * g.std * w_std
+            g_std, g_max, w_std, w_max, n, self.underflow_rate, self.fmt)
+        sigma = math.sqrt(n) * g_std * w_std
         return (beta, underflow.gemm_underflow_rate(sigma, beta, self.fmt),
                 underflow.gemm_underflow_rate(sigma, 1.0, self.fmt))
 

@@ -21,6 +21,8 @@ under.
 
 import gradient_scaling.compat  # NOQA
 
+import math
+
 import numpy
 
 from chainer.functions.activation import log_softmax
@@ -90,7 +92,7 @@ def accumulation_length(function, weight):
     func_type = internals.function_type(function)
     if func_type is linear.LinearFunction:
         return int(weight.shape[0])
-    kernel = int(numpy.prod(weight.shape[2:]))
+    kernel = math.prod(weight.shape[2:])
     if issubclass(func_type, _DECONVOLUTION_TYPES):
         # W is (in_channels, out_channels / groups, k...).
         return int(weight.shape[1]) * kernel

@@ -18,7 +18,8 @@ the CPU time is the steadier of the two, and BLAS runs single-threaded by
 default (``--blas-threads``) so that it counts the work, not threads
 waiting for a core. A ratio is the median over rounds of the variant's time
 divided by ``none``'s in the same round, which cancels load that drifts
-between rounds; times are medians over ``--repeat`` rounds.
+between rounds; times are medians over ``--repeat`` rounds, or more with
+``--budget`` (a cheap case then gets more rounds and a less noisy median).
 
 Modes (``--modes``): ``full``, the sizes the targets name (SSD300 at
 300x300, ResNets at 224x224, batch 1; the small CNN at 32x32, batch 32),
@@ -33,7 +34,10 @@ iteration times measured on a device) it predicts GS@1 and GS@100 there.
 
 Variants:
 
-* ``none``: no scaling; ``none+check``: no scaling, but the one fused
+* ``none``: no scaling; ``none (2nd copy)``: the same on a second copy of
+  the model, the A/A control (its ratio to ``none`` shows how far a ratio
+  moves when nothing differs: the noise floor of that case);
+  ``none+check``: no scaling, but the one fused
   finiteness check every method that can skip a step needs (the baseline
   of the hook's per-node cost); ``dynamic``: Chainer's Dyn-LS (which
   checks every gradient for overflow too, and divides each by its scale
@@ -73,6 +77,7 @@ Examples::
     python scripts/benchmark.py --modes full --models ssd300 --repeat 7
     python scripts/benchmark.py --quick --models small_cnn --out /tmp/b.md
     python scripts/benchmark.py --gpu 0 --shape resnet50=32x224
+    python scripts/benchmark.py --repeat 9 --budget 90  # results/benchmark.md
 
 Targets: framework-bound ResNet-50 (32x32, batch 1): GS@100 / Dyn-LS
 <= 1.02, GS@1 / Dyn-LS <= 1.15; full size (SSD300, ResNet-50, small CNN):
@@ -98,6 +103,7 @@ import numpy
 import chainer
 
 from gradient_scaling import scalers
+from gradient_scaling import sites
 from gradient_scaling import statistics
 from gradient_scaling import training
 
@@ -111,6 +117,12 @@ INTERVALS = (1, 10, 100)
 # An update interval no benchmark run reaches: the hook refreshes only at
 # its first pass (a warm-up pass), then always uses its cached scales.
 _NEVER = 10 ** 9
+# The A/A control: a second copy of the model, trained exactly as `none`.
+# Its ratio to `none` is the noise floor of that case's ratios (the same
+# work, another copy of the weights at other addresses, timed in turn).
+NONE_COPY = 'none (2nd copy)'
+# Rounds a --budget may add up to, per case.
+_MAX_ROUNDS = 200
 
 
 # (batch, input size) per model and mode. 'full': the sizes the targets
@@ -192,13 +204,18 @@ class _CountNodes(chainer.FunctionHook):
 
     def __init__(self):
         self.nodes = 0
+        self.elements = 0
 
     def backward_preprocess(self, function, in_data, out_grad):
         self.nodes += 1
+        if sites.is_gemm(function) and out_grad[0] is not None:
+            self.elements += in_data[1].size + out_grad[0].size
 
 
 def count_backward_nodes(variant):
-    """Function nodes one backward pass of ``variant``'s model visits."""
+    """(function nodes one backward pass of ``variant``'s model visits,
+    elements a GS refresh reads: every GEMM's weight and incoming
+    gradient)."""
     counter = _CountNodes()
     model = variant.model
     config = variant.updater.config
@@ -208,7 +225,7 @@ def count_backward_nodes(variant):
         with counter:
             loss.backward()
     model.cleargrads()
-    return counter.nodes
+    return counter.nodes, counter.elements
 
 
 def build_variants(case, batch, precision, device, rng_seed):
@@ -221,6 +238,7 @@ def build_variants(case, batch, precision, device, rng_seed):
         base.to_device(device)
         data = tuple(device.send(a) for a in data)
     specs = [('none', 'none', _NEVER, False),
+             (NONE_COPY, 'none', _NEVER, False),
              ('none+check', 'none', _NEVER, False),
              ('dynamic', 'dynamic', _NEVER, False),
              ('gs-refresh', 'gs', 1, False),
@@ -316,8 +334,13 @@ class _HostPeak(object):
         return tracemalloc.get_traced_memory()[1]
 
 
-def measure_variants(variants, repeat, memory_repeat, tracker, log):
+def measure_variants(variants, repeat, memory_repeat, tracker, log,
+                     budget=0.0):
     """Alternates the variants; returns per-round times and peak bytes.
+
+    At least ``repeat`` rounds, more if they fit in ``budget`` seconds
+    (estimated from the warm-up round): a cheap case gets more rounds,
+    whose median ratio is correspondingly less noisy.
 
     Returns:
         (dict, dict): label -> list over rounds of (wall seconds, CPU
@@ -326,8 +349,12 @@ def measure_variants(variants, repeat, memory_repeat, tracker, log):
     """
     times = {v.label: [] for v in variants}
     peaks = {v.label: [] for v in variants}
+    warm_up = time.perf_counter()
     for v in variants:  # warm-up: first refresh, allocator, caches
         v.step()
+    warm_up = time.perf_counter() - warm_up
+    if budget > 0 and warm_up > 0:
+        repeat = max(repeat, min(int(budget / warm_up), _MAX_ROUNDS))
     for r in range(repeat):
         # Forward and reversed order in turn: a variant gains nothing from
         # following a particular other one.
@@ -367,7 +394,7 @@ def summarise(model, precision, times, peaks, skips, intervals):
 
     none = series('none')
     variants = [(label, series(label), peaks[label], skips[label])
-                for label in ('none', 'none+check', 'dynamic')]
+                for label in ('none', NONE_COPY, 'none+check', 'dynamic')]
     for suffix in ('', '+measure'):
         refresh = 'gs-refresh' + suffix
         cached = 'gs-cached' + suffix if 'gs-cached' + suffix in times \
@@ -392,15 +419,20 @@ def summarise(model, precision, times, peaks, skips, intervals):
     return rows
 
 
-def per_node_row(mode, model, precision, times, nodes):
+def per_node_row(mode, model, precision, times, nodes, elements):
     """The hook's added CPU time per backward function node, for cached
     and refreshing passes, against a plain backward with the finiteness
     check (``none+check``) in the same round: a figure that does not
     depend on the device the arithmetic runs on.
 
+    A refresh reads every GEMM's weight and incoming gradient once, so
+    its added time grows with those elements rather than with the nodes:
+    the row gives it per element too.
+
     Returns:
         tuple: (mode, model, precision, nodes, Dyn-LS seconds, cached
-        microseconds per node, refresh microseconds per node).
+        microseconds per node, refresh microseconds per node, elements a
+        refresh reads, refresh nanoseconds per element).
 
     """
     def added(label):
@@ -408,8 +440,9 @@ def per_node_row(mode, model, precision, times, nodes):
             (t[1] - d[1]) / nodes * 1e6
             for t, d in zip(times[label], times['none+check']))
     dynamic = stdlib_statistics.median(t[1] for t in times['dynamic'])
+    refresh = added('gs-refresh')
     return (mode, model, precision, nodes, dynamic, added('gs-cached'),
-            added('gs-refresh'))
+            refresh, elements, refresh * nodes * 1e3 / max(elements, 1))
 
 
 def predicted_ratio(nodes, cached_us, refresh_us, iteration_seconds, k):
@@ -515,7 +548,10 @@ def format_report(argv, machine, rows, stat_rows, elapsed, gpu_name,
         'variants alternated in one process. Times: medians over the '
         'rounds; ratios: medians over the rounds of the ratio to `none` in '
         'the same round (CPU / dynamic divides two such medians; the last '
-        'column is their spread over the rounds: noise). `gs@k` is '
+        'column is their spread over the rounds: noise). `none (2nd copy)` '
+        'is the A/A control, `none` again on a second copy of the model: '
+        'how far from 1 its ratio lands is the noise floor of that case. '
+        '`gs@k` is '
         'amortised from timed refresh and cached passes, '
         '`(t_refresh + (k - 1) t_cached) / k` (see scripts/benchmark.py). '
         'Peak: what an iteration allocates on top of the model and '
@@ -545,22 +581,26 @@ def format_report(argv, machine, rows, stat_rows, elapsed, gpu_name,
             'and the number of nodes one backward visits. Predicted GS@k / '
             'Dyn-LS on a device whose Dyn-LS iteration takes T: `1 + nodes '
             '(cached + (refresh - cached) / k) / T` (Dyn-LS taken as '
-            'plain + check).', '',
+            'plain + check). A refresh reads every GEMM\'s weight and '
+            'incoming gradient once: its cost grows with those elements '
+            '(last two columns), not with the nodes.', '',
             '| mode | model | precision | nodes | Dyn-LS CPU (s) | '
-            'cached (us/node) | refresh (us/node) |',
-            '|---|---|---|---|---|---|---|']
-        for mode, model, precision, nodes, dynamic, cached, refresh in \
-                node_rows:
-            lines.append('| {} | {} | {} | {} | {:.4f} | {:.1f} | {:.1f} |'
-                         .format(mode, model, precision, nodes, dynamic,
-                                 cached, refresh))
+            'cached (us/node) | refresh (us/node) | elements read at a '
+            'refresh (M) | refresh (ns/element) |',
+            '|---|---|---|---|---|---|---|---|---|']
+        for (mode, model, precision, nodes, dynamic, cached, refresh,
+             elements, per_element) in node_rows:
+            lines.append('| {} | {} | {} | {} | {:.4f} | {:.1f} | {:.1f} | '
+                         '{:.2f} | {:.2f} |'.format(
+                             mode, model, precision, nodes, dynamic, cached,
+                             refresh, elements / 1e6, per_element))
         predictions = [
             (mode, model, precision, gpu_times[model],
              predicted_ratio(nodes, cached, refresh, gpu_times[model] / 1e3,
                              1),
              predicted_ratio(nodes, cached, refresh, gpu_times[model] / 1e3,
                              100))
-            for mode, model, precision, nodes, _, cached, refresh
+            for mode, model, precision, nodes, _, cached, refresh, _, _
             in node_rows if model in (gpu_times or {})]
         if predictions:
             lines += ['', 'Predicted for the given device iteration times '
@@ -613,6 +653,12 @@ def parse_args(argv):
                         help='GS update intervals to report')
     parser.add_argument('--repeat', type=int, default=None,
                         help='timed rounds (default: 5, --quick 2)')
+    parser.add_argument('--budget', type=float, default=0.0,
+                        metavar='SECONDS',
+                        help='more rounds for a case while they fit in this '
+                        'time (estimated from its warm-up round; at least '
+                        '--repeat, at most {}); 0: exactly --repeat '
+                        '(default: %(default)s)'.format(_MAX_ROUNDS))
     parser.add_argument('--memory-repeat', type=int, default=None,
                         help='rounds under tracemalloc (default: 2, '
                         '--quick 1)')
@@ -716,15 +762,16 @@ def main(argv=None):
                     mode, model, precision, shapes[model]))
                 variants = build_variants(model, shapes[model], precision,
                                           device, rng_seed=0)
-                nodes = count_backward_nodes(variants[0])
+                nodes, elements = count_backward_nodes(variants[0])
                 times, peaks = measure_variants(
-                    variants, args.repeat, args.memory_repeat, tracker, log)
+                    variants, args.repeat, args.memory_repeat, tracker, log,
+                    args.budget)
                 skips = {v.label: v.skips for v in variants}
                 shape = '{} {}x{}'.format(mode, *shapes[model])
                 rows += [(row[0], shape) + row[1:] for row in summarise(
                     model, precision, times, peaks, skips, args.intervals)]
                 node_rows.append(per_node_row(mode, model, precision, times,
-                                              nodes))
+                                              nodes, elements))
                 del variants
     stat_rows = []
     for dtype in args.stat_dtypes:

@@ -10,7 +10,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, 'scripts', 'benchmark.py')
-VARIANTS = ['none', 'none+check', 'dynamic'] + [
+VARIANTS = ['none', 'none (2nd copy)', 'none+check', 'dynamic'] + [
     'gs@{}{}'.format(k, suffix) for suffix in ('', '+measure')
     for k in (1, 10, 100)]
 STAT_OPERATIONS = ['copy', 'tensor_statistics(log=False)',
@@ -80,6 +80,10 @@ def test_quick_per_node_cost_table(report):
         assert int(row[3]) >= 10  # backward function nodes counted
         assert float(row[4]) > 0
         float(row[5]), float(row[6])  # microseconds per node (may be < 0)
+        assert float(row[7]) > 0  # millions of elements a refresh reads
+        assert float(row[8]) == pytest.approx(
+            float(row[6]) * int(row[3]) * 1e3 / (float(row[7]) * 1e6),
+            rel=0.02, abs=0.02)
     predicted = _table(report, 'Predicted for the given device')
     assert [(r[0], r[1], r[2], r[3]) for r in predicted] == [
         ('framework', 'small_cnn', p, '0.5') for p in ('fp32', 'sim-fp16')]
@@ -149,3 +153,44 @@ def test_side_by_side_benchmarks(script, args, variants, tmp_path):
         slack = median / first * (5e-5 / median + 5e-5 / first) + 5e-4
         assert abs(ratio - median / first) <= slack, row
     assert rows[0][4] == '1.000'
+
+
+def test_budget_adds_rounds_to_a_cheap_case():
+    sys.path.insert(0, os.path.join(ROOT, 'scripts'))
+    import benchmark
+
+    class Model(object):
+        def cleargrads(self):
+            pass
+
+    class Variant(object):
+        model = Model()
+
+        def __init__(self, label):
+            self.label = label
+
+        def step(self):
+            sum(range(20000))
+
+    class Tracker(object):
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *args):
+            pass
+
+        def reset(self):
+            return 0
+
+        def peak(self):
+            return 1
+
+    variants = [Variant('a'), Variant('b')]
+    times, _ = benchmark.measure_variants(variants, 3, 1, Tracker(),
+                                          lambda message: None)
+    assert [len(t) for t in times.values()] == [3, 3]
+    times, _ = benchmark.measure_variants(variants, 3, 1, Tracker(),
+                                          lambda message: None, budget=5.0)
+    rounds = len(times['a'])
+    assert 3 < rounds <= benchmark._MAX_ROUNDS
+    assert len(times['b']) == rounds

@@ -335,7 +335,8 @@ def test_spread_and_max_exact_max_sampled_spread():
     rng = numpy.random.default_rng(0)
     small = rng.standard_normal(1000).astype(numpy.float32)
     std, largest = statistics.spread_and_max(small)
-    assert std == statistics.tensor_statistics(small).std
+    assert std == pytest.approx(statistics.tensor_statistics(small).std,
+                                rel=1e-6)
     assert largest == float(numpy.abs(small).max())
     big = (rng.standard_normal((512, 512, 3, 3)) * 0.02).astype(
         numpy.float32)
@@ -346,3 +347,75 @@ def test_spread_and_max_exact_max_sampled_spread():
     assert abs(std - exact) / exact < 0.02
     big.reshape(-1)[7] = numpy.nan
     assert math.isnan(statistics.spread_and_max(big)[1])
+
+
+def _spread_cases():
+    rng = numpy.random.default_rng(3)
+    n = 3 * 2 ** 16 + 123  # several chunks and a partial one
+    normal = rng.standard_normal(n)
+    outlier = normal.copy()
+    outlier[0] = 1e4  # the first value, which the sweep shifts by
+    relu = numpy.maximum(normal, 0)
+    relu[rng.random(n) < 0.5] = 0
+    yield 'gradient-like', (normal * 1e-3).astype(numpy.float32)
+    yield 'offset 1e4 standard deviations', (1 + 1e-4 * normal).astype(
+        numpy.float32)
+    yield 'outlier first', outlier.astype(numpy.float32)
+    yield 'trend across chunks', (numpy.linspace(-1, 3, n) + 1e-3 * normal
+                                  ).astype(numpy.float32)
+    yield 'subnormal', (normal * 1e-42).astype(numpy.float32)
+    yield 'huge', (normal * 1e30).astype(numpy.float32)
+    yield 'tiny and huge chunks', numpy.concatenate(
+        [normal[:n // 2] * 1e-30, normal[n // 2:] * 1e3]).astype(
+            numpy.float32)
+    yield 'heavy tail', (rng.standard_cauchy(n) * 1e-5).astype(numpy.float32)
+    yield 'relu, half zeros', (relu * 3e-6).astype(numpy.float32)
+    yield 'float16', (normal * 1e-3).astype(numpy.float16)
+    yield 'float16 subnormal', (normal * 1e-6).astype(numpy.float16)
+    yield 'float64', normal * 1e-3
+    yield 'small', (normal[:7] * 1e-3).astype(numpy.float32)
+
+
+@pytest.mark.parametrize('name,x', list(_spread_cases()),
+                         ids=[name for name, _ in _spread_cases()])
+def test_spread_and_max_single_precision_sweep_is_accurate(name, x):
+    wide = x.astype(numpy.float64)
+    std, largest = statistics.spread_and_max(x, sample=False)
+    assert largest == float(numpy.abs(wide).max())
+    rtol = 1e-12 if x.dtype == numpy.float64 else 1e-4
+    assert std == pytest.approx(float(wide.std()), rel=rtol)
+    # The same tensor reshaped (as gradients come) gives the same numbers.
+    if x.size % 123 == 0:
+        assert statistics.spread_and_max(x.reshape(123, -1),
+                                         sample=False) == (std, largest)
+
+
+def test_spread_and_max_of_constant_tensor_is_exactly_zero():
+    for dtype in (numpy.float16, numpy.float32, numpy.float64):
+        x = numpy.full(3 * 2 ** 16 + 5, 0.3, dtype)
+        assert statistics.spread_and_max(x, sample=False) == (
+            0.0, float(dtype(0.3)))
+    assert statistics.spread_and_max(numpy.zeros((4, 5), numpy.float32),
+                                     sample=False) == (0.0, 0.0)
+
+
+def test_spread_and_max_non_finite():
+    x = numpy.ones(3 * 2 ** 16, numpy.float32)
+    x[-3] = numpy.inf
+    assert statistics.spread_and_max(x, sample=False)[1] == math.inf
+    x[5] = numpy.nan  # a NaN anywhere wins, as in max_abs
+    assert math.isnan(statistics.spread_and_max(x, sample=False)[1])
+    y = numpy.ones(10, numpy.float32)
+    y[2] = -numpy.inf
+    assert statistics.spread_and_max(y, sample=False)[1] == math.inf
+
+
+def test_chunked_max_abs_matches_numpy():
+    rng = numpy.random.default_rng(4)
+    x = rng.standard_normal(5 * 2 ** 16 + 17).astype(numpy.float32)
+    x[-1] = -9.5
+    assert statistics.max_abs(x) == 9.5
+    x[12] = numpy.nan
+    assert math.isnan(statistics.max_abs(x))
+    assert statistics.max_abs(numpy.arange(5 * 2 ** 16, dtype=numpy.uint32)
+                              ) == 5 * 2 ** 16 - 1
