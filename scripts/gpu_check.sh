@@ -107,8 +107,11 @@ note_kernels() { grep -c '== NumPy' "$1" | sed 's/$/ comparisons == NumPy/'; }
 note_smoke_train() { grep -E 'ms/iter' "$1" | sed 's/ *: loss.*, / /' | tr -s ' ' | tr '\n' ';'; }
 note_statistics_bandwidth() { grep -E '^statistics kernel at' "$1"; }
 note_benchmark() {
-    grep -E '^\| resnet50 \| mixed16 \| gs@100 ' "$LOGDIR/benchmark.md" |
-        awk -F'|' '{print "resnet50 mixed16 gs@100/none wall " $7}'
+    # | model | input | precision | variant | wall | CPU | wall / none |
+    grep -E '^\| resnet50 \| [^|]+ \| mixed16 \| (gs@1|gs@100|none \(2nd copy\)) \|' \
+        "$LOGDIR/benchmark.md" |
+        awk -F'|' '{gsub(/^ +| +$/, "", $5); gsub(/ /, "", $8)
+                   printf "resnet50 mixed16 %s/none wall %s; ", $5, $8}'
 }
 example_note() {
     grep -E '^Final' "$1" | tail -n 1 | tr '\n' ' '

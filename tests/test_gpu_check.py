@@ -108,3 +108,28 @@ def test_scales_summary(tmp_path):
     assert first.endswith('iteration 20, 3 sites (1 cast, 2 gemm), log2 '
                           'local scale min 1 median 2 max 10')
     assert [line.split()[-1] for line in sites] == ['2^2', '2^1', '2^10']
+
+
+def test_benchmark_note_reads_the_report_table(tmp_path):
+    # The note the summary gives for the benchmark step, on a report in
+    # benchmark.py's own format (the GPU's precision is mixed16).
+    sys.path.insert(0, os.path.join(ROOT, 'scripts'))
+    import benchmark
+    rows = [('resnet50', 'full 32x224', 'mixed16', label, 0.1, 0.1, wall,
+             wall, 1.0, 1.0, 0, (wall, wall))
+            for label, wall in [('none', 1.0), ('none (2nd copy)', 1.004),
+                                ('dynamic', 1.01), ('gs@1', 1.1),
+                                ('gs@100', 1.02), ('gs@100+measure', 1.03)]]
+    (tmp_path / 'benchmark.md').write_text(benchmark.format_report(
+        ['benchmark.py'], [], rows, [], 1.0, 'H200'))
+    with open(os.path.join(ROOT, 'scripts', 'gpu_check.sh')) as f:
+        source = f.read()
+    function = re.search(r'^note_benchmark\(\) \{.*?^\}$', source,
+                         re.MULTILINE | re.DOTALL).group(0)
+    note = subprocess.run(['bash', '-c', function + '\nnote_benchmark'],
+                          env=dict(os.environ, LOGDIR=str(tmp_path)),
+                          capture_output=True, text=True, check=True).stdout
+    assert note.split('; ') == [
+        'resnet50 mixed16 none (2nd copy)/none wall 1.004',
+        'resnet50 mixed16 gs@1/none wall 1.100',
+        'resnet50 mixed16 gs@100/none wall 1.020', '']
