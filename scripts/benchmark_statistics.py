@@ -2,8 +2,9 @@
 """Throughput of gradient_scaling.statistics next to a plain copy.
 
 Reads one gradient-like tensor (normal values, 10% zeros) and times
-``tensor_statistics`` with and without the log statistics, ``max_abs`` and
-``x.copy()`` on the same device. Each operation's bandwidth is the memory
+``tensor_statistics`` with and without the log statistics, ``max_abs``,
+``spread_and_max`` (what a GEMM site reads at a refresh) and ``x.copy()``
+on the same device. Each operation's bandwidth is the memory
 traffic it needs at the least (a copy reads and writes the tensor, the
 statistics read it once) divided by its median time; "of copy" is that
 bandwidth as a fraction of the copy's, i.e. how close a statistics pass comes
@@ -87,6 +88,10 @@ def operations(x, device):
         ('tensor_statistics(log=False)',
          lambda: statistics.tensor_statistics(x, log=False), n, False),
         ('max_abs', lambda: statistics.max_abs(x), n, False),
+        # What a GEMM site reads at a refresh (single precision on NumPy,
+        # the fused kernel on CuPy).
+        ('spread_and_max(sample=False)',
+         lambda: statistics.spread_and_max(x, sample=False), n, False),
     ]
     if device == 'gpu':
         ops += [
