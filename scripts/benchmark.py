@@ -524,11 +524,20 @@ def limit_blas_threads(n):
         import threadpoolctl
     except ImportError:
         return 'library default (threadpoolctl is not installed)'
-    # Kept referenced for the process's lifetime: the limit holds until the
-    # object is restored or collected.
+    # Kept referenced: the limit holds until the object is restored
+    # (restore_blas_threads) or collected.
     limit_blas_threads.limiter = threadpoolctl.threadpool_limits(
         limits=n, user_api='blas')
     return '{} (threadpoolctl)'.format(n)
+
+
+def restore_blas_threads():
+    """Undoes :func:`limit_blas_threads` (for a caller that goes on in the
+    same process: a different BLAS thread count changes float results)."""
+    limiter = getattr(limit_blas_threads, 'limiter', None)
+    if limiter is not None:
+        limiter.restore_original_limits()
+        limit_blas_threads.limiter = None
 
 
 def format_report(argv, machine, rows, stat_rows, elapsed, gpu_name,

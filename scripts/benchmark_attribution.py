@@ -180,12 +180,15 @@ def main(argv=None):
     machine.append(('BLAS threads', benchmark.limit_blas_threads(1)))
     start = time.perf_counter()
     results = {}
-    for case in args.cases:
-        mode, _, model = case.partition(':')
-        for precision in args.precisions:
-            results[mode, model, precision] = run_case(
-                mode, model, precision, args.passes,
-                lambda message: print(message, flush=True))
+    try:
+        for case in args.cases:
+            mode, _, model = case.partition(':')
+            for precision in args.precisions:
+                results[mode, model, precision] = run_case(
+                    mode, model, precision, args.passes,
+                    lambda message: print(message, flush=True))
+    finally:
+        benchmark.restore_blas_threads()
     table = format_table(results)
     report = '\n'.join(
         ['# Where GS\'s time goes (timed inside the hook)', '',
