@@ -23,8 +23,6 @@ import gradient_scaling.compat  # NOQA
 
 import math
 
-import numpy
-
 from chainer.functions.activation import log_softmax
 from chainer.functions.activation import softmax
 from chainer.functions.connection import convolution_2d

@@ -109,6 +109,11 @@ def attribute(variant, passes):
         total / passes
 
 
+def hook_seconds(parts):
+    """The hook's own work: every part but the finiteness check."""
+    return sum(v for k, v in parts.items() if k != 'finiteness check')
+
+
 def run_case(mode, model, precision, passes, log):
     shape = benchmark.SHAPES[mode][model]
     variants = {v.label: v for v in benchmark.build_variants(
@@ -128,9 +133,7 @@ def run_case(mode, model, precision, passes, log):
         parts, total = attribute(variant, passes)
         rows.append((label, parts, total))
         log('  {} {} {} {}: {:.1f} ms per pass in the hook'.format(
-            mode, model, precision, label,
-            sum(v for k, v in parts.items() if k != 'finiteness check')
-            * 1e3))
+            mode, model, precision, label, hook_seconds(parts) * 1e3))
     return stdlib_statistics.median(none_times), rows
 
 
@@ -141,8 +144,7 @@ def format_table(results):
              '|' + '---|' * (len(PARTS) + 7)]
     for (mode, model, precision), (none_seconds, rows) in results.items():
         for label, parts, total in rows:
-            hook_ms = sum(v for k, v in parts.items()
-                          if k != 'finiteness check') * 1e3
+            hook_ms = hook_seconds(parts) * 1e3
             check_ms = parts['finiteness check'] * 1e3
             lines.append(
                 '| {} {} | {} | {} | {:.4f} | '.format(
