@@ -33,8 +33,8 @@ import numpy as np
 
 import chainer
 
-from gradient_scaling import files
-from gradient_scaling import training as gs_training
+from gradient_scaling.chainer import files
+from gradient_scaling.chainer import training as gs_training
 
 from example_common.errors import InputError
 

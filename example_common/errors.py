@@ -11,7 +11,7 @@ pickle) becomes ``error: <message>`` on stderr, one line, and exit status 2
 
 import sys
 
-from gradient_scaling.files import FileError
+from gradient_scaling.chainer.files import FileError
 
 __all__ = ['InputError', 'DatasetError', 'DatasetNotFound', 'EXIT_STATUS',
            'run_main']

@@ -29,7 +29,7 @@ from chainer import training
 from chainer.training import extensions
 from chainer.training import triggers
 
-from gradient_scaling.extensions import ScaleHistory
+from gradient_scaling.chainer.extensions import ScaleHistory
 
 from example_common.arguments import launched_by_mpi
 

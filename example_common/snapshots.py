@@ -26,7 +26,7 @@ from chainer import serializers
 from chainer.training import extensions
 from chainer.training.extensions import snapshot_writers
 
-from gradient_scaling import files
+from gradient_scaling.chainer import files
 
 from example_common.errors import InputError
 

@@ -102,10 +102,10 @@ import numpy
 
 import chainer
 
-from gradient_scaling import scalers
-from gradient_scaling import sites
-from gradient_scaling import statistics
-from gradient_scaling import training
+from gradient_scaling.chainer import scalers
+from gradient_scaling.chainer import sites
+from gradient_scaling.core import statistics
+from gradient_scaling.chainer import training
 
 from benchmarking.cases import CASES
 from benchmarking.cases import gradient_like_tensor

@@ -42,8 +42,8 @@ import sys
 import time
 
 import benchmark
-from gradient_scaling import hook as hook_module
-from gradient_scaling import statistics
+from gradient_scaling.chainer import hook as hook_module
+from gradient_scaling.core import statistics
 
 DEFAULT_CASES = ('full:small_cnn', 'full:resnet50', 'full:ssd300',
                  'framework:resnet18', 'framework:resnet50',

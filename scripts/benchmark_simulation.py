@@ -21,8 +21,8 @@ import numpy as np
 
 import chainer
 
-from gradient_scaling.s2fp8 import S2FP8Simulation
-from gradient_scaling.simulation import LowPrecisionSimulation
+from gradient_scaling.chainer.s2fp8 import S2FP8Simulation
+from gradient_scaling.chainer.simulation import LowPrecisionSimulation
 
 from benchmarking.alternate import make_parser
 from benchmarking.alternate import ratio_rows

@@ -28,7 +28,7 @@ import statistics as stdlib_statistics
 import time
 
 
-from gradient_scaling import statistics
+from gradient_scaling.core import statistics
 
 from benchmarking.cases import gradient_like_tensor
 

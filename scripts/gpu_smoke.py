@@ -30,9 +30,9 @@ import chainer
 
 from chainer_links import ClassifierTrainChain
 from chainer_links import SmallCNN
-from gradient_scaling import formats
-from gradient_scaling import statistics
-from gradient_scaling import training
+from gradient_scaling.core import formats
+from gradient_scaling.core import statistics
+from gradient_scaling.chainer import training
 
 
 def info(cp, device_id):

@@ -16,7 +16,7 @@ import chainer
 import chainer.functions as F
 import chainer.links as L
 
-from gradient_scaling import training
+from gradient_scaling.chainer import training
 
 FAULTS = ('loss', 'gradient', 'input')
 VALUES = {'nan': np.nan, 'inf': np.inf}

@@ -16,7 +16,8 @@ import numpy as np
 
 import chainer
 
-from gradient_scaling import training
+from gradient_scaling.chainer import training
+from gradient_scaling.chainer import _internals as internals
 
 from fault_nets import batches  # NOQA
 from fault_nets import build  # NOQA
@@ -46,7 +47,8 @@ def quality(model, hook, x, t):
     for (name, p), (_, q) in zip(sorted(model.namedparams()),
                                  sorted(reference.namedparams())):
         if name.endswith('/W'):
-            g = p.grad.astype(np.float64) / (p._loss_scale or 1.0)
+            scale = internals.param_loss_scale(p) or 1.0
+            g = p.grad.astype(np.float64) / scale
             ref = q.grad.astype(np.float64)
             lost.append(np.mean(g[ref != 0] == 0))
             error.append(np.linalg.norm(g - ref) / np.linalg.norm(ref))

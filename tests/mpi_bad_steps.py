@@ -24,8 +24,8 @@ from fault_nets import batches  # NOQA
 from fault_nets import build  # NOQA
 from fault_nets import ListIterator  # NOQA
 
-from gradient_scaling import training  # NOQA
-from gradient_scaling.step import GradientOverflowError  # NOQA
+from gradient_scaling.chainer import training  # NOQA
+from gradient_scaling.core.step import GradientOverflowError  # NOQA
 
 
 def main():

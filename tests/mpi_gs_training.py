@@ -16,7 +16,7 @@ import chainermn
 from test_training import build  # NOQA
 from test_training import digits  # NOQA
 
-from gradient_scaling import training  # NOQA
+from gradient_scaling.chainer import training  # NOQA
 
 
 def main():

@@ -17,10 +17,10 @@ import pytest
 import chainer
 import chainer.functions as F
 
-from gradient_scaling import _chainer_internals as internals
-from gradient_scaling import scalers
-from gradient_scaling import training
-from gradient_scaling.step import GradientOverflowError
+from gradient_scaling.chainer import _internals as internals
+from gradient_scaling.chainer import scalers
+from gradient_scaling.chainer import training
+from gradient_scaling.core.step import GradientOverflowError
 
 from fault_nets import batches  # NOQA
 from fault_nets import build  # NOQA

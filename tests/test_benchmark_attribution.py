@@ -9,8 +9,8 @@ sys.path.insert(0, os.path.join(ROOT, 'scripts'))
 
 import benchmark  # NOQA: E402
 import benchmark_attribution  # NOQA: E402
-from gradient_scaling import hook as hook_module  # NOQA: E402
-from gradient_scaling import statistics  # NOQA: E402
+from gradient_scaling.chainer import hook as hook_module  # NOQA: E402
+from gradient_scaling.core import statistics  # NOQA: E402
 
 
 def test_attribution_times_every_part_and_unwraps():

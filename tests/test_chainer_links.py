@@ -6,6 +6,7 @@ import numpy
 import pytest
 
 import gradient_scaling  # NOQA: compat must precede chainer
+from gradient_scaling.chainer import _internals as internals
 
 import chainer
 from chainer import computational_graph
@@ -220,9 +221,9 @@ def test_small_ssd_default_boxes_follow_insize():
     assert model.insize == 64 and model.n_fg_class == 3
     assert model.extractor.grids == (8, 4, 2, 1)
     # Four default boxes per cell (sizes s_k, sqrt(s_k s_k+1), ratio 2, 1/2).
-    assert model.coder._default_bbox.shape == ((64 + 16 + 4 + 1) * 4, 4)
+    assert internals.default_boxes(model.coder).shape == ((64 + 16 + 4 + 1) * 4, 4)
     numpy.testing.assert_allclose(
-        model.coder._default_bbox[0], (4, 4, 9.6, 9.6))
+        internals.default_boxes(model.coder)[0], (4, 4, 9.6, 9.6))
     larger = SmallSSD(n_fg_class=2, insize=96)
     assert larger.extractor.grids == (12, 6, 3, 2)
     mb_locs, mb_confs = larger(numpy.zeros((1, 3, 96, 96), numpy.float32))

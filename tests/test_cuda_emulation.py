@@ -19,7 +19,7 @@ import sys
 import numpy
 import pytest
 
-from gradient_scaling import statistics
+from gradient_scaling.core import statistics
 
 from cuda_emulation import emulator  # NOQA
 from cuda_emulation import fake_cupy  # NOQA

@@ -12,11 +12,11 @@ import chainer
 import chainer.functions as F
 import chainer.links as L
 
-from gradient_scaling import estimators
-from gradient_scaling import formats
+from gradient_scaling.core import estimators
+from gradient_scaling.core import formats
 from gradient_scaling import GradientScaling
-from gradient_scaling import scale_state
-from gradient_scaling import training
+from gradient_scaling.core import scale_state
+from gradient_scaling.chainer import training
 
 RATE = 1e-3
 FP16 = formats.get('float16')

@@ -25,8 +25,8 @@ import pytest
 from embedded_datasets import ShapesDetectionDataset
 from embedded_datasets import ShapesSegmentationDataset
 from example_common.errors import DatasetError
-from gradient_scaling import files
-from gradient_scaling.scalers import SCALING_MODES
+from gradient_scaling.chainer import files
+from gradient_scaling.chainer.scalers import SCALING_MODES
 
 from helpers import EXAMPLES
 from helpers import last

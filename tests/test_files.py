@@ -11,7 +11,7 @@ import chainer.links as L
 import numpy as np
 import pytest
 
-from gradient_scaling import files
+from gradient_scaling.chainer import files
 
 
 class Payload(object):

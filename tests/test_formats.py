@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy
 import pytest
 
-from gradient_scaling import formats
+from gradient_scaling.core import formats
 from helpers import cupy_or_skip
 
 

@@ -5,8 +5,8 @@ import gradient_scaling  # NOQA
 import numpy as np
 import pytest
 
-from gradient_scaling import formats
-from gradient_scaling import histogram
+from gradient_scaling.core import formats
+from gradient_scaling.core import histogram
 
 FORMATS = ('float16', 'bfloat16', 'float8_e5m2', 'float8_e4m3')
 

@@ -14,6 +14,7 @@ import chainer.links as L
 from gradient_scaling import GradientOverflowError
 from gradient_scaling import GradientScaling
 from gradient_scaling import measured_underflow_rate
+from gradient_scaling.chainer import _internals as internals
 
 from hook_nets import EveryConstructNet  # NOQA
 from hook_nets import every_construct_batch  # NOQA
@@ -24,7 +25,7 @@ def plain_grads(model, loss_fn, passes=1, loss_scale=None):
     model.cleargrads()
     for _ in range(passes):
         loss_fn().backward(loss_scale=loss_scale)
-    return {n: p.grad / (p._loss_scale or 1.0)
+    return {n: p.grad / (internals.param_loss_scale(p) or 1.0)
             for n, p in model.namedparams() if p.grad is not None}
 
 
@@ -33,7 +34,7 @@ def scaled_grads(model, loss_fn, hook, passes=1, loss_scale=None):
     with hook:
         for _ in range(passes):
             loss_fn().backward(loss_scale=loss_scale)
-    return {n: p.grad / p._loss_scale
+    return {n: p.grad / internals.param_loss_scale(p)
             for n, p in model.namedparams() if p.grad is not None}
 
 
@@ -72,7 +73,7 @@ def test_exact_on_every_construct(every_construct, lazy, loss_scale, passes):
         assert 'branch' in kinds  # contributions at different scales met
     # The test is only meaningful if scales really differ from 1 and from
     # each other.
-    param_scales = {p._loss_scale for p in model.params()}
+    param_scales = {internals.param_loss_scale(p) for p in model.params()}
     assert len(param_scales) >= 3
     assert max(param_scales) >= 2 ** 15
     assert min(param_scales) >= (loss_scale or 1)
@@ -124,21 +125,22 @@ def test_mixed16_rules_and_fp32_update():
     for name, p in model.namedparams():
         assert np.isfinite(p.grad).all(), name
         assert np.abs(p.grad).max() <= fmt_max, name
-        assert is_power_of_two(p._loss_scale), name
+        assert is_power_of_two(internals.param_loss_scale(p)), name
     for r in hook.report():
         assert is_power_of_two(r.local_scale) and is_power_of_two(
             r.output_scale), r
-    assert max(p._loss_scale for p in model.params()) > 1
+    assert max(internals.param_loss_scale(p) for p in model.params()) > 1
     # The stock update divides each gradient by its own scale, in FP32.
-    before = {n: p.update_rule._fp32_param.array.copy()
-              if p.update_rule._fp32_param is not None
+    before = {n: internals.fp32_master(p.update_rule).array.copy()
+              if internals.fp32_master(p.update_rule) is not None
               else p.array.astype(np.float32)
               for n, p in model.namedparams()}
-    grads = {n: p.grad.astype(np.float32) / np.float32(p._loss_scale)
+    grads = {n: p.grad.astype(np.float32)
+             / np.float32(internals.param_loss_scale(p))
              for n, p in model.namedparams()}
     opt.update()
     for n, p in model.namedparams():
-        master = (p.update_rule._fp32_param.array
+        master = (internals.fp32_master(p.update_rule).array
                   if p.dtype == np.float16 else p.array)
         np.testing.assert_allclose(master, before[n] - 0.5 * grads[n],
                                    rtol=1e-6, atol=1e-7, err_msg=n)
@@ -224,7 +226,7 @@ def test_serialize_round_trip(every_construct, tmp_path):
         loss_fn().backward()
     assert restored.to_csv() == hook.to_csv()
     assert {r.iteration for r in restored.report()} == {1}
-    assert max(p._loss_scale for p in model.params()) > 1
+    assert max(internals.param_loss_scale(p) for p in model.params()) > 1
 
 
 def test_report_and_csv(every_construct, tmp_path):
@@ -255,7 +257,7 @@ def test_observe_only_keeps_scales_at_one(every_construct):
     with hook:
         loss_fn().backward()
     assert hook.last_result.finite
-    assert {p._loss_scale for p in model.params()} == {1.0}
+    assert {internals.param_loss_scale(p) for p in model.params()} == {1.0}
     cast = [r for r in hook.report() if r.kind == 'cast'][0]
     assert cast.local_scale == 1.0
 
@@ -295,8 +297,7 @@ def test_refuses_double_backprop_grad_and_chainerx(every_construct):
         with pytest.raises(RuntimeError, match='ChainerX'):
             loss.backward()
     # Chainer is restored after the with block.
-    assert chainer._backprop_utils._reduce.__module__ == \
-        'chainer._backprop_utils'
+    assert internals.chainer_backprop_restored()
 
 
 def test_two_active_hooks_refused():

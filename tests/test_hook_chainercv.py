@@ -21,6 +21,7 @@ from chainercv.links.model.ssd import SSD
 
 from gradient_scaling import GradientScaling
 from gradient_scaling import measured_underflow_rate
+from gradient_scaling.chainer import _internals as internals
 
 from test_hook import assert_same_grads  # NOQA
 from test_hook import plain_grads  # NOQA
@@ -38,7 +39,7 @@ def check_exact(model, loss_fn, min_sites):
     actual = scaled_grads(model, loss_fn, hook)
     assert_same_grads(expected, actual)
     assert len(hook.report()) >= min_sites
-    assert max(p._loss_scale for p in model.params()) >= 8
+    assert max(internals.param_loss_scale(p) for p in model.params()) >= 8
     return hook
 
 
@@ -210,7 +211,8 @@ def test_segnet_mixed16_underflow_effect():
         # "no loss" can only mean "below the target rate" (1e-3): measured
         # 0 to 6.3e-4 of the values with the hook, 0.7% to 3% without.
         scaled = measured_underflow_rate(
-            reference * np.float32(p16._loss_scale), 'float16')
+            reference * np.float32(internals.param_loss_scale(p16)),
+            'float16')
         unscaled = measured_underflow_rate(reference, 'float16')
         assert scaled <= 1e-3 and scaled <= unscaled / 20, (name, scaled)
         unscaled_loss += unscaled

@@ -21,8 +21,8 @@ import pytest
 
 from example_common import errors
 from gradient_scaling import GradientScaling
-from gradient_scaling import scalers
-from gradient_scaling import training
+from gradient_scaling.chainer import scalers
+from gradient_scaling.chainer import training
 
 from helpers import EXAMPLES
 from helpers import load_example

@@ -8,6 +8,7 @@ numbers on real data come from ``scripts/own_data.py``.
 """
 
 import gradient_scaling  # NOQA: compat must precede chainer
+from gradient_scaling.chainer import _internals as internals
 
 import os
 import struct
@@ -88,7 +89,7 @@ def voc_argv(root, out, *extra):
 def matched_fraction(model, dataset):
     """Fraction of the boxes that some default box of ``model`` overlaps
     at IoU >= 0.5 (SSD's matching threshold) once resized to its input."""
-    defaults = model.coder._default_bbox  # (y, x, h, w), centre form
+    defaults = internals.default_boxes(model.coder)  # (y, x, h, w), centre form
     corners = np.concatenate([defaults[:, :2] - defaults[:, 2:] / 2,
                               defaults[:, :2] + defaults[:, 2:] / 2], 1)
     matched = total = 0

@@ -9,9 +9,9 @@ import pytest
 
 from chainer import serializers
 
-from gradient_scaling import files
-from gradient_scaling import random_state
-from gradient_scaling.simulation import LowPrecisionSimulation
+from gradient_scaling.chainer import files
+from gradient_scaling.chainer import random_state
+from gradient_scaling.chainer.simulation import LowPrecisionSimulation
 
 
 class Generators(object):

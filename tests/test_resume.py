@@ -253,7 +253,7 @@ def test_sigkill_after_a_snapshot_then_resume(example, straight, voc,
 # long run would take its time), so that the test kills it mid-run.
 SLOW_AFTER_SNAPSHOT = '''
 import runpy, sys, time
-import gradient_scaling.training as gs_training
+import gradient_scaling.chainer.training as gs_training
 update = gs_training.ScalingUpdater.update
 def slow_update(self):
     update(self)

@@ -10,9 +10,9 @@ import chainer
 import chainer.functions as F
 import chainer.links as L
 
-from gradient_scaling.s2fp8 import S2FP8Simulation
-from gradient_scaling.s2fp8 import s2fp8_statistics
-from gradient_scaling.s2fp8 import s2fp8_truncate
+from gradient_scaling.chainer.s2fp8 import S2FP8Simulation
+from gradient_scaling.chainer.s2fp8 import s2fp8_statistics
+from gradient_scaling.chainer.s2fp8 import s2fp8_truncate
 
 
 # -- reference: the paper's formulas, literally, with ml_dtypes' E5M2 -------
@@ -273,7 +273,7 @@ def test_simulation_truncates_gemm_operands_and_results(case):
 
 
 def test_simulation_trains_where_plain_fp8_loses_everything():
-    from gradient_scaling.simulation import LowPrecisionSimulation
+    from gradient_scaling.chainer.simulation import LowPrecisionSimulation
     rng = np.random.default_rng(6)
     model = L.Classifier(L.Linear(8, 3))
     x = rng.standard_normal((16, 8)).astype(np.float32)

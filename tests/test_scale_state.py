@@ -7,11 +7,11 @@ import pytest
 
 import chainer
 
-from gradient_scaling import scale_state
-from gradient_scaling.scale_state import RefreshSchedule
-from gradient_scaling.scale_state import ScaleTable
-from gradient_scaling.scale_state import StagedScales
-from gradient_scaling.scale_state import WeightPathBackoff
+from gradient_scaling.core import scale_state
+from gradient_scaling.core.scale_state import RefreshSchedule
+from gradient_scaling.core.scale_state import ScaleTable
+from gradient_scaling.core.scale_state import StagedScales
+from gradient_scaling.core.scale_state import WeightPathBackoff
 
 
 def round_trip(obj, fresh, tmp_path):

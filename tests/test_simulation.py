@@ -13,11 +13,12 @@ import chainer.functions as F
 import chainer.links as L
 
 import chainer_links
-from gradient_scaling import formats
+from gradient_scaling.core import formats
 from gradient_scaling import GradientScaling
-from gradient_scaling import simulation
-from gradient_scaling.simulation import LowPrecisionSimulation
-from gradient_scaling.simulation import round_nearest
+from gradient_scaling.chainer import simulation
+from gradient_scaling.chainer.simulation import LowPrecisionSimulation
+from gradient_scaling.chainer.simulation import round_nearest
+from gradient_scaling.chainer import _internals as internals
 
 NAMES = formats.names()
 
@@ -369,7 +370,8 @@ def _gradients(model, x, t, loss_factor, hooks=(), loss_scale=None):
         loss, acts = model(x, t, loss_factor)
         model.cleargrads()
         loss.backward(retain_grad=True, loss_scale=loss_scale)
-    grads = {name: (p.grad / (p._loss_scale or 1.0)).astype(np.float64)
+    grads = {name: (p.grad / (internals.param_loss_scale(p) or 1.0)
+                    ).astype(np.float64)
              for name, p in model.namedparams() if name.endswith('/W')}
     for i, a in enumerate(acts, 1):
         grads['h{}'.format(i)] = a.grad.astype(np.float64) / getattr(
@@ -453,7 +455,7 @@ def test_gradient_scaling_rounds_after_scaling():
         loss_factor=1e-2, fc_scale=1e-3)
     plain, scaled, model = _plain_and_scaled(src, x, t, loss_factor,
                                              reference)
-    assert model.c1.W._loss_scale > 1.0
+    assert internals.param_loss_scale(model.c1.W) > 1.0
     # The best FP16 can do here: a loss scale large enough that nothing
     # underflows; what error remains is FP16's rounding (forward included).
     best = _lost_and_error(

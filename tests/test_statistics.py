@@ -5,7 +5,7 @@ import math
 import numpy
 import pytest
 
-from gradient_scaling import statistics
+from gradient_scaling.core import statistics
 from helpers import cupy_or_skip
 
 
@@ -310,7 +310,7 @@ def test_cupy_non_contiguous_and_max_abs():
 def test_bit_decoding_to_float64_is_exact_for_every_pattern():
     """The FTZ-proof CuPy widening, run on NumPy: every float16 pattern and
     every float32 subnormal, plus normals, both signs, inf and NaN."""
-    from gradient_scaling.statistics import _decode_to_float64
+    from gradient_scaling.core.statistics import _decode_to_float64
     halves = numpy.arange(2 ** 16, dtype=numpy.uint16).view(numpy.float16)
     rng = numpy.random.default_rng(0)
     singles = numpy.concatenate([

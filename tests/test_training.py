@@ -19,9 +19,10 @@ import chainer.links as L
 from chainer import training as chainer_training
 from chainer.training import extensions
 
-from gradient_scaling import scalers
-from gradient_scaling import training
-from gradient_scaling.extensions import ScaleHistory
+from gradient_scaling.chainer import scalers
+from gradient_scaling.chainer import training
+from gradient_scaling.chainer.extensions import ScaleHistory
+from gradient_scaling.chainer import _internals as internals
 
 
 def digits(split):
@@ -142,7 +143,7 @@ def run_chainer_dynamic(config, steps, loss_factor):
     for _ in range(steps):
         with config.model_dtype():
             optimizer.update(model, x, t)
-        trace.append(optimizer._loss_scale)
+        trace.append(internals.param_loss_scale(optimizer))
     return trace, model
 
 
@@ -161,7 +162,7 @@ def test_dynamic_reproduces_chainer_trace():
         for _ in range(steps):
             training.train_step(optimizer, scaler, model, x, t,
                                 config=config)
-            trace.append(optimizer._loss_scale)
+            trace.append(internals.param_loss_scale(optimizer))
     assert trace == expected
     assert min(np.diff(np.log2(trace))) < 0  # it did back off
     for p, q in zip(model.params(), reference.params()):

@@ -7,8 +7,8 @@ import pytest
 from scipy import special
 from scipy import stats
 
-from gradient_scaling import formats
-from gradient_scaling import underflow
+from gradient_scaling.core import formats
+from gradient_scaling.core import underflow
 
 
 FP16 = formats.get('float16')

@@ -43,8 +43,8 @@ from chainer.training import triggers
 
 from chainercv import transforms
 
-from gradient_scaling import files
-from gradient_scaling import training as gs_training
+from gradient_scaling.chainer import files
+from gradient_scaling.chainer import training as gs_training
 
 import chainer_links
 from chainer_links import ClassifierTrainChain

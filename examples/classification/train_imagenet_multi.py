@@ -57,7 +57,7 @@ from chainer.training import extensions
 from chainercv.links.model.resnet import Bottleneck
 from chainercv import transforms
 
-from gradient_scaling import training as gs_training
+from gradient_scaling.chainer import training as gs_training
 
 import chainer_links
 from chainer_links import ClassifierTrainChain

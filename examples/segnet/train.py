@@ -53,8 +53,8 @@ from chainercv.datasets import CamVidDataset
 from chainercv.extensions import SemanticSegmentationEvaluator
 from chainercv.links import SegNetBasic
 
-from gradient_scaling import files
-from gradient_scaling import training as gs_training
+from gradient_scaling.chainer import files
+from gradient_scaling.chainer import training as gs_training
 
 from embedded_datasets import class_weights
 from embedded_datasets import ShapesSegmentationDataset
@@ -158,8 +158,8 @@ class PresentClassesEvaluator(SemanticSegmentationEvaluator):
     """
 
     def evaluate(self):
-        target = self._targets['main']
-        iterator = self._iterators['main']
+        target = self.get_target('main')
+        iterator = self.get_iterator('main')
         iterator.reset()
         _, (pred_labels,), (gt_labels,) = apply_to_iterator(
             target.predict, iterator)

@@ -59,8 +59,8 @@ from chainercv.links import SSD300
 from chainercv.links import SSD512
 from chainercv import transforms
 
-from gradient_scaling import files
-from gradient_scaling import training as gs_training
+from gradient_scaling.chainer import files
+from gradient_scaling.chainer import training as gs_training
 
 from chainer_links import mixed_precision_ssd
 from chainer_links import SmallSSD

@@ -14,7 +14,7 @@ import chainer
 import chainer.functions as F
 
 from chainer_links import SmallCNN
-from gradient_scaling import statistics
+from gradient_scaling.core import statistics
 
 __all__ = ['Classification', 'MultiboxTraining', 'CASES',
            'gradient_like_tensor', 'statistics_operations']

@@ -19,12 +19,12 @@ import numpy as np
 import chainer
 import chainer.functions as F
 
-from gradient_scaling import estimators
-from gradient_scaling import formats
-from gradient_scaling import histogram
-from gradient_scaling import sites
-from gradient_scaling import statistics
-from gradient_scaling import underflow
+from gradient_scaling.core import estimators
+from gradient_scaling.core import formats
+from gradient_scaling.core import histogram
+from gradient_scaling.chainer import sites
+from gradient_scaling.core import statistics
+from gradient_scaling.core import underflow
 
 from studies.common import log
 from studies.common import pyplot

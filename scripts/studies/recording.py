@@ -16,7 +16,7 @@ import chainer
 from chainer.dataset import concat_examples
 from chainer.iterators import SerialIterator
 
-from gradient_scaling import training
+from gradient_scaling.chainer import training
 
 from studies.common import log
 

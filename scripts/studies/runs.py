@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from gradient_scaling import files
+from gradient_scaling.chainer import files
 from studies.common import log
 from studies.common import ROOT
 

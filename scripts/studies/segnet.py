@@ -26,9 +26,9 @@ from chainercv.links import SegNetBasic
 from embedded_datasets import class_weights
 from embedded_datasets import ShapesSegmentationDataset
 from gradient_scaling import measured_underflow_rate
-from gradient_scaling.simulation import LowPrecisionSimulation
-from gradient_scaling import statistics
-from gradient_scaling import underflow
+from gradient_scaling.chainer.simulation import LowPrecisionSimulation
+from gradient_scaling.core import statistics
+from gradient_scaling.core import underflow
 
 from studies.common import log
 from studies.common import pyplot

@@ -22,12 +22,11 @@ import dataclasses
 import typing
 import warnings
 
-from gradient_scaling import _chainer_internals as internals
-from gradient_scaling import _validate
-from gradient_scaling import statistics
+from gradient_scaling.core import _validate
+from gradient_scaling.core import statistics
 
 __all__ = ['GradientOverflowError', 'PassResult', 'OverflowGuard',
-           'LinkState', 'gradient_result', 'combine_across_ranks']
+           'gradient_result', 'combine_across_ranks']
 
 #: Causes of a non-finite pass.
 CAUSES = ('data', 'scale')
@@ -203,42 +202,7 @@ class OverflowGuard(object):
                                                self.skips[cause]))
 
 
-class LinkState(object):
-
-    """The persistent values of a link and its children, to put back.
-
-    The forward pass of a training step changes persistent values
-    (BatchNorm's ``avg_mean``, ``avg_var`` and ``N``), in place. Captured
-    before the forward and restored when the step is skipped, the batch
-    leaves no trace: a NaN batch cannot poison the running statistics.
-
-    Args:
-        link (~chainer.Link): The model (every child link is included).
-
-    """
-
-    def __init__(self, link):
-        self._saved = []
-        for sub in link.links():
-            for name in internals.persistent_names(sub):
-                value = getattr(sub, name)
-                if hasattr(value, 'copy'):
-                    value = value.copy()
-                self._saved.append((sub, name, value))
-
-    def restore(self):
-        """Puts every captured value back (arrays in place)."""
-        for sub, name, value in self._saved:
-            current = getattr(sub, name)
-            if (hasattr(current, 'shape') and hasattr(value, 'shape')
-                    and current.shape == value.shape
-                    and current.dtype == value.dtype):
-                current[...] = value
-            else:
-                setattr(sub, name, value)
-
-
-def gradient_result(losses, params):
+def gradient_result(losses, named_grads):
     """The :class:`PassResult` of a loss-scaled backward (no hook).
 
     One fused finiteness check over the losses and every gradient (one host
@@ -247,11 +211,12 @@ def gradient_result(losses, params):
 
     Args:
         losses (list): Loss arrays of the step's backward passes.
-        params (iterable of (str, ~chainer.Parameter)): Named parameters.
+        named_grads (iterable of (str, array or None)): Each parameter's
+            name and gradient (None: no gradient).
 
     """
-    named = [(n, p) for n, p in params if p.grad is not None]
-    arrays = list(losses) + [p.grad for _, p in named]
+    named = [(n, g) for n, g in named_grads if g is not None]
+    arrays = list(losses) + [g for _, g in named]
     if not arrays:
         return PassResult()
     flags = statistics.finite_flags(arrays)

@@ -41,7 +41,7 @@ of the formulas above evaluated in float64 with an exact rounding to E5M2
 .. admonition:: Example
 
     >>> import numpy as np
-    >>> from gradient_scaling.s2fp8 import s2fp8_statistics, s2fp8_truncate
+    >>> from gradient_scaling.chainer.s2fp8 import s2fp8_statistics, s2fp8_truncate
     >>> x = np.array([1e-12, -3e-12, 0.0, 7e-12], np.float32)
     >>> alpha, beta = s2fp8_statistics(x)
     >>> round(alpha, 3), round(beta, 1)
@@ -58,11 +58,11 @@ import math
 
 import numpy
 
-from gradient_scaling import formats
-from gradient_scaling import simulation
-from gradient_scaling.statistics import device_scope
-from gradient_scaling.statistics import get_array_module
-from gradient_scaling.statistics import widen_exactly
+from gradient_scaling.core import formats
+from gradient_scaling.chainer import simulation
+from gradient_scaling.core.statistics import device_scope
+from gradient_scaling.core.statistics import get_array_module
+from gradient_scaling.core.statistics import widen_exactly
 
 __all__ = ['s2fp8_statistics', 's2fp8_truncate', 'S2FP8Simulation']
 
@@ -163,7 +163,7 @@ class S2FP8Simulation(simulation.GemmSimulation):
     .. admonition:: Example
 
         >>> import chainer, chainer.links as L, numpy as np
-        >>> from gradient_scaling.s2fp8 import S2FP8Simulation
+        >>> from gradient_scaling.chainer.s2fp8 import S2FP8Simulation
         >>> model = L.Classifier(L.Linear(3, 2))
         >>> optimizer = chainer.optimizers.SGD().setup(model)
         >>> x = np.ones((4, 3), np.float32); t = np.zeros(4, np.int32)

@@ -26,8 +26,8 @@ import numpy
 
 import chainer
 
-from gradient_scaling import _validate
-from gradient_scaling import underflow
+from gradient_scaling.core import _validate
+from gradient_scaling.core import underflow
 
 __all__ = ['RefreshSchedule', 'ScaleTable', 'WeightPathBackoff']
 

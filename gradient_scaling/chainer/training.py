@@ -33,16 +33,17 @@ import chainer
 from chainer.dataset import convert
 from chainer.training import updaters
 
-from gradient_scaling import _chainer_internals as internals
-from gradient_scaling import _validate
-from gradient_scaling import estimators
-from gradient_scaling import formats
-from gradient_scaling import random_state
-from gradient_scaling import scalers
-from gradient_scaling import step as step_module
-from gradient_scaling.scalers import SCALING_MODES
-from gradient_scaling.update import apply_update  # NOQA: part of this API
-from gradient_scaling.update import serialize_fp32_masters
+from gradient_scaling.chainer import _internals as internals
+from gradient_scaling.core import _validate
+from gradient_scaling.core import estimators
+from gradient_scaling.core import formats
+from gradient_scaling.chainer import link_state
+from gradient_scaling.chainer import random_state
+from gradient_scaling.chainer import scalers
+from gradient_scaling.core import step as step_module
+from gradient_scaling.chainer.scalers import SCALING_MODES
+from gradient_scaling.chainer.update import apply_update  # NOQA: part of this API
+from gradient_scaling.chainer.update import serialize_fp32_masters
 
 __all__ = ['PRECISIONS', 'SIMULATED_FORMATS', 'SCALING_MODES',
            'ScalingConfig', 'add_arguments', 'default_to_simulation_on_cpu',
@@ -172,10 +173,10 @@ class ScalingConfig(object):
     def simulation_hook(self):
         """The hook that simulates ``precision`` on an FP32 model, or None."""
         if self.precision == 's2fp8':
-            from gradient_scaling.s2fp8 import S2FP8Simulation
+            from gradient_scaling.chainer.s2fp8 import S2FP8Simulation
             return S2FP8Simulation(measure_underflow=self.count_underflow)
         if self.simulated:
-            from gradient_scaling.simulation import LowPrecisionSimulation
+            from gradient_scaling.chainer.simulation import LowPrecisionSimulation
             return LowPrecisionSimulation(
                 SIMULATED_FORMATS[self.precision],
                 rounding='stochastic' if self.stochastic_rounding
@@ -325,7 +326,7 @@ def train_step(optimizer, scaler, loss_func, *args, config=None,
 
     """
     model = optimizer.target
-    state = step_module.LinkState(model)
+    state = link_state.LinkState(model)
     with contextlib.ExitStack() as stack:
         if config is not None:
             stack.enter_context(config.model_dtype())

@@ -47,11 +47,11 @@ import numpy
 
 import chainer
 
-from gradient_scaling import _chainer_internals as internals
-from gradient_scaling import histogram
-from gradient_scaling import sites
-from gradient_scaling import statistics
-from gradient_scaling import underflow
+from gradient_scaling.chainer import _internals as internals
+from gradient_scaling.core import histogram
+from gradient_scaling.chainer import sites
+from gradient_scaling.core import statistics
+from gradient_scaling.core import underflow
 
 __all__ = ['ESTIMATORS', 'make_estimator', 'scale_from_histogram',
            'ModelEstimator', 'MeasuredEstimator', 'HybridEstimator',

@@ -344,3 +344,16 @@ def curand_state(bit_generator):
     """The device array of a CuPy bit generator's cuRAND states (int8),
     read and written in place to save and restore the generator."""
     return bit_generator._state
+
+
+def chainer_backprop_restored():
+    """Whether Chainer's backprop functions are its own again (no hook
+    installed)."""
+    return (_handler is None
+            and _backprop_utils._reduce.__module__ == 'chainer._backprop_utils'
+            and _backprop._backprop_to_all.__module__ == 'chainer._backprop')
+
+
+def default_boxes(coder):
+    """The default boxes ``(y, x, h, w)`` of ChainerCV's ``MultiboxCoder``."""
+    return coder._default_bbox

@@ -15,7 +15,7 @@ import numpy
 
 import chainer
 
-from gradient_scaling import _chainer_internals as internals
+from gradient_scaling.chainer import _internals as internals
 
 __all__ = ['apply_update', 'serialize_fp32_masters']
 

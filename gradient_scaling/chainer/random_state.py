@@ -28,7 +28,7 @@ import numpy
 
 import chainer
 
-from gradient_scaling import _chainer_internals as internals
+from gradient_scaling.chainer import _internals as internals
 
 __all__ = ['serialize_python', 'serialize_numpy', 'serialize_generator']
 

@@ -61,11 +61,11 @@ import numpy
 import chainer
 from chainer import backend
 
-from gradient_scaling import _chainer_internals as internals
-from gradient_scaling import formats
-from gradient_scaling import random_state
-from gradient_scaling import sites
-from gradient_scaling import statistics
+from gradient_scaling.chainer import _internals as internals
+from gradient_scaling.core import formats
+from gradient_scaling.chainer import random_state
+from gradient_scaling.chainer import sites
+from gradient_scaling.core import statistics
 
 __all__ = ['UnderflowCount', 'GemmSimulation', 'LowPrecisionSimulation',
            'round_nearest']
@@ -282,7 +282,7 @@ class LowPrecisionSimulation(GemmSimulation):
     .. admonition:: Example
 
         >>> import chainer, chainer.links as L, numpy as np
-        >>> from gradient_scaling.simulation import LowPrecisionSimulation
+        >>> from gradient_scaling.chainer.simulation import LowPrecisionSimulation
         >>> model = L.Classifier(L.Linear(3, 2))
         >>> optimizer = chainer.optimizers.SGD().setup(model)
         >>> x = np.ones((4, 3), np.float32); t = np.zeros(4, np.int32)

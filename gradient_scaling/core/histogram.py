@@ -18,7 +18,7 @@ subnormals to zero in floating-point arithmetic.
 .. admonition:: Example
 
     >>> import numpy as np
-    >>> from gradient_scaling import histogram
+    >>> from gradient_scaling.core import histogram
     >>> h = histogram.exponent_histogram(np.array([2.0 ** -26, 2.0 ** -25,
     ...                                            1.0], np.float32))
     >>> h.underflow_fraction(0, 'float16')  # 2**-25 is a tie: to 0 (even)
@@ -35,9 +35,9 @@ import math
 
 import numpy
 
-from gradient_scaling import formats
-from gradient_scaling.statistics import device_scope
-from gradient_scaling.statistics import get_array_module
+from gradient_scaling.core import formats
+from gradient_scaling.core.statistics import device_scope
+from gradient_scaling.core.statistics import get_array_module
 
 __all__ = ['ExponentHistogram', 'exponent_histogram', 'overflow_threshold']
 

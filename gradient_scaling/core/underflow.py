@@ -41,7 +41,7 @@ like an overflow.
 .. admonition:: Example
 
     >>> import numpy as np
-    >>> from gradient_scaling import underflow
+    >>> from gradient_scaling.core import underflow
     >>> rng = np.random.default_rng(0)
     >>> dy = rng.normal(0, 1e-6, (64, 256)).astype(np.float32)
     >>> w = rng.normal(0, 0.05, (256, 128)).astype(np.float32)
@@ -56,8 +56,8 @@ import operator
 
 from scipy import special
 
-from gradient_scaling import formats
-from gradient_scaling import statistics
+from gradient_scaling.core import formats
+from gradient_scaling.core import statistics
 
 __all__ = ['MIN_SCALE', 'MAX_SCALE', 'NonFiniteStatisticsError', 'pow2_ceil',
            'pow2_floor', 'gemm_underflow_rate', 'lognormal_underflow_rate',

@@ -43,13 +43,13 @@ import numpy
 
 from chainer import backend
 
-from gradient_scaling import _chainer_internals as internals
-from gradient_scaling import _validate
-from gradient_scaling import statistics
-from gradient_scaling import step as step_module
-from gradient_scaling.hook import GradientScaling
-from gradient_scaling.step import PassResult
-from gradient_scaling.update import apply_update
+from gradient_scaling.chainer import _internals as internals
+from gradient_scaling.core import _validate
+from gradient_scaling.core import statistics
+from gradient_scaling.core import step as step_module
+from gradient_scaling.chainer.hook import GradientScaling
+from gradient_scaling.core.step import PassResult
+from gradient_scaling.chainer.update import apply_update
 
 __all__ = ['SCALING_MODES', 'Scaler', 'NoScaling', 'FixedLossScaling',
            'ChainerDynamicLossScaling', 'GradScalerLossScaling',
@@ -137,8 +137,8 @@ class _CheckedLossScaling(Scaler):
 
     def step(self, optimizer, communicator=None):
         model = optimizer.target
-        result = step_module.gradient_result(self._losses,
-                                             model.namedparams())
+        result = step_module.gradient_result(
+            self._losses, ((n, p.grad) for n, p in model.namedparams()))
         self._losses = []
         if communicator is not None:
             result = PassResult.combine(step_module.combine_across_ranks(

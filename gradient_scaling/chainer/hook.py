@@ -21,17 +21,17 @@ import chainer
 from chainer import backend
 from chainer.functions.array import cast
 
-from gradient_scaling import _chainer_internals as internals
-from gradient_scaling import _validate
-from gradient_scaling import estimators
-from gradient_scaling import formats
-from gradient_scaling import scale_state
-from gradient_scaling import sites
-from gradient_scaling import statistics
-from gradient_scaling import step as step_module
-from gradient_scaling import underflow
-from gradient_scaling.step import GradientOverflowError
-from gradient_scaling.step import PassResult
+from gradient_scaling.chainer import _internals as internals
+from gradient_scaling.core import _validate
+from gradient_scaling.core import estimators
+from gradient_scaling.core import formats
+from gradient_scaling.core import scale_state
+from gradient_scaling.chainer import sites
+from gradient_scaling.core import statistics
+from gradient_scaling.core import step as step_module
+from gradient_scaling.core import underflow
+from gradient_scaling.core.step import GradientOverflowError
+from gradient_scaling.core.step import PassResult
 
 __all__ = ['GradientScaling', 'GradientOverflowError', 'SiteRecord',
            'StepPayload', 'measured_underflow_rate', 'CAST_RULES']

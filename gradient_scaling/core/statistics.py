@@ -20,7 +20,7 @@ returns plain Python numbers:
 .. admonition:: Example
 
     >>> import numpy as np
-    >>> from gradient_scaling import statistics
+    >>> from gradient_scaling.core import statistics
     >>> s = statistics.tensor_statistics(np.array([0, 1e-3, -1e-3, 4e-3]))
     >>> s.count, s.nonzero, s.max_abs, round(s.std, 6)
     (4, 3, 0.004, 0.001871)

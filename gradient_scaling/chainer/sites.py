@@ -9,7 +9,7 @@ under.
 .. admonition:: Example
 
     >>> import chainer, chainer.links as L, numpy as np
-    >>> from gradient_scaling import sites
+    >>> from gradient_scaling.chainer import sites
     >>> model = L.Linear(3, 2)
     >>> y = model(np.ones((1, 3), np.float32))
     >>> sites.is_gemm(y.creator), sites.accumulation_length(y.creator, model.W.array)
@@ -32,7 +32,7 @@ from chainer.functions.connection import deconvolution_nd
 from chainer.functions.connection import linear
 from chainer.functions.loss import softmax_cross_entropy
 
-from gradient_scaling import _chainer_internals as internals
+from gradient_scaling.chainer import _internals as internals
 
 __all__ = ['GEMM_TYPES', 'SOFTMAX_TYPES', 'SHAPE_ONLY_NAMES', 'is_gemm',
            'is_softmax', 'is_shape_only', 'accumulation_length',

@@ -12,7 +12,7 @@ else in the library hard-codes a format's range.
 .. admonition:: Example
 
     >>> import numpy as np
-    >>> from gradient_scaling import formats
+    >>> from gradient_scaling.core import formats
     >>> fp16 = formats.get('float16')
     >>> fp16.min, fp16.max
     (5.960464477539063e-08, 65504.0)
@@ -27,8 +27,8 @@ import math
 
 import numpy
 
-from gradient_scaling.statistics import device_scope
-from gradient_scaling.statistics import get_array_module
+from gradient_scaling.core.statistics import device_scope
+from gradient_scaling.core.statistics import get_array_module
 
 
 # name, exponent bits, mantissa bits, exponent of the smallest normal, exponent
