@@ -179,7 +179,7 @@ def extend_reports(trainer, args, scaler, config, train_keys,
                 trigger=_at(points) if validation_only else log_interval))
     if args.scaling == 'gs':
         trainer.extend(ScaleHistory(scaler.hook, plot=not args.no_plot),
-                       trigger=(config.update_interval, 'iteration'))
+                       trigger=(config.recipe.update_interval, 'iteration'))
 
 
 def extend_classifier_reports(trainer, args, scaler, config, points):

@@ -21,7 +21,7 @@ import numpy as np
 
 import chainer
 
-from gradient_scaling.chainer.s2fp8 import S2FP8Simulation
+from gradient_scaling.chainer.simulation import S2FP8Simulation
 from gradient_scaling.chainer.simulation import LowPrecisionSimulation
 
 from benchmarking.alternate import make_parser

@@ -47,7 +47,7 @@ def info(cp, device_id):
           'cudnn:', chainer.backends.cuda.cudnn_enabled)
     assert chainer.backends.cuda.available
     # The statistics grid assumes this many blocks are resident at once.
-    kernel = statistics._statistics_kernel('float32', True)
+    kernel = statistics._statistics_kernel(cp, 'float32', True)
     print('statistics kernel (NVRTC): {} registers a thread, {} bytes of '
           'shared memory; grid of {} blocks x {} threads per '
           'multiprocessor'.format(kernel.num_regs, kernel.shared_size_bytes,

@@ -12,10 +12,13 @@ import chainer
 import chainer.functions as F
 import chainer.links as L
 
+from gradient_scaling.chainer import serialization
 from gradient_scaling.core import estimators
+from gradient_scaling.core import recipes
 from gradient_scaling.core import formats
 from gradient_scaling import GradientScaling
 from gradient_scaling.core import scale_state
+from gradient_scaling.chainer import sites
 from gradient_scaling.chainer import training
 
 RATE = 1e-3
@@ -31,7 +34,13 @@ def lost_fraction(values, scale, fmt=FP16):
 
 
 def estimator(name):
-    return estimators.make_estimator(name, RATE, FP16)
+    return estimators.make_estimator(recipes.GradientScalingRecipe(
+        estimator=name, underflow_rate=RATE, fmt='float16'))
+
+
+def amax_estimator(mode, history, margin):
+    return estimators.make_estimator(recipes.AmaxRecipe(
+        mode=mode, amax_history=history, amax_margin=margin))
 
 
 def softmax_with_heavy_tail(seed=0):
@@ -80,16 +89,20 @@ def test_measured_meets_the_target_at_a_ten_way_classifier():
     function, gy, weight = classifier_gemm()
     staged = scale_state.StagedScales()
     output = (gy.astype(np.float64) @ weight.astype(np.float64))
-    model, estimated, _ = estimator('model').gemm(gy, weight, function, 1.0,
-                                                  'fc', staged)
-    measured, rate, _ = estimator('measured').gemm(gy, weight, function,
-                                                   1.0, 'fc', staged)
+    n = sites.accumulation_length(function, weight)
+
+    def data_gradient():
+        return sites.data_gradient(function, gy, fp32=True)
+    model, estimated, _ = estimator('model').gemm(
+        gy, weight, n, 1.0, 'fc', staged, data_gradient)
+    measured, rate, _ = estimator('measured').gemm(
+        gy, weight, n, 1.0, 'fc', staged, data_gradient)
     assert lost_fraction(output, model) > 10 * RATE  # Theorem 1 misses
     assert estimated <= RATE  # ... while it believes it met the target
     assert lost_fraction(output, measured) <= RATE
     assert abs(rate - lost_fraction(output, measured)) < 1e-4
-    hybrid, _, _ = estimator('hybrid').gemm(gy, weight, function, 1.0, 'fc',
-                                            staged)
+    hybrid, _, _ = estimator('hybrid').gemm(gy, weight, n, 1.0, 'fc',
+                                            staged, data_gradient)
     assert hybrid == max(model, measured)
 
 
@@ -106,7 +119,7 @@ def test_the_cap_still_binds():
 
 def test_fp32_data_gradient_is_the_nodes_own_backward():
     function, gy, weight = classifier_gemm()
-    out = estimators._fp32_data_gradient(function, gy)
+    out = sites.data_gradient(function, gy, fp32=True)
     expected = function.backward((0,), (chainer.Variable(gy),))[0].array
     np.testing.assert_array_equal(out, expected)
     # mixed16: the same GEMM, in FP32 (what FP16 would have lost is there)
@@ -117,7 +130,7 @@ def test_fp32_data_gradient_is_the_nodes_own_backward():
         y = link(x)
     gy16 = (np.random.default_rng(1).standard_normal((8, 10)) * 1e-6
             ).astype(np.float16)
-    out = estimators._fp32_data_gradient(y.creator, gy16)
+    out = sites.data_gradient(y.creator, gy16, fp32=True)
     assert out.dtype == np.float32
     reference = gy16.astype(np.float32) @ link.W.array.astype(np.float32)
     np.testing.assert_allclose(out, reference, rtol=1e-6, atol=1e-12)
@@ -168,20 +181,21 @@ def test_hook_keeps_every_site_at_or_below_the_target(name):
 
 def test_amax_current_and_delayed():
     fmt = FP16
-    current = estimators.make_estimator('amax-current', RATE, fmt, 4, 1)
-    delayed = estimators.make_estimator('amax-delayed', RATE, fmt, 2, 0)
+    current = amax_estimator('amax-current', 4, 1)
+    delayed = amax_estimator('amax-delayed', 2, 0)
     rng = np.random.default_rng(0)
     grads = [(rng.standard_normal(100) * s).astype(np.float32)
              for s in (1e-6, 1e-3, 1e-5, 1e-4)]
     alpha = 4.0
     for step, g in enumerate(grads):
         staged = scale_state.StagedScales()
-        beta, _, _ = current.gemm(g, None, None, alpha, 'site', staged)
+        beta, _, _ = current.gemm(g, None, None, alpha, 'site', staged, None)
         top = np.abs(g).max() * beta
         # largest value in (max / 4, max / 2]: margin 1
         assert fmt.max / 4 < top <= fmt.max / 2
         staged2 = scale_state.StagedScales()
-        beta, _, _ = delayed.gemm(g, None, None, alpha, 'site', staged2)
+        beta, _, _ = delayed.gemm(g, None, None, alpha, 'site', staged2,
+                                  None)
         if step == 0:
             assert beta * alpha == 1.0  # TE's initial scale
         else:
@@ -200,12 +214,12 @@ def test_amax_current_and_delayed():
 
 
 def test_amax_history_serializes(tmp_path):
-    est = estimators.make_estimator('amax-delayed', RATE, FP16, 8, 0)
+    est = amax_estimator('amax-delayed', 8, 0)
     est.amax = {'a': [1.0, 2.0], 'b': [3.0]}
     path = str(tmp_path / 'amax.npz')
-    chainer.serializers.save_npz(path, est)
-    other = estimators.make_estimator('amax-delayed', RATE, FP16, 8, 0)
-    chainer.serializers.load_npz(path, other)
+    chainer.serializers.save_npz(path, serialization.Serializable(est))
+    other = amax_estimator('amax-delayed', 8, 0)
+    chainer.serializers.load_npz(path, serialization.Serializable(other))
     assert other.amax == est.amax
 
 
@@ -214,7 +228,7 @@ def test_cli_and_config():
     training.add_arguments(parser)
     config = training.ScalingConfig.from_args(parser.parse_args(
         ['--gs-estimator', 'hybrid']))
-    assert config.gs_estimator == 'hybrid'
+    assert config.recipe.estimator == 'hybrid'
     with pytest.raises(ValueError, match='needs a simulated precision'):
         training.ScalingConfig(scaling='amax-delayed', precision='mixed16')
     config = training.ScalingConfig(scaling='amax-current',

@@ -243,13 +243,17 @@ def test_numpy_scalars_are_numbers():
     assert type(hook.underflow_rate) is float
     assert hook.schedule.interval == 5
     config = training.ScalingConfig(
-        underflow_rate=np.float32(1e-3), update_interval=np.int64(5),
-        dynamic_interval=np.int32(7), loss_scale=np.float16(8))
-    assert (config.update_interval, config.dynamic_interval,
-            config.loss_scale) == (5, 7, 8.0)
+        underflow_rate=np.float32(1e-3), update_interval=np.int64(5))
+    assert (config.recipe.underflow_rate, config.recipe.update_interval) \
+        == (pytest.approx(1e-3), 5)
+    assert type(config.recipe.update_interval) is int
+    config = training.ScalingConfig('dynamic', dynamic_interval=np.int32(7))
+    assert config.recipe.dynamic_interval == 7
+    config = training.ScalingConfig('fixed', loss_scale=np.float16(8))
+    assert config.recipe.loss_scale == 8.0
     scaler = scalers.GradScalerLossScaling(growth_interval=np.int64(3),
                                            init_scale=np.float32(4))
-    assert (scaler.growth_interval, scaler.loss_scale) == (3, 4.0)
+    assert (scaler.recipe.growth_interval, scaler.loss_scale) == (3, 4.0)
 
 
 @pytest.mark.parametrize('make, message', [
@@ -261,9 +265,10 @@ def test_numpy_scalars_are_numbers():
      'max_consecutive_overflows must be an integer >= 1, got False'),
     (lambda: training.ScalingConfig(update_interval=True),
      'update_interval must be an integer >= 1, got True'),
-    (lambda: training.ScalingConfig(dynamic_interval=True),
+    (lambda: training.ScalingConfig('dynamic', dynamic_interval=True),
      'dynamic_interval must be an integer >= 1, got True'),
-    (lambda: training.ScalingConfig(amax_margin=False),
+    (lambda: training.ScalingConfig('amax-current', 'sim-fp16',
+                                    amax_margin=False),
      'amax_margin must be an integer >= 0, got False'),
     (lambda: scalers.GradScalerLossScaling(growth_interval=True),
      'growth_interval must be an integer >= 1, got True'),

@@ -10,9 +10,9 @@ import chainer
 import chainer.functions as F
 import chainer.links as L
 
-from gradient_scaling.chainer.s2fp8 import S2FP8Simulation
-from gradient_scaling.chainer.s2fp8 import s2fp8_statistics
-from gradient_scaling.chainer.s2fp8 import s2fp8_truncate
+from gradient_scaling.chainer.simulation import S2FP8Simulation
+from gradient_scaling.core.s2fp8 import s2fp8_statistics
+from gradient_scaling.core.s2fp8 import s2fp8_truncate
 
 
 # -- reference: the paper's formulas, literally, with ml_dtypes' E5M2 -------

@@ -3,7 +3,6 @@
 import gradient_scaling  # NOQA
 
 import argparse
-import dataclasses
 import os
 import shutil
 import subprocess
@@ -137,7 +136,7 @@ def run_chainer_dynamic(config, steps, loss_factor):
     """Chainer's own optimizer.update with its dynamic loss scaling."""
     model, optimizer, _ = build(config, loss_factor=loss_factor,
                                 lr=0.1 / loss_factor)
-    optimizer.loss_scaling(interval=config.dynamic_interval)
+    optimizer.loss_scaling(interval=config.recipe.dynamic_interval)
     x, t = chainer.dataset.concat_examples(digits('train')[:64])
     trace = []
     for _ in range(steps):
@@ -290,7 +289,7 @@ def test_config_from_args_defaults():
     parser = argparse.ArgumentParser()
     training.add_arguments(parser)
     config = training.ScalingConfig.from_args(parser.parse_args([]))
-    assert (config.scaling, config.precision, config.fmt) == (
+    assert (config.scaling, config.precision, config.recipe.fmt) == (
         'gs', 'mixed16', 'float16')
     config = training.ScalingConfig.from_args(parser.parse_args(
         ['--scaling', 'fp32']))
@@ -326,16 +325,16 @@ def test_count_underflow_reports_lost_gradient_values_for_any_scaling():
     # subnormal (2**-24): most round to zero unscaled, few at scale 2**14,
     # and hardly any at the loss's own magnitude.
     tiny = measured_underflow(none, 1e-6)
-    fixed = measured_underflow(dataclasses.replace(
-        none, scaling='fixed', loss_scale=2.0 ** 14), 1e-6)
+    fixed = measured_underflow(none.replace(scaling='fixed',
+                                            loss_scale=2.0 ** 14), 1e-6)
     plain = measured_underflow(none, 1.0)
     assert all(f > 0.5 for f in tiny), tiny
     assert all(f < 0.05 for f in fixed), fixed
     assert all(f < 0.01 for f in plain), plain
     # Off by default, except for GS under a simulation.
-    off = dataclasses.replace(none, count_underflow=False)
+    off = none.replace(count_underflow=False)
     assert measured_underflow(off, 1e-6, 1) == [None]
-    gs = dataclasses.replace(off, scaling='gs', update_interval=1)
+    gs = off.replace(scaling='gs', update_interval=1)
     assert 0 <= measured_underflow(gs, 1e-6, 1)[0] < 0.05
 
 

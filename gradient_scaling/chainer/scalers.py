@@ -1,16 +1,20 @@
 """Loss- and gradient-scaling strategies behind one small interface.
 
 Every scaler has two verbs, used in this order once per training step
-(:func:`gradient_scaling.training.train_step` does it for you)::
+(:func:`gradient_scaling.chainer.training.train_step` does it for you)::
 
     scaler.backward(loss)                 # scaled backward pass
     skipped = scaler.step(optimizer)      # decide; update or skip; transition
 
-:meth:`Scaler.step` is the one place a step is decided: it checks the pass
-(for the scalers that check), combines the result over ChainerMN ranks
-before anyone acts on it, all-reduces and applies the update in FP32
-(:func:`gradient_scaling.update.apply_update`) or skips it, then makes its
-state machine's transition. The modes:
+:meth:`Scaler.step` is the one skeleton of every mode: the scaler's payload
+(its pass result, and what GS staged), combined over ChainerMN ranks before
+anyone acts on it, then :func:`gradient_scaling.core.step.decide`: the
+all-reduce and the update in FP32 (:func:`gradient_scaling.chainer.update.
+apply_update`) if the step is finite, the scaler's transition, the overflow
+guard. A scaler that does not check its steps reports them finite, and its
+guard then never sees a fault (as ``GradScaler(enabled=False)`` does
+nothing). Each is built from its recipe
+(:mod:`gradient_scaling.core.recipes`, :func:`make_scaler`):
 
 * :class:`NoScaling` (``fp32`` and ``none``): plain backward, never checks.
 * :class:`FixedLossScaling` (``fixed``, the paper's Fixed-LS): Chainer's
@@ -20,23 +24,18 @@ state machine's transition. The modes:
   ``update_loss_scale``.
 * :class:`GradScalerLossScaling` (``dynamic-gradscaler``): the semantics most
   users know today (PyTorch's GradScaler), with a floor and a ceiling.
-* :class:`GradientScalingScaler` (``gs``): the paper's method, the
-  :class:`~gradient_scaling.GradientScaling` hook around the backward
-  (``--gs-estimator`` picks the paper's model, the measured closed loop or
-  a hybrid).
-* ``amax-delayed`` / ``amax-current``: the same hook with Transformer
-  Engine's per-tensor amax recipes choosing the scales
-  (:mod:`gradient_scaling.estimators`): the FP8 baseline.
+* :class:`GradientScalingScaler` (``gs``, and Transformer Engine's
+  ``amax-delayed`` / ``amax-current`` recipes): the
+  :class:`~gradient_scaling.GradientScaling` hook around the backward.
 
-The checking scalers share the overflow policy of
-:class:`~gradient_scaling.step.OverflowGuard`: a non-finite step is skipped
-and counted; one caused by data (a non-finite loss) changes no scale;
-``patience`` skips in a row with no scale left to lower raise
-:class:`~gradient_scaling.step.GradientOverflowError`, on every rank.
+A data fault (a non-finite loss) changes no scale; ``patience`` skips in a
+row with no scale left to lower raise
+:class:`~gradient_scaling.core.step.GradientOverflowError`, on every rank.
 """
 
 import gradient_scaling.compat  # NOQA
 
+import contextlib
 import math
 
 import numpy
@@ -44,37 +43,96 @@ import numpy
 from chainer import backend
 
 from gradient_scaling.chainer import _internals as internals
-from gradient_scaling.core import _validate
+from gradient_scaling.chainer import serialization
+from gradient_scaling.chainer.hook import GradientScaling
+from gradient_scaling.chainer.update import apply_update
+from gradient_scaling.core import recipes
 from gradient_scaling.core import statistics
 from gradient_scaling.core import step as step_module
-from gradient_scaling.chainer.hook import GradientScaling
 from gradient_scaling.core.step import PassResult
-from gradient_scaling.chainer.update import apply_update
 
 __all__ = ['SCALING_MODES', 'Scaler', 'NoScaling', 'FixedLossScaling',
            'ChainerDynamicLossScaling', 'GradScalerLossScaling',
-           'GradientScalingScaler', 'make_scaler', 'unify_across_ranks']
+           'GradientScalingScaler', 'make_scaler', 'unify_across_ranks',
+           'combine_across_ranks']
 
-SCALING_MODES = ('fp32', 'none', 'fixed', 'dynamic', 'dynamic-gradscaler',
-                 'gs', 'amax-delayed', 'amax-current')
+SCALING_MODES = tuple(recipes.MODES)
+
+
+class _Unchecked(object):
+    """What a scaler's step contributes when it does not check it."""
+
+    result = PassResult()
 
 
 class Scaler(object):
 
-    """Base class: a plain backward; every step is taken, unchecked."""
+    """A plain backward; every step is taken, unchecked (the skeleton).
 
-    name = 'none'
-    guard = None  # the OverflowGuard of scalers that check their steps
+    Subclasses override :meth:`backward` and, if they check their steps,
+    :meth:`payload` and :meth:`transition` (their state machine).
+
+    Args:
+        recipe (~gradient_scaling.core.recipes.Recipe): Its settings.
+
+    """
+
+    def __init__(self, recipe):
+        self.recipe = recipe
+        self.name = recipe.mode
+        self.guard = step_module.OverflowGuard(
+            recipe.mode, getattr(recipe, 'patience', 10))
+
+    def __getattr__(self, name):
+        # A scaler's settings are its recipe's (scaler.min_scale, ...).
+        recipe = self.__dict__.get('recipe')
+        if recipe is None or name.startswith('_') or \
+                not hasattr(recipe, name):
+            raise AttributeError('{} has no attribute {!r}'.format(
+                type(self).__name__, name))
+        return getattr(recipe, name)
 
     def backward(self, loss):
         loss.backward()
 
-    def step(self, optimizer, communicator=None):
-        """Updates ``optimizer`` (after the all-reduce); returns False."""
-        if communicator is not None:
-            communicator.multi_node_mean_grad(optimizer.target)
-        apply_update(optimizer)
+    def backward_context(self):
+        """What the training step enters inside the simulation, around the
+        forward and backward passes (GS: its hook, so that its wrappers
+        are outside the simulation's); nothing by default."""
+        return contextlib.nullcontext()
+
+    def payload(self, optimizer):
+        """This rank's contribution to the decision."""
+        return _Unchecked()
+
+    def transition(self, payloads, result):
+        """The state machine's transition; returns whether it lowered a
+        scale because of a non-finite result."""
         return False
+
+    def scale_text(self):
+        return ''
+
+    def step(self, optimizer, communicator=None):
+        """Decides the step, updates ``optimizer`` or skips; returns
+        whether the step was skipped."""
+        payload = self.payload(optimizer)
+        payloads = ([payload] if communicator is None
+                    or not self.recipe.checks_steps else
+                    combine_across_ranks(communicator, payload))
+
+        def update():
+            self.before_update(optimizer, communicator)
+            if communicator is not None:
+                communicator.multi_node_mean_grad(optimizer.target)
+            apply_update(optimizer)
+        result = step_module.decide(payloads, self.guard, self.transition,
+                                    self.scale_text, update)
+        return not result.finite
+
+    def before_update(self, optimizer, communicator):
+        """Called on a taken step before the all-reduce (GS: one scale per
+        parameter on every rank)."""
 
     def observation(self, model):
         """Values for LogReport, as a dict of ``scaling/...`` entries."""
@@ -89,31 +147,32 @@ class Scaler(object):
 
     def skip_counts(self):
         """``scaling/skips_data`` and ``_scale`` so far (checking scalers)."""
-        if self.guard is None:
+        if not self.recipe.checks_steps:
             return {}
         return {'scaling/skips_' + cause: count
                 for cause, count in self.guard.skips.items()}
 
     def serialize(self, serializer):
-        pass
+        if self.recipe.checks_steps:
+            serialization.serialize_state(serializer['guard'], self.guard)
 
 
 class NoScaling(Scaler):
 
     """``fp32`` and ``none``: no scaling, no overflow check."""
 
-    def __init__(self, name='none'):
-        self.name = name
+    def __init__(self, name='none', recipe=None):
+        super().__init__(recipe or recipes.for_mode(name))
 
 
 class FixedLossScaling(Scaler):
 
     """Fixed-LS: a static loss scale, never checked (Chainer's semantics)."""
 
-    name = 'fixed'
-
-    def __init__(self, loss_scale):
-        self.loss_scale = _validate.positive(loss_scale, 'loss_scale')
+    def __init__(self, loss_scale=128.0, recipe=None):
+        super().__init__(recipe or recipes.for_mode('fixed',
+                                                    loss_scale=loss_scale))
+        self.loss_scale = self.recipe.loss_scale
 
     def backward(self, loss):
         loss.backward(loss_scale=self.loss_scale)
@@ -123,40 +182,37 @@ class _CheckedLossScaling(Scaler):
 
     """A loss-scaled backward whose steps are checked and can be skipped.
 
-    Subclasses define ``loss_scale`` and ``_transition(result)`` (their
-    state machine; returns whether it lowered the scale).
+    Subclasses define ``loss_scale`` and :meth:`transition`.
     """
 
-    def __init__(self, patience):
-        self.guard = step_module.OverflowGuard(self.name, patience)
+    def __init__(self, recipe):
+        super().__init__(recipe)
         self._losses = []
 
     def backward(self, loss):
         self._losses.append(loss.array)
         loss.backward(loss_scale=self.loss_scale)
 
-    def step(self, optimizer, communicator=None):
-        model = optimizer.target
-        result = step_module.gradient_result(
-            self._losses, ((n, p.grad) for n, p in model.namedparams()))
-        self._losses = []
-        if communicator is not None:
-            result = PassResult.combine(step_module.combine_across_ranks(
-                communicator, result))
-        if result.finite:
-            Scaler.step(self, optimizer, communicator)
-        text = 'loss scale {:g}'.format(self.loss_scale)
-        backed_off = self._transition(result)
-        self.guard.observe(result, backed_off, text)
-        return not result.finite
+    def payload(self, optimizer):
+        losses, self._losses = self._losses, []
+        result = step_module.pass_result(
+            losses, ((n, p.grad) for n, p in optimizer.target.namedparams()))
+        return _Payload(result)
+
+    def scale_text(self):
+        return 'loss scale {:g}'.format(self.loss_scale)
 
     def observation(self, model):
         values = super().observation(model)
         values['scaling/loss_scale'] = self.loss_scale
         return values
 
-    def serialize(self, serializer):
-        self.guard.serialize(serializer['guard'])
+
+class _Payload(object):
+    """A loss-scaled step's contribution to the decision (picklable)."""
+
+    def __init__(self, result):
+        self.result = result
 
 
 class ChainerDynamicLossScaling(_CheckedLossScaling):
@@ -180,19 +236,18 @@ class ChainerDynamicLossScaling(_CheckedLossScaling):
 
     """
 
-    name = 'dynamic'
-
-    def __init__(self, optimizer, interval=1000, patience=10):
-        super().__init__(patience)
+    def __init__(self, optimizer, interval=1000, patience=10, recipe=None):
+        super().__init__(recipe or recipes.for_mode(
+            'dynamic', dynamic_interval=interval, patience=patience))
         self.optimizer = optimizer
-        self.interval = _validate.count(interval, 'interval')
+        self.interval = self.recipe.dynamic_interval
         optimizer.loss_scaling(interval=self.interval)
 
     @property
     def loss_scale(self):
         return internals.optimizer_loss_scale(self.optimizer)
 
-    def _transition(self, result):
+    def transition(self, payloads, result):
         if result.cause == 'data':
             return False
         before = self.loss_scale
@@ -228,57 +283,41 @@ class GradScalerLossScaling(_CheckedLossScaling):
     ===========================  ============================  ==============
 
     ``patience`` skips in a row at ``min_scale`` (or data faults) raise
-    :class:`~gradient_scaling.step.GradientOverflowError`. Without a floor,
-    ~166 overflows in a row would take a float32 scale to 0 and the next
-    clean step would write 0/0 into every parameter.
+    :class:`~gradient_scaling.core.step.GradientOverflowError`. Without a
+    floor, ~166 overflows in a row would take a float32 scale to 0 and the
+    next clean step would write 0/0 into every parameter.
 
     Args:
-        init_scale (float): Initial scale (``2**16``).
-        growth_factor (float): Multiplier after clean steps (2).
-        backoff_factor (float): Multiplier on overflow (0.5).
-        growth_interval (int): Clean steps before growing (2000).
-        min_scale (float): Floor (``2**-24``: at that scale a gradient of 1
-            is FP16's smallest subnormal).
-        max_scale (float): Ceiling (``2**24``).
-        patience (int): Skips in a row with nothing to lower before raising.
+        recipe (~gradient_scaling.core.recipes.GradScalerRecipe): Every
+            setting at once, or as keyword arguments:
+            ``init_scale`` (``2**16``), ``growth_factor`` (2),
+            ``backoff_factor`` (0.5), ``growth_interval`` (2000),
+            ``min_scale`` (``2**-24``: at that scale a gradient of 1 is
+            FP16's smallest subnormal), ``max_scale`` (``2**24``),
+            ``patience`` (10).
 
     """
 
-    name = 'dynamic-gradscaler'
-
-    def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0,
-                 backoff_factor=0.5, growth_interval=2000,
-                 min_scale=2.0 ** -24, max_scale=2.0 ** 24, patience=10):
-        super().__init__(patience)
-        self.growth_factor = _validate.greater_than_one(growth_factor,
-                                                        'growth_factor')
-        self.backoff_factor = _validate.rate(backoff_factor,
-                                             'backoff_factor')
-        self.growth_interval = _validate.count(growth_interval,
-                                               'growth_interval')
-        self.min_scale = _validate.positive(min_scale, 'min_scale')
-        self.max_scale = _validate.positive(max_scale, 'max_scale')
-        init_scale = _validate.positive(init_scale, 'init_scale')
-        if not self.min_scale <= init_scale <= self.max_scale:
-            raise ValueError('need min_scale <= init_scale <= max_scale, got '
-                             '{!r}, {!r}, {!r}'.format(min_scale, init_scale,
-                                                       max_scale))
-        self.loss_scale = init_scale
+    def __init__(self, recipe=None, **settings):
+        super().__init__(recipe or recipes.for_mode('dynamic-gradscaler',
+                                                    **settings))
+        self.loss_scale = self.recipe.init_scale
         self.clean_steps = 0
 
-    def _transition(self, result):
+    def transition(self, payloads, result):
+        recipe = self.recipe
         if result.finite:
             self.clean_steps += 1
-            if self.clean_steps >= self.growth_interval:
-                self.loss_scale = min(self.loss_scale * self.growth_factor,
-                                      self.max_scale)
+            if self.clean_steps >= recipe.growth_interval:
+                self.loss_scale = min(self.loss_scale * recipe.growth_factor,
+                                      recipe.max_scale)
                 self.clean_steps = 0
             return False
         if result.cause == 'data':
             return False
         before = self.loss_scale
-        self.loss_scale = max(self.loss_scale * self.backoff_factor,
-                              self.min_scale)
+        self.loss_scale = max(self.loss_scale * recipe.backoff_factor,
+                              recipe.min_scale)
         self.clean_steps = 0
         return self.loss_scale < before
 
@@ -292,23 +331,23 @@ class GradientScalingScaler(Scaler):
 
     """GS: the :class:`~gradient_scaling.GradientScaling` hook.
 
-    The hook holds each step open (:meth:`GradientScaling.hold_step`) and
-    this scaler concludes it after the decision, with every rank's payload,
-    so that the hook's state stays identical across ranks.
+    The hook holds each step open and this scaler decides it after the
+    update, with every rank's payload, so that the hook's state stays
+    identical across ranks.
 
     Args:
         hook (GradientScaling): The configured hook (``target=`` the model).
 
     """
 
-    name = 'gs'
-
     def __init__(self, hook):
         self.hook = hook
+        self.recipe = hook.recipe
+        self.name = hook.recipe.mode
+        self.guard = hook.guard
 
-    @property
-    def guard(self):
-        return self.hook.guard
+    def backward_context(self):
+        return self.hook
 
     def backward(self, loss):
         self.hook.hold_step()
@@ -318,17 +357,18 @@ class GradientScalingScaler(Scaler):
             with self.hook:
                 loss.backward()
 
-    def step(self, optimizer, communicator=None):
-        payload = self.hook.step_payload()
-        payloads = ([payload] if communicator is None else
-                    step_module.combine_across_ranks(communicator, payload))
-        result = PassResult.combine(p.result for p in payloads)
-        if result.finite:
-            if communicator is not None:
-                unify_across_ranks(optimizer.target, communicator)
-            Scaler.step(self, optimizer, communicator)
-        self.hook.conclude(payloads)
-        return not result.finite
+    def payload(self, optimizer):
+        return self.hook.step_payload()
+
+    def transition(self, payloads, result):
+        return self.hook.controller.transition(payloads, result)
+
+    def scale_text(self):
+        return self.hook.controller.scale_text()
+
+    def before_update(self, optimizer, communicator):
+        if communicator is not None:
+            unify_across_ranks(optimizer.target, communicator)
 
     def observation(self, model):
         values = super().observation(model)
@@ -347,30 +387,39 @@ class GradientScalingScaler(Scaler):
         self.hook.serialize(serializer)
 
 
-def make_scaler(config, model, optimizer):
-    """The scaler for ``config.scaling`` (see :data:`SCALING_MODES`)."""
-    mode = config.scaling
-    if mode in ('fp32', 'none'):
-        return NoScaling(mode)
-    if mode == 'fixed':
-        return FixedLossScaling(config.loss_scale)
-    if mode == 'dynamic':
-        return ChainerDynamicLossScaling(optimizer, config.dynamic_interval)
-    if mode == 'dynamic-gradscaler':
-        return GradScalerLossScaling()
-    if mode in ('gs', 'amax-delayed', 'amax-current'):
-        scaler = GradientScalingScaler(GradientScaling(
-            underflow_rate=config.underflow_rate, fmt=config.fmt,
-            update_interval=config.update_interval, target=model,
-            measure_underflow=config.measure_underflow,
-            estimator=config.gs_estimator if mode == 'gs' else mode,
-            amax_history=config.amax_history,
-            amax_margin=config.amax_margin))
-        scaler.name = mode
-        scaler.hook.guard.mode = mode
-        return scaler
-    raise ValueError('unknown scaling {!r}; valid: {}'.format(
-        mode, ', '.join(SCALING_MODES)))
+def _gradient_scaling(recipe, model, optimizer):
+    return GradientScalingScaler(GradientScaling(target=model, recipe=recipe))
+
+
+# What applies each recipe.
+_SCALERS = {
+    recipes.NoScalingRecipe: lambda r, model, opt: NoScaling(recipe=r),
+    recipes.FixedLossScalingRecipe:
+        lambda r, model, opt: FixedLossScaling(recipe=r),
+    recipes.DynamicLossScalingRecipe:
+        lambda r, model, opt: ChainerDynamicLossScaling(opt, recipe=r),
+    recipes.GradScalerRecipe:
+        lambda r, model, opt: GradScalerLossScaling(recipe=r),
+    recipes.GradientScalingRecipe: _gradient_scaling,
+    recipes.AmaxRecipe: _gradient_scaling,
+}
+
+
+def make_scaler(recipe, model, optimizer):
+    """The scaler that applies ``recipe`` (one per
+    :data:`~gradient_scaling.core.recipes.MODES` entry) to ``model``
+    trained by ``optimizer``."""
+    return _SCALERS[type(recipe)](recipe, model, optimizer)
+
+
+def combine_across_ranks(communicator, payload):
+    """Every rank's ``payload``, in rank order, on every rank.
+
+    One MPI allgather of a small picklable object (the step's result and
+    what it staged), so that every rank takes the same decision and keeps
+    the same state.
+    """
+    return communicator.mpi_comm.allgather(payload)
 
 
 def unify_across_ranks(model, communicator):

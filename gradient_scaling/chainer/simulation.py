@@ -12,7 +12,7 @@ BatchNormalization, softmax, the loss and the optimizer stay FP32.
 :class:`GemmSimulation` holds the mechanism, parameterised by its
 :meth:`~GemmSimulation.truncate` method; :class:`LowPrecisionSimulation`
 rounds to a :mod:`~gradient_scaling.formats` format and
-:class:`~gradient_scaling.s2fp8.S2FP8Simulation` to S2FP8.
+:class:`S2FP8Simulation` to S2FP8 (:mod:`gradient_scaling.core.s2fp8`).
 
 How (Chainer 7.8.1):
 
@@ -62,13 +62,15 @@ import chainer
 from chainer import backend
 
 from gradient_scaling.chainer import _internals as internals
-from gradient_scaling.core import formats
 from gradient_scaling.chainer import random_state
 from gradient_scaling.chainer import sites
+from gradient_scaling.core import formats
 from gradient_scaling.core import statistics
+from gradient_scaling.core.rounding import round_nearest
+from gradient_scaling.core.s2fp8 import s2fp8_truncate
 
 __all__ = ['UnderflowCount', 'GemmSimulation', 'LowPrecisionSimulation',
-           'round_nearest']
+           'S2FP8Simulation', 'round_nearest']
 
 _OPERAND_NAMES = ('x', 'W', 'b')
 _BIAS_INDEX = 2
@@ -109,7 +111,7 @@ class GemmSimulation(chainer.FunctionHook):
     """Rounds what surrounds every GEMM with :meth:`truncate`.
 
     The base of :class:`LowPrecisionSimulation` and
-    :class:`~gradient_scaling.s2fp8.S2FP8Simulation`; the module docstring
+    :class:`S2FP8Simulation`; the module docstring
     says how. Use it with ``with hook:`` around the forward and backward
     passes of an FP32 model.
 
@@ -382,76 +384,46 @@ class LowPrecisionSimulation(GemmSimulation):
         return cupy
 
 
-def round_nearest(array, fmt):
-    """``fmt.quantize(array)`` with fast paths for FP16 and BF16.
+class S2FP8Simulation(GemmSimulation):
 
-    The fast paths give the same bits as
-    :meth:`~gradient_scaling.formats.Format.quantize` (round to nearest
-    even, gradual underflow, overflow to infinity, NaN kept) on float32
-    arrays: BF16 by rounding the bit pattern (BF16 is the top half of an
-    FP32); FP16 by a cast there and back on CuPy, and on NumPy with float32
-    arithmetic, because NumPy's cast to float16 is ~30x slower for values
-    that become FP16 subnormals (as small gradients do).
+    """Simulates S2FP8 training on an FP32 model.
+
+    Every GEMM (``Linear``, ``Convolution2D``/``ND``,
+    ``Deconvolution2D``/``ND``) computes in FP32 on operands passed through
+    :func:`s2fp8_truncate`, each tensor with its own statistics: ``x`` and
+    ``W`` in the forward pass (the backward reuses these truncated values),
+    the incoming gradient ``gy`` in the backward pass, and the GEMM's results
+    (the output ``y`` and the gradients ``gx``, ``gW``, ``gb``), so the FP32
+    master weights are updated with S2FP8 gradients. Biases enter in FP32.
+    Parameter arrays are never modified.
+
+    .. admonition:: Example
+
+        >>> import chainer, chainer.links as L, numpy as np
+        >>> from gradient_scaling.chainer.simulation import S2FP8Simulation
+        >>> model = L.Classifier(L.Linear(3, 2))
+        >>> optimizer = chainer.optimizers.SGD().setup(model)
+        >>> x = np.ones((4, 3), np.float32); t = np.zeros(4, np.int32)
+        >>> with S2FP8Simulation():
+        ...     optimizer.update(model, x, t)
 
     Args:
-        array (numpy.ndarray or cupy.ndarray): Floating-point array.
-        fmt (~gradient_scaling.formats.Format): Target format.
-
-    Returns:
-        numpy.ndarray or cupy.ndarray: Rounded values, same dtype.
+        measure_underflow (bool): Count, per GEMM and operand, the gradient
+            values that become zero (see ``underflow_report()`` of
+            :class:`GemmSimulation`).
+        target (~chainer.Link): Optional model, to name GEMMs by link path in
+            that report.
 
     """
-    dtype = array.dtype
-    if fmt.name == 'float16':
-        if dtype == numpy.float16:
-            return array
-        if dtype == numpy.float32:
-            if isinstance(array, numpy.ndarray):
-                return _round_float16_arithmetic(array)
-            return _round_float16_cast(array)
-    elif fmt.name == 'bfloat16' and dtype == numpy.float32:
-        return _round_bfloat16(array)
-    return fmt.quantize(array)
 
+    name = 'S2FP8Simulation'
 
-def _round_float16_cast(array):
-    with numpy.errstate(over='ignore'):
-        return array.astype(numpy.float16).astype(numpy.float32)
+    def __init__(self, measure_underflow=False, target=None):
+        super().__init__(round_bias=False, round_incoming_gradients=True,
+                         measure_underflow=measure_underflow, target=target)
 
-
-def _round_float16_arithmetic(array):
-    xp = backend.get_array_module(array)
-    magnitude = xp.abs(array)
-    # c = 2**(e + 13) for magnitude in [2**e, 2**(e+1)): float32's spacing
-    # at c is FP16's at the magnitude, 2**(e - 10), so magnitude + c rounds
-    # (ties to even, c being an even multiple of it) to FP16's precision
-    # and subtracting c is exact. Below FP16's normal range the spacing
-    # stays 2**-24 (c = 2**-1); above it c is capped, the result replaced
-    # by infinity anyway.
-    exponent = magnitude.view(numpy.uint32) & numpy.uint32(0x7F800000)
-    exponent += numpy.uint32(13 << 23)
-    xp.clip(exponent, numpy.uint32(0x3F000000), numpy.uint32(0x5F000000),
-            out=exponent)
-    c = exponent.view(numpy.float32)
-    with numpy.errstate(invalid='ignore'):
-        rounded = magnitude + c
-    rounded -= c
-    # Half-way between 65504 and 2**16 rounds to even, i.e. overflows.
-    rounded[magnitude >= numpy.float32(65520)] = numpy.inf
-    return xp.copysign(rounded, array, out=rounded)
-
-
-def _round_bfloat16(array):
-    xp = backend.get_array_module(array)
-    bits = array.view(numpy.uint32)
-    # Add just under half an ulp of BF16, plus one if the kept part is odd
-    # (ties to even); a carry into the exponent rounds up to the next binade
-    # or to infinity, as it should.
-    odd = (bits >> numpy.uint32(16)) & numpy.uint32(1)
-    rounded = (bits + (odd + numpy.uint32(0x7FFF))) & numpy.uint32(0xFFFF0000)
-    result = rounded.view(numpy.float32)
-    # NaN payloads could carry into the sign bit; keep NaN as it was.
-    return xp.where(xp.isnan(array), array, result)
+    def truncate(self, array):
+        return s2fp8_truncate(array)
 
 
 class _RetainedInputs(object):

@@ -23,6 +23,9 @@ import gradient_scaling.compat  # NOQA
 
 import math
 
+import numpy
+
+import chainer
 from chainer.functions.activation import log_softmax
 from chainer.functions.activation import softmax
 from chainer.functions.connection import convolution_2d
@@ -33,10 +36,12 @@ from chainer.functions.connection import linear
 from chainer.functions.loss import softmax_cross_entropy
 
 from gradient_scaling.chainer import _internals as internals
+from gradient_scaling.core.step import GemmTrace
 
 __all__ = ['GEMM_TYPES', 'SOFTMAX_TYPES', 'SHAPE_ONLY_NAMES', 'is_gemm',
            'is_softmax', 'is_shape_only', 'accumulation_length',
-           'data_gradient', 'select_gradients', 'SiteNames']
+           'data_gradient', 'select_gradients', 'operand_traces',
+           'SiteNames']
 
 #: Function nodes whose backward is a GEMM with a weight (input 1).
 GEMM_TYPES = (
@@ -113,26 +118,65 @@ def select_gradients(gxs, indexes, n_inputs):
         len(gxs), indexes))
 
 
-def data_gradient(function, grad_output):
+def data_gradient(function, grad_output, fp32=False):
     """The data gradient a GEMM node's backward gives for ``grad_output``.
 
     Runs the node's own backward once more (its retained inputs are still
-    there during backprop), so a probe sees exactly the values the backward
-    GEMM outputs: the class's method, not a one-shot wrapper a hook may
-    have installed on the node for this pass.
+    there during backprop): the class's method, not a one-shot wrapper a
+    hook may have installed on the node for this pass, so a probe sees
+    exactly the values the backward GEMM outputs.
 
     Args:
         function: A GEMM function node.
-        grad_output (~chainer.Variable): Gradient of its output.
+        grad_output: Gradient of its output (an array).
+        fp32 (bool): Compute in FP32, on FP32 copies of the operands the
+            forward retained (the rounded ones under a simulation) and of
+            ``grad_output``: the values before a low format stores them,
+            which the closed-loop estimator histograms.
 
     Returns:
-        ~chainer.Variable: Gradient of its input 0.
+        The gradient of input 0 (an array).
 
     """
-    gx, = select_gradients(
-        type(function).backward(function, (0,), (grad_output,)), (0,),
-        len(function.inputs))
-    return gx
+    if fp32:
+        grad_output = grad_output.astype(numpy.float32, copy=False)
+    grad = chainer.Variable(grad_output, requires_grad=False)
+    if fp32:
+        wide = tuple(chainer.Variable(v.array.astype(numpy.float32,
+                                                     copy=False),
+                                      requires_grad=False)
+                     for v in function.get_retained_inputs())
+        with internals.retained_inputs(function, lambda: wide):
+            gxs = type(function).backward(function, (0,), (grad,))
+    else:
+        gxs = type(function).backward(function, (0,), (grad,))
+    gx, = select_gradients(gxs, (0,), len(function.inputs))
+    return gx.array
+
+
+def operand_traces(roots, params, names):
+    """``{name: [GemmTrace]}`` of the GEMMs of ``params`` (no
+    incoming-gradient information), found by walking the graph from
+    ``roots`` (the output nodes a backward started from): a cached pass
+    records no traces, and only a failed pass needs them."""
+    wanted = {id(p): names.parameter(p) for p in params}
+    traces = {name: [] for name in wanted.values()}
+    seen = set()
+    todo = [n.creator_node for n in roots if n.creator_node is not None]
+    while todo:
+        func = todo.pop()
+        if id(func) in seen:
+            continue
+        seen.add(id(func))
+        if is_gemm(func):
+            for node in func.inputs[1:]:
+                param = internals.parameter_of(node)
+                if param is not None and id(param) in wanted:
+                    traces[wanted[id(param)]].append(GemmTrace(
+                        None, (func.inputs[0].data, func.inputs[1].data)))
+        todo.extend(node.creator_node for node in func.inputs
+                    if node.creator_node is not None)
+    return traces
 
 
 class SiteNames(object):

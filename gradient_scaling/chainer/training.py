@@ -23,7 +23,6 @@ Trainer; a hand-written loop calls it directly.
 
 import gradient_scaling.compat  # NOQA
 
-import argparse
 import contextlib
 import dataclasses
 
@@ -34,16 +33,13 @@ from chainer.dataset import convert
 from chainer.training import updaters
 
 from gradient_scaling.chainer import _internals as internals
-from gradient_scaling.core import _validate
-from gradient_scaling.core import estimators
-from gradient_scaling.core import formats
 from gradient_scaling.chainer import link_state
 from gradient_scaling.chainer import random_state
 from gradient_scaling.chainer import scalers
-from gradient_scaling.core import step as step_module
 from gradient_scaling.chainer.scalers import SCALING_MODES
 from gradient_scaling.chainer.update import apply_update  # NOQA: part of this API
 from gradient_scaling.chainer.update import serialize_fp32_masters
+from gradient_scaling.core import recipes
 
 __all__ = ['PRECISIONS', 'SIMULATED_FORMATS', 'SCALING_MODES',
            'ScalingConfig', 'add_arguments', 'default_to_simulation_on_cpu',
@@ -60,106 +56,114 @@ SIMULATED_FORMATS = {
 }
 
 
-@dataclasses.dataclass
 class ScalingConfig(object):
 
-    """What :func:`add_arguments` parses.
+    """A precision and a scaling recipe: what :func:`add_arguments` parses.
 
-    Attributes:
-        scaling (str): One of :data:`~gradient_scaling.scalers.SCALING_MODES`.
+    Args:
+        scaling (str): The mode, one of
+            :data:`~gradient_scaling.core.recipes.MODES`.
         precision (str): One of :data:`PRECISIONS`: ``fp32``, real
             ``mixed16`` (FP16 GEMMs, FP32 BatchNorm and master weights), or a
             simulation on an FP32 model (``sim-*``, ``s2fp8``). ``None``
             means ``fp32`` for ``--scaling fp32`` and ``mixed16`` otherwise.
-        loss_scale (float): Fixed-LS scale.
-        dynamic_interval (int): Dyn-LS growth interval.
-        underflow_rate (float): GS target underflow rate.
-        update_interval (int): GS statistics refresh interval.
-        fmt (str): Low-precision format of the gradients.
-        measure_underflow (bool): GS measures actual underflow at refreshes.
-        gs_estimator (str): How GS picks a site's scale: ``'model'`` (the
-            paper), ``'measured'`` or ``'hybrid'``
-            (:mod:`gradient_scaling.estimators`).
-        amax_history (int): ``amax-delayed``: steps of amax remembered.
-        amax_margin (int): ``amax-*``: powers of two left below the max.
+        stochastic_rounding (bool): Simulations round stochastically.
         count_underflow (bool): A simulation counts, whatever the scaling,
             the non-zero gradient values its rounding turns into zeros; the
             updater reports the fraction as ``scaling/measured_underflow``.
-            (GS under a simulation always counts.)
+            (Under a simulation, GS and the amax recipes always count.)
+        recipe (~gradient_scaling.core.recipes.Recipe): The mode's recipe;
+            by default built from ``scaling`` and ``settings``.
+        **settings: Recipe fields (``loss_scale``, ``dynamic_interval``,
+            ``underflow_rate``, ``update_interval``, ``fmt``, ...); those of
+            other modes are ignored, as the command line's are. A
+            gradient-scaling recipe's ``fmt`` defaults to the precision's
+            format.
+
+    Attributes:
+        recipe: The recipe the scaler applies, final: under a simulation a
+            hook recipe's own underflow measurement is off, since the
+            simulation counts instead (GS would measure gradients already
+            rounded, whose lost values are zeros by then).
 
     """
 
-    scaling: str = 'gs'
-    precision: str = None
-    loss_scale: float = 128.0
-    dynamic_interval: int = 1000
-    underflow_rate: float = 1e-3
-    update_interval: int = 100
-    fmt: str = None
-    measure_underflow: bool = True
-    stochastic_rounding: bool = False
-    count_underflow: bool = False
-    gs_estimator: str = 'model'
-    amax_history: int = 1024
-    amax_margin: int = 0
-
-    def __post_init__(self):
-        if self.scaling not in SCALING_MODES:
-            raise ValueError('unknown scaling {!r}; valid: {}'.format(
-                self.scaling, ', '.join(SCALING_MODES)))
-        if self.precision is None:
-            self.precision = 'fp32' if self.scaling == 'fp32' else 'mixed16'
-        if self.precision not in PRECISIONS:
+    def __init__(self, scaling='gs', precision=None, stochastic_rounding=False,
+                 count_underflow=False, recipe=None, **settings):
+        if recipe is None:
+            cls = recipes.MODES.get(scaling)
+            if cls is None:
+                raise ValueError('unknown scaling {!r}; valid: {}'.format(
+                    scaling, ', '.join(recipes.MODES)))
+        else:
+            scaling, cls = recipe.mode, type(recipe)
+        if precision is None:
+            precision = 'fp32' if scaling == 'fp32' else 'mixed16'
+        if precision not in PRECISIONS:
             raise ValueError('unknown precision {!r}; valid: {}'.format(
-                self.precision, ', '.join(PRECISIONS)))
-        if self.scaling == 'fp32' and self.precision != 'fp32':
+                precision, ', '.join(PRECISIONS)))
+        if scaling == 'fp32' and precision != 'fp32':
             raise ValueError('--scaling fp32 means FP32 training; it cannot '
                              'be combined with --precision {}'.format(
-                                 self.precision))
-        if self.amax and (self.precision not in SIMULATED_FORMATS
-                          or self.precision == 's2fp8'):
+                                 precision))
+        self.precision = precision
+        if recipe is None:
+            settings = recipes.own_settings(scaling, settings)
+            if 'fmt' in {f.name for f in dataclasses.fields(cls)}:
+                settings.setdefault('fmt', self.format)
+            recipe = recipes.for_mode(scaling, **settings)
+        elif settings:
+            raise ValueError('pass a recipe or settings, not both')
+        if cls.keeps_gemm_outputs_fp32 and not (
+                self.simulated and precision != 's2fp8'):
             raise ValueError(
                 '--scaling {} needs a simulated precision (sim-fp16, '
                 'sim-bf16, sim-fp8-e5m2, sim-fp8-e4m3): like Transformer '
                 'Engine it keeps GEMM outputs in FP32, which mixed16 cannot, '
-                'got --precision {}'.format(self.scaling, self.precision))
-        if self.fmt is None:
-            self.fmt = SIMULATED_FORMATS.get(self.precision, 'float16')
-        self.loss_scale = _validate.positive(self.loss_scale, 'loss_scale')
-        self.dynamic_interval = _validate.count(self.dynamic_interval,
-                                                'dynamic_interval')
-        self.underflow_rate = _validate.rate(self.underflow_rate,
-                                             'underflow_rate')
-        self.update_interval = _validate.count(self.update_interval,
-                                               'update_interval')
-        formats.get(self.fmt)
-        _validate.choice(self.gs_estimator, 'gs_estimator',
-                         estimators.ESTIMATORS[:3])
-        self.amax_history = _validate.count(self.amax_history,
-                                            'amax_history')
-        self.amax_margin = _validate.count(self.amax_margin, 'amax_margin',
-                                           minimum=0)
+                'got --precision {}'.format(scaling, precision))
+        self._requested = (recipe, bool(count_underflow))
+        if self.simulated and cls.reports_underflow:
+            recipe = dataclasses.replace(recipe, measure_underflow=False)
+        self.recipe = recipe
+        self.scaling = scaling
+        self.stochastic_rounding = bool(stochastic_rounding)
+        self.count_underflow = bool(count_underflow) or (
+            self.simulated and cls.reports_underflow)
+
+    def replace(self, **changes):
+        """A copy with ``changes``: of ``scaling``, ``precision``,
+        ``stochastic_rounding``, ``count_underflow`` or recipe settings
+        (a new ``scaling`` starts from that mode's defaults)."""
+        recipe, count_underflow = self._requested
+        own = dict(scaling=self.scaling, precision=self.precision,
+                   stochastic_rounding=self.stochastic_rounding,
+                   count_underflow=count_underflow)
+        for name in own:
+            own[name] = changes.pop(name, own[name])
+        if own['scaling'] == self.scaling:
+            settings = {f.name: getattr(recipe, f.name)
+                        for f in dataclasses.fields(recipe) if f.name != 'mode'}
+            settings.update(recipes.own_settings(own['scaling'], changes))
+        else:
+            settings = changes
+        return ScalingConfig(**own, **settings)
 
     @classmethod
     def from_args(cls, args):
-        return cls(scaling=args.scaling,
-                   precision=getattr(args, 'precision', None),
-                   loss_scale=args.loss_scale,
-                   dynamic_interval=args.dynamic_interval,
-                   underflow_rate=args.underflow_rate,
-                   update_interval=args.update_interval, fmt=args.format,
+        precision = getattr(args, 'precision', None)
+        if precision is None:
+            precision = 'fp32' if args.scaling == 'fp32' else 'mixed16'
+        return cls(precision=precision,
                    stochastic_rounding=getattr(args, 'stochastic_rounding',
                                                False),
                    count_underflow=getattr(args, 'count_underflow', False),
-                   gs_estimator=getattr(args, 'gs_estimator', 'model'),
-                   amax_history=getattr(args, 'amax_history', 1024),
-                   amax_margin=getattr(args, 'amax_margin', 0))
+                   recipe=recipes.from_args(args, fmt=SIMULATED_FORMATS.get(
+                       precision, 'float16')))
 
     @property
-    def amax(self):
-        """Transformer Engine's recipes: only GEMM inputs in the format,
-        and casts to it saturate."""
-        return self.scaling in ('amax-delayed', 'amax-current')
+    def format(self):
+        """The format the precision stores gradients in."""
+        return SIMULATED_FORMATS.get(self.precision, 'float16')
 
     @property
     def mixed_precision(self):
@@ -173,15 +177,17 @@ class ScalingConfig(object):
     def simulation_hook(self):
         """The hook that simulates ``precision`` on an FP32 model, or None."""
         if self.precision == 's2fp8':
-            from gradient_scaling.chainer.s2fp8 import S2FP8Simulation
+            from gradient_scaling.chainer.simulation import S2FP8Simulation
             return S2FP8Simulation(measure_underflow=self.count_underflow)
         if self.simulated:
-            from gradient_scaling.chainer.simulation import LowPrecisionSimulation
+            from gradient_scaling.chainer.simulation import \
+                LowPrecisionSimulation
+            fp32_outputs = self.recipe.keeps_gemm_outputs_fp32
             return LowPrecisionSimulation(
                 SIMULATED_FORMATS[self.precision],
                 rounding='stochastic' if self.stochastic_rounding
                 else 'nearest', measure_underflow=self.count_underflow,
-                round_outputs=not self.amax, saturate=self.amax)
+                round_outputs=not fp32_outputs, saturate=fp32_outputs)
         return None
 
     def model_dtype(self):
@@ -191,52 +197,11 @@ class ScalingConfig(object):
         return chainer.using_config('dtype', numpy.float32)
 
 
-def _argument_type(convert, check, what, valid):
-    """An argparse type: ``text`` converted, then checked by ``check``."""
-    def parse(text):
-        try:
-            value = convert(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError('{} must be {}, got {!r}'.format(
-                what, valid, text)) from None
-        try:
-            return check(value, what)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-    parse.__name__ = what
-    return parse
-
-
-_positive_float = _argument_type(float, _validate.positive, 'the loss scale',
-                                 'a finite number > 0')
-_interval = _argument_type(int, _validate.count, 'an interval',
-                           'an integer >= 1')
-_rate = _argument_type(float, _validate.rate, 'the underflow rate',
-                       'a number in (0, 1)')
-_margin = _argument_type(int, lambda v, what: _validate.count(
-    v, what, minimum=0), 'the amax margin', 'an integer >= 0')
-
-
 def add_arguments(parser, default_scaling='gs'):
-    """Adds the scaling options shared by every example script."""
-    group = parser.add_argument_group('gradient scaling')
-    group.add_argument(
-        '--scaling', choices=SCALING_MODES, default=default_scaling,
-        help='fp32: FP32 training; none: mixed16 without scaling; fixed: '
-        'Fixed-LS (--loss-scale); dynamic: Chainer\'s Dyn-LS '
-        '(--dynamic-interval); dynamic-gradscaler: GradScaler-style '
-        'dynamic scaling; gs: gradient scaling; amax-delayed, amax-current: '
-        'Transformer Engine\'s per-tensor FP8 amax recipes (default: '
-        '%(default)s)')
-    group.add_argument('--loss-scale', type=_positive_float, default=128.0,
-                       help='Fixed-LS scale (default: %(default)s)')
-    group.add_argument('--dynamic-interval', type=_interval, default=1000,
-                       help='Dyn-LS growth interval (default: %(default)s)')
-    group.add_argument('--underflow-rate', type=_rate, default=1e-3,
-                       help='GS target underflow rate (default: %(default)s)')
-    group.add_argument('--update-interval', type=_interval, default=100,
-                       help='GS statistics refresh interval, in iterations '
-                       '(default: %(default)s, as in the paper)')
+    """Adds the scaling options shared by every example script: the
+    recipes' (:func:`gradient_scaling.core.recipes.add_arguments`) and the
+    precision's."""
+    group = recipes.add_arguments(parser, default_mode=default_scaling)
     group.add_argument('--precision', choices=PRECISIONS, default=None,
                        help='fp32; mixed16 (real FP16); sim-*: FP32 compute '
                        'with values rounded where mixed precision stores '
@@ -244,9 +209,6 @@ def add_arguments(parser, default_scaling='gs'):
                        '--scaling fp32; otherwise sim-fp16 on the CPU, '
                        'where real FP16 arithmetic is 60-115x slower, and '
                        'mixed16 on a GPU)')
-    group.add_argument('--format', choices=formats.names(), default=None,
-                       help='format GS scales gradients for (default: the '
-                       'format of --precision, float16 for mixed16)')
     group.add_argument('--stochastic-rounding', action='store_true',
                        help='simulations round stochastically')
     group.add_argument('--count-underflow', action='store_true',
@@ -254,19 +216,6 @@ def add_arguments(parser, default_scaling='gs'):
                        'turns into zeros, for any --scaling, and report the '
                        'fraction as scaling/measured_underflow (GS always '
                        'does)')
-    group.add_argument('--gs-estimator', choices=estimators.ESTIMATORS[:3],
-                       default='model',
-                       help='how GS picks each scale: model (the paper\'s '
-                       'Theorems 1-2), measured (the exact underflow of '
-                       'every power of two, from an exponent histogram at '
-                       'each refresh), hybrid (the larger of the two) '
-                       '(default: %(default)s)')
-    group.add_argument('--amax-history', type=_interval, default=1024,
-                       help='amax-delayed: steps of amax remembered '
-                       '(default: %(default)s, as Transformer Engine)')
-    group.add_argument('--amax-margin', type=_margin, default=0,
-                       help='amax-*: powers of two left free below the '
-                       'format\'s maximum (default: %(default)s)')
     return group
 
 
@@ -290,7 +239,7 @@ def setup_optimizer(optimizer, model, config):
     optimizer.setup(model)
     if config.mixed_precision:
         optimizer.use_fp32_update()
-    return optimizer, scalers.make_scaler(config, model, optimizer)
+    return optimizer, scalers.make_scaler(config.recipe, model, optimizer)
 
 
 def train_step(optimizer, scaler, loss_func, *args, config=None,
@@ -332,11 +281,10 @@ def train_step(optimizer, scaler, loss_func, *args, config=None,
             stack.enter_context(config.model_dtype())
         if simulation is not None:
             stack.enter_context(simulation)
-            if isinstance(scaler, scalers.GradientScalingScaler):
-                # Registered after the simulation, GS's backward wrapper is
-                # the outer one: it scales gradients before the simulation
-                # rounds them (entering and leaving a GEMM).
-                stack.enter_context(scaler.hook)
+            # Registered after the simulation, GS's backward wrapper is the
+            # outer one: it scales gradients before the simulation rounds
+            # them (entering and leaving a GEMM).
+            stack.enter_context(scaler.backward_context())
         loss = loss_func(*args, **kwargs)
         model.cleargrads()
         scaler.backward(loss)
@@ -392,13 +340,6 @@ class ScalingUpdater(updaters.StandardUpdater):
         if simulation is None and config is not None:
             simulation = config.simulation_hook()
         self.simulation = simulation
-        if (simulation is not None
-                and isinstance(scaler, scalers.GradientScalingScaler)):
-            # GS would measure gradients the simulation has rounded already
-            # (their lost values are zeros by then); the simulation counts
-            # them instead (simulation.underflow_report()).
-            scaler.hook.measure_underflow = False
-            simulation.measure_underflow = True
         self.skips = 0
 
     def update_core(self):

@@ -39,18 +39,10 @@ extra data GEMM and one pass over its output per site per refresh, i.e.
 about half a backward pass more every ``update_interval`` steps.
 """
 
-import gradient_scaling.compat  # NOQA
-
 import math
 
-import numpy
-
-import chainer
-
-from gradient_scaling.chainer import _internals as internals
-from gradient_scaling.core import histogram
-from gradient_scaling.chainer import sites
-from gradient_scaling.core import statistics
+from gradient_scaling.core import arrays
+from gradient_scaling.core import formats
 from gradient_scaling.core import underflow
 
 __all__ = ['ESTIMATORS', 'make_estimator', 'scale_from_histogram',
@@ -65,26 +57,33 @@ class ModelEstimator(object):
     """The paper's rules: Theorem 1 at GEMMs, Theorem 2 at casts."""
 
     name = 'model'
-    #: Computed at every pass (no cache, no refresh schedule).
-    every_pass = False
-    #: Scales every GEMM's incoming gradient, the tensor TE quantizes: the
-    #: weight-gradient path shares the data path's scale (instead of
-    #: keeping the incoming one, the paper) and the softmax gradient is
-    #: scaled as the input of the logits' GEMM.
-    scales_gemm_inputs = False
 
     def __init__(self, underflow_rate, fmt):
         self.underflow_rate = underflow_rate
         self.fmt = fmt
 
-    def gemm(self, grad, weight, function, alpha, key, staged):
+    def gemm(self, grad, weight, n, alpha, key, staged, data_gradient):
         """(beta, estimated rate at beta, estimated rate at 1) of a GEMM's
-        data path, for the incoming gradient ``grad`` (at scale alpha)."""
-        n = sites.accumulation_length(function, weight)
-        g_std, g_max = statistics.spread_and_max(grad, sample=False)
+        data path, for the incoming gradient ``grad`` (at scale alpha).
+
+        Args:
+            grad: The gradient entering the GEMM's backward.
+            weight: The GEMM's weight.
+            n (int): Its accumulation length (products per data-gradient
+                element).
+            alpha (float): The scale ``grad`` carries.
+            key (str): The site's key.
+            staged (~gradient_scaling.core.scale_state.StagedScales): What
+                the step staged so far (estimators with state stage there).
+            data_gradient (callable): Returns the GEMM's data gradient for
+                ``grad`` computed in FP32 (read by the closed loop only).
+
+        """
+        ops = arrays.ops_for(grad)
+        g_std, g_max = ops.spread_and_max(grad, sample=False)
         if not math.isfinite(g_max):
             raise underflow.NonFiniteStatisticsError('non-finite gradient')
-        w_std, w_max = statistics.spread_and_max(weight)
+        w_std, w_max = arrays.ops_for(weight).spread_and_max(weight)
         if not math.isfinite(w_max):
             raise underflow.NonFiniteStatisticsError('non-finite weights')
         beta = underflow.gemm_scale_from_stats(
@@ -95,7 +94,7 @@ class ModelEstimator(object):
 
     def cast(self, grad, alpha, key, staged):
         """The same for the gradient reaching a softmax cast."""
-        g = _finite_stats(grad, log=True)
+        g = _finite_log_stats(grad)
         beta = underflow.lognormal_scale_from_stats(
             g.log_mean, g.log_std, g.max_abs, self.underflow_rate, self.fmt)
         if g.nonzero == 0:
@@ -108,7 +107,10 @@ class ModelEstimator(object):
     def commit(self, staged_tables):
         """State carried between steps (none here)."""
 
-    def serialize(self, serializer):
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
         pass
 
 
@@ -118,18 +120,17 @@ class MeasuredEstimator(ModelEstimator):
 
     name = 'measured'
 
-    def gemm(self, grad, weight, function, alpha, key, staged):
-        n = sites.accumulation_length(function, weight)
+    def gemm(self, grad, weight, n, alpha, key, staged, data_gradient):
         cap = underflow.gemm_cap(_finite_max(grad), _finite_max(weight), n,
                                  self.fmt)
-        output = _fp32_data_gradient(function, grad)
-        return self._choose(histogram.exponent_histogram(output), cap,
-                            lambda: ModelEstimator.gemm(
-                                self, grad, weight, function, alpha, key,
-                                staged))
+        output = data_gradient()
+        return self._choose(arrays.ops_for(output).exponent_histogram(output),
+                            cap, lambda: ModelEstimator.gemm(
+                                self, grad, weight, n, alpha, key, staged,
+                                data_gradient))
 
     def cast(self, grad, alpha, key, staged):
-        h = histogram.exponent_histogram(grad)
+        h = arrays.ops_for(grad).exponent_histogram(grad)
         return self._choose(h, underflow.cast_cap(h.max_abs, self.fmt),
                             lambda: ModelEstimator.cast(self, grad, alpha,
                                                         key, staged))
@@ -167,9 +168,6 @@ class AmaxEstimator(ModelEstimator):
 
     """
 
-    every_pass = True
-    scales_gemm_inputs = True
-
     def __init__(self, underflow_rate, fmt, delayed, history=1024,
                  margin=0):
         super().__init__(underflow_rate, fmt)
@@ -179,7 +177,7 @@ class AmaxEstimator(ModelEstimator):
         self.margin = int(margin)
         self.amax = {}  # site key -> list of amax values, oldest first
 
-    def gemm(self, grad, weight, function, alpha, key, staged):
+    def gemm(self, grad, weight, n, alpha, key, staged, data_gradient):
         return self._scale(grad, alpha, key, staged)
 
     def cast(self, grad, alpha, key, staged):
@@ -206,24 +204,19 @@ class AmaxEstimator(ModelEstimator):
             past.append(value)
             del past[:-self.history]
 
-    def serialize(self, serializer):
-        if isinstance(serializer, chainer.serializer.Deserializer):
-            keys = serializer('amax_keys', None)
-            lengths = serializer('amax_lengths', None)
-            values = serializer('amax_values', None)
-            self.amax = {}
-            start = 0
-            for key, length in zip(keys, lengths):
-                self.amax[str(key)] = [float(v) for v in
-                                       values[start:start + int(length)]]
-                start += int(length)
-            return
+    def state_dict(self):
         keys = list(self.amax)
-        serializer('amax_keys', numpy.array(keys, dtype=numpy.str_))
-        serializer('amax_lengths', numpy.array(
-            [len(self.amax[k]) for k in keys], dtype=numpy.int64))
-        serializer('amax_values', numpy.array(
-            [v for k in keys for v in self.amax[k]], dtype=numpy.float64))
+        return {'amax_keys': keys,
+                'amax_lengths': [len(self.amax[k]) for k in keys],
+                'amax_values': [v for k in keys for v in self.amax[k]]}
+
+    def load_state_dict(self, state):
+        self.amax = {}
+        start = 0
+        for key, length in zip(state['amax_keys'], state['amax_lengths']):
+            self.amax[str(key)] = [float(v) for v in state['amax_values'][
+                start:start + int(length)]]
+            start += int(length)
 
 
 def scale_from_histogram(h, underflow_rate, fmt, cap=math.inf):
@@ -233,7 +226,7 @@ def scale_from_histogram(h, underflow_rate, fmt, cap=math.inf):
     paper's overflow bound, for the batches to come).
 
     Args:
-        h (~gradient_scaling.histogram.ExponentHistogram): Of the site's
+        h (~gradient_scaling.core.histogram.ExponentHistogram): Of the site's
             output gradient at scale 1.
         underflow_rate (float): Target.
         fmt: The format.
@@ -249,24 +242,26 @@ def scale_from_histogram(h, underflow_rate, fmt, cap=math.inf):
     return min(math.ldexp(1.0, k), cap)
 
 
-def make_estimator(name, underflow_rate, fmt, amax_history=1024,
-                   amax_margin=0):
-    """The estimator called ``name`` (one of :data:`ESTIMATORS`)."""
+def make_estimator(recipe):
+    """The estimator a recipe names (:attr:`estimator_name`, one of
+    :data:`ESTIMATORS`)."""
+    name, fmt = recipe.estimator_name, formats.get(recipe.fmt)
     if name == 'model':
-        return ModelEstimator(underflow_rate, fmt)
+        return ModelEstimator(recipe.underflow_rate, fmt)
     if name == 'measured':
-        return MeasuredEstimator(underflow_rate, fmt)
+        return MeasuredEstimator(recipe.underflow_rate, fmt)
     if name == 'hybrid':
-        return HybridEstimator(underflow_rate, fmt)
+        return HybridEstimator(recipe.underflow_rate, fmt)
     if name in ('amax-current', 'amax-delayed'):
-        return AmaxEstimator(underflow_rate, fmt, name == 'amax-delayed',
-                             amax_history, amax_margin)
+        return AmaxEstimator(recipe.underflow_rate, fmt,
+                             name == 'amax-delayed', recipe.amax_history,
+                             recipe.amax_margin)
     raise ValueError('estimator must be one of {}, got {!r}'.format(
         ', '.join(ESTIMATORS), name))
 
 
-def _finite_stats(x, log):
-    stats = statistics.tensor_statistics(x, log=log)
+def _finite_log_stats(x):
+    stats = arrays.ops_for(x).log_statistics(x)
     if stats.n_nonfinite:
         raise underflow.NonFiniteStatisticsError(
             '{} non-finite values'.format(stats.n_nonfinite))
@@ -274,25 +269,7 @@ def _finite_stats(x, log):
 
 
 def _finite_max(x):
-    largest = statistics.max_abs(x)
+    largest = arrays.ops_for(x).max_abs(x)
     if not math.isfinite(largest):
         raise underflow.NonFiniteStatisticsError('non-finite values')
     return largest
-
-
-def _fp32_data_gradient(function, grad):
-    """A GEMM node's data gradient for ``grad``, computed in FP32.
-
-    The node's own backward runs once more (the class method, not a
-    wrapper a hook installed for this pass) on FP32 copies of the operands
-    its forward retained (rounded ones under a simulation).
-    """
-    retained = function.get_retained_inputs()
-    wide = tuple(chainer.Variable(v.array.astype(numpy.float32,
-                                                 copy=False),
-                                  requires_grad=False) for v in retained)
-    with internals.retained_inputs(function, lambda: wide):
-        gxs = type(function).backward(function, (0,), (chainer.Variable(
-            grad.astype(numpy.float32, copy=False), requires_grad=False),))
-    gx, = sites.select_gradients(gxs, (0,), len(function.inputs))
-    return gx.array

@@ -28,8 +28,6 @@ subnormals to zero in floating-point arithmetic.
 
 """
 
-import gradient_scaling.compat  # NOQA
-
 import dataclasses
 import math
 

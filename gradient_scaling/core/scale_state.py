@@ -2,7 +2,7 @@
 
 :class:`~gradient_scaling.GradientScaling` applies the paper's rules during
 backprop; what it carries from one step to the next lives here, each piece
-with its own transition table and ``serialize``:
+with its own transition table and ``state_dict``:
 
 * :class:`RefreshSchedule`: when the scales are recomputed from statistics.
 * :class:`ScaleTable`: the cached local scales, and the scales a step
@@ -18,18 +18,13 @@ staged and changes nothing, so the next step runs as if the bad batch had
 never been seen (docs/DESIGN.md, 6).
 """
 
-import gradient_scaling.compat  # NOQA
-
 import math
-
-import numpy
-
-import chainer
 
 from gradient_scaling.core import _validate
 from gradient_scaling.core import underflow
 
-__all__ = ['RefreshSchedule', 'ScaleTable', 'WeightPathBackoff']
+__all__ = ['RefreshSchedule', 'ScaleTable', 'StagedScales',
+           'WeightPathBackoff', 'dict_state', 'load_dict_state']
 
 
 class RefreshSchedule(object):
@@ -73,10 +68,14 @@ class RefreshSchedule(object):
         elif cause == 'scale':
             self.forced = True
 
-    def serialize(self, serializer):
-        age = serializer('age', -1 if self.age is None else self.age)
-        self.age = None if int(age) < 0 else int(age)
-        self.forced = bool(serializer('forced', self.forced))
+    def state_dict(self):
+        return {'age': -1 if self.age is None else self.age,
+                'forced': self.forced}
+
+    def load_state_dict(self, state):
+        age = int(state['age'])
+        self.age = None if age < 0 else age
+        self.forced = bool(state['forced'])
 
 
 class ScaleTable(object):
@@ -129,9 +128,13 @@ class ScaleTable(object):
             else:
                 self.signatures[key] = signature
 
-    def serialize(self, serializer):
-        _serialize_dict(serializer, 'scale', self.scales, float)
-        _serialize_dict(serializer, 'branch', self.signatures, str)
+    def state_dict(self):
+        return dict(dict_state('scale', self.scales),
+                    **dict_state('branch', self.signatures))
+
+    def load_state_dict(self, state):
+        self.scales = load_dict_state(state, 'scale', float)
+        self.signatures = load_dict_state(state, 'branch', str)
 
 
 class StagedScales(object):
@@ -234,8 +237,11 @@ class WeightPathBackoff(object):
             else:
                 self.scales[name] = new
 
-    def serialize(self, serializer):
-        _serialize_dict(serializer, 'weight_scale', self.scales, float)
+    def state_dict(self):
+        return dict_state('weight_scale', self.scales)
+
+    def load_state_dict(self, state):
+        self.scales = load_dict_state(state, 'weight_scale', float)
 
 
 def _keys(dicts):
@@ -246,16 +252,13 @@ def _keys(dicts):
     return list(seen)
 
 
-def _serialize_dict(serializer, prefix, table, convert):
-    """A str-keyed dict as two arrays, ``<prefix>_keys`` and ``_values``."""
-    if isinstance(serializer, chainer.serializer.Deserializer):
-        keys = serializer(prefix + '_keys', None)
-        values = serializer(prefix + '_values', None)
-        table.clear()
-        table.update((str(k), convert(v)) for k, v in zip(keys, values))
-        return
-    keys = list(table)
-    dtype = numpy.float64 if convert is float else numpy.str_
-    serializer(prefix + '_keys', numpy.array(keys, dtype=numpy.str_))
-    serializer(prefix + '_values', numpy.array([table[k] for k in keys],
-                                               dtype=dtype))
+def dict_state(prefix, table):
+    """A str-keyed dict as two lists, ``<prefix>_keys`` and ``_values``."""
+    return {prefix + '_keys': list(table),
+            prefix + '_values': list(table.values())}
+
+
+def load_dict_state(state, prefix, convert):
+    """The dict :func:`dict_state` wrote, values through ``convert``."""
+    keys, values = state[prefix + '_keys'], state[prefix + '_values']
+    return {str(k): convert(v) for k, v in zip(keys, values)}

@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import sys
 import typing
 
 import numpy
@@ -47,7 +48,9 @@ def get_array_module(x):
     """Returns :mod:`cupy` for CuPy arrays and :mod:`numpy` otherwise.
 
     Unlike ``cupy.get_array_module`` this works, and imports nothing, when
-    CuPy is not installed.
+    CuPy is not installed: a CuPy array exists only where CuPy is loaded,
+    so its module is taken from ``sys.modules`` (the core never imports a
+    framework).
 
     Args:
         x: Array or any object.
@@ -57,8 +60,7 @@ def get_array_module(x):
 
     """
     if type(x).__module__.split('.')[0] == 'cupy':
-        import cupy
-        return cupy
+        return sys.modules['cupy']
     return numpy
 
 
@@ -749,15 +751,13 @@ def _kernel_source_for(in_type, load, log, with_log):
 
 
 @functools.lru_cache(maxsize=None)
-def _statistics_kernel(dtype_name, with_log):
-    import cupy
+def _statistics_kernel(cupy, dtype_name, with_log):
     return cupy.RawKernel(_kernel_source(dtype_name, with_log),
                           'tensor_statistics_kernel')
 
 
 @functools.lru_cache(maxsize=None)
-def _multiprocessor_count(device_id):
-    import cupy
+def _multiprocessor_count(cupy, device_id):
     return cupy.cuda.Device(device_id).attributes['MultiProcessorCount']
 
 
@@ -781,11 +781,11 @@ def _cupy_statistics(x, log):
 def _launch_statistics_kernel(x, log):
     """Launches the kernel on a non-empty CuPy array; returns its rows of
     partials (on the device), under the current device."""
-    import cupy
+    cupy = get_array_module(x)
     x = cupy.ascontiguousarray(x)
-    blocks = _grid_size(x.size, _multiprocessor_count(x.device.id))
+    blocks = _grid_size(x.size, _multiprocessor_count(cupy, x.device.id))
     out = cupy.empty(blocks * _N_PARTIALS, dtype=numpy.float64)
-    kernel = _statistics_kernel(x.dtype.name, bool(log))
+    kernel = _statistics_kernel(cupy, x.dtype.name, bool(log))
     if x.dtype.name in _BITS_VIEWS:
         x = x.view(_BITS_VIEWS[x.dtype.name])
     kernel((blocks,), (_THREADS,), (x, numpy.int64(x.size), out))

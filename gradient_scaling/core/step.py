@@ -1,14 +1,14 @@
-"""The parts every training step shares: what a backward pass reports, the
-overflow policy, and what a skipped step puts back.
+"""The parts every training step shares: what a backward pass reports, why
+it failed, the overflow policy, and the one place a step is decided.
 
 A step is: forward, scaled backward, *decision*, then either the update or a
-skip that changes nothing. The decision is made from a :class:`PassResult`,
-combined over ChainerMN ranks before anyone acts on it, by an
-:class:`OverflowGuard`; :class:`LinkState` restores what the forward pass
-changed (BatchNorm's running statistics) when the step is skipped.
+skip that changes nothing. :func:`decide` is that decision, for every
+scaler of every framework: the :class:`PassResult` of every rank (combined
+before anyone acts on it), the update if it is finite, the scaler's
+transition, then the :class:`OverflowGuard`.
 
 Non-finite gradients have one of two causes, and they are treated
-differently (docs/DESIGN.md, 6):
+differently (docs/DESIGN.md, 6); :func:`pass_result` tells them apart:
 
 * ``'data'``: the loss, an input or a forward activation is not finite. No
   scale can help; the step is skipped and counted and no scale changes.
@@ -16,17 +16,15 @@ differently (docs/DESIGN.md, 6):
   smaller scale avoids. The step is skipped and the scaler backs off.
 """
 
-import gradient_scaling.compat  # NOQA
-
 import dataclasses
 import typing
 import warnings
 
 from gradient_scaling.core import _validate
-from gradient_scaling.core import statistics
+from gradient_scaling.core import arrays
 
 __all__ = ['GradientOverflowError', 'PassResult', 'OverflowGuard',
-           'gradient_result', 'combine_across_ranks']
+           'GemmTrace', 'pass_result', 'decide']
 
 #: Causes of a non-finite pass.
 CAUSES = ('data', 'scale')
@@ -195,45 +193,103 @@ class OverflowGuard(object):
         warnings.warn(message, RuntimeWarning)
         return True
 
-    def serialize(self, serializer):
-        self.stalled = int(serializer('stalled', self.stalled))
+    def state_dict(self):
+        return dict({'stalled': self.stalled},
+                    **{'skips_' + c: n for c, n in self.skips.items()})
+
+    def load_state_dict(self, state):
+        self.stalled = int(state['stalled'])
         for cause in CAUSES:
-            self.skips[cause] = int(serializer('skips_' + cause,
-                                               self.skips[cause]))
+            self.skips[cause] = int(state['skips_' + cause])
 
 
-def gradient_result(losses, named_grads):
-    """The :class:`PassResult` of a loss-scaled backward (no hook).
+@dataclasses.dataclass(frozen=True)
+class GemmTrace(object):
+
+    """What attributes a GEMM's non-finite weight gradient to data or scale.
+
+    Attributes:
+        incoming_finite (bool): Whether the gradient entering the GEMM was
+            finite; None where it was not measured (a cached pass).
+        operands (tuple): The GEMM's forward operands (input, weight).
+
+    """
+
+    incoming_finite: typing.Optional[bool]
+    operands: tuple
+
+
+def pass_result(losses, named_grads, traces_of=None, sites=()):
+    """The :class:`PassResult` of one backward pass.
 
     One fused finiteness check over the losses and every gradient (one host
-    transfer). A non-finite loss is a data fault; finite losses with a
-    non-finite gradient are an overflow.
+    transfer). A non-finite loss is a data fault. With finite losses, the
+    forward operands of the GEMMs whose parameters' gradients are not
+    finite tell: a non-finite operand is a data fault too, otherwise the
+    cause is ``'scale'`` (an overflow); a parameter whose every GEMM had a
+    finite incoming gradient overflowed in its weight-gradient path.
 
     Args:
-        losses (list): Loss arrays of the step's backward passes.
+        losses (list): Loss arrays of the pass.
         named_grads (iterable of (str, array or None)): Each parameter's
             name and gradient (None: no gradient).
+        traces_of (callable): ``traces_of(names) -> {name: [GemmTrace]}``
+            for the parameters with non-finite gradients, called only when
+            there are any; None for a plain loss-scaled backward.
+        sites (iterable of str): Sites whose incoming gradient was not
+            finite, where known.
 
     """
     named = [(n, g) for n, g in named_grads if g is not None]
-    arrays = list(losses) + [g for _, g in named]
-    if not arrays:
+    values = list(losses) + [g for _, g in named]
+    if not values:
         return PassResult()
-    flags = statistics.finite_flags(arrays)
-    loss_ok, grad_ok = flags[:len(losses)], flags[len(losses):]
+    ops = arrays.ops_for(values[0])
+    flags = ops.finite_flags(values)
     if all(flags):
         return PassResult()
-    return PassResult(
-        finite=False, cause='scale' if all(loss_ok) else 'data',
-        parameters=tuple(sorted(n for (n, _), ok in zip(named, grad_ok)
-                                if not ok)))
+    n = len(losses)
+    bad = sorted({name for (name, _), ok in zip(named, flags[n:])
+                  if not ok})
+    cause, weight_paths = 'data', ()
+    if all(flags[:n]):
+        traces = traces_of(bad) if traces_of is not None else {}
+        operands = [a for ts in traces.values() for t in ts
+                    for a in t.operands if a is not None]
+        if not operands or all(ops.finite_flags(operands)):
+            cause = 'scale'
+            weight_paths = tuple(name for name in bad if traces.get(name)
+                                 and all(t.incoming_finite
+                                         for t in traces[name]))
+    return PassResult(finite=False, cause=cause, parameters=tuple(bad),
+                      sites=tuple(sorted(set(sites))),
+                      weight_paths=weight_paths)
 
 
-def combine_across_ranks(communicator, payload):
-    """Every rank's ``payload``, in rank order, on every rank.
+def decide(payloads, guard, transition, scale_text=str, update=None):
+    """The decision of one step, the same on every rank.
 
-    One MPI allgather of a small picklable object (the step's result and
-    what it staged), so that every rank takes the same decision and keeps
-    the same state.
+    Args:
+        payloads (list): Every rank's payload (rank order), each with a
+            ``result`` (:class:`PassResult`).
+        guard (OverflowGuard): The scaler's overflow policy.
+        transition (callable): ``transition(payloads, result) -> bool``:
+            the scaler's state machine; returns whether it backed off
+            (lowered a scale) because of a non-finite result.
+        scale_text (callable): The scaler's scale(s), for messages.
+        update (callable): Applies the update; called only when the
+            combined result is finite, before the transition.
+
+    Returns:
+        PassResult: The combined result (not finite: the step is skipped).
+
+    Raises:
+        GradientOverflowError: When overflow persists (every rank at once).
+
     """
-    return communicator.mpi_comm.allgather(payload)
+    result = PassResult.combine(p.result for p in payloads)
+    if result.finite and update is not None:
+        update()
+    backed_off = transition(payloads, result)
+    guard.observe(result, backed_off, scale_text())
+    return result

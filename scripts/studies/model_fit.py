@@ -82,7 +82,7 @@ class GemmProbe(chainer.FunctionHook):
             return
         weight = in_data[1]
         n = sites.accumulation_length(function, weight)
-        gx = sites.data_gradient(function, chainer.Variable(out_grad[0]))
+        gx = sites.data_gradient(function, out_grad[0])
         param = function.inputs[1].get_variable_or_none()
         name = self.names.get(id(param), type(function).__name__)
         g = statistics.tensor_statistics(out_grad[0], log=False)
@@ -93,7 +93,7 @@ class GemmProbe(chainer.FunctionHook):
             'gs_scale': underflow.gemm_scale_from_stats(
                 g.std, g.max_abs, w.std, w.max_abs, n),
             'cap': underflow.gemm_cap(g.max_abs, w.max_abs, n),
-            'values': gx.array.ravel().copy()}))
+            'values': gx.ravel().copy()}))
 
 
 def softmax_site(grad):

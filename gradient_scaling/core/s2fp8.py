@@ -10,7 +10,8 @@ squeeze ``alpha`` and the shift ``beta``, chosen per tensor so that
     X' = sign(Y) * (|Y| * 2**-beta)**(1 / alpha)
 
 :func:`s2fp8_truncate` returns ``X'``, the value a tensor has after a round
-trip through the format; :class:`S2FP8Simulation` applies it around every
+trip through the format; :class:`~gradient_scaling.chainer.simulation.S2FP8Simulation` applies it
+around every
 GEMM of an FP32 model, as the paper's simulation does ("before and after
 every convolution and matrix-matrix product, during both the forward and
 backward passes"; the rest of the network, the accumulation inside the GEMM
@@ -41,7 +42,7 @@ of the formulas above evaluated in float64 with an exact rounding to E5M2
 .. admonition:: Example
 
     >>> import numpy as np
-    >>> from gradient_scaling.chainer.s2fp8 import s2fp8_statistics, s2fp8_truncate
+    >>> from gradient_scaling.core.s2fp8 import s2fp8_statistics, s2fp8_truncate
     >>> x = np.array([1e-12, -3e-12, 0.0, 7e-12], np.float32)
     >>> alpha, beta = s2fp8_statistics(x)
     >>> round(alpha, 3), round(beta, 1)
@@ -52,19 +53,16 @@ of the formulas above evaluated in float64 with an exact rounding to E5M2
 
 """
 
-import gradient_scaling.compat  # NOQA
-
 import math
 
 import numpy
 
 from gradient_scaling.core import formats
-from gradient_scaling.chainer import simulation
 from gradient_scaling.core.statistics import device_scope
 from gradient_scaling.core.statistics import get_array_module
 from gradient_scaling.core.statistics import widen_exactly
 
-__all__ = ['s2fp8_statistics', 's2fp8_truncate', 'S2FP8Simulation']
+__all__ = ['s2fp8_statistics', 's2fp8_truncate']
 
 # Largest log2|Y|: the paper's choice for E5M2, whose largest binade is 2**15.
 _LOG2_MAX = 15.0
@@ -145,45 +143,3 @@ def _shift(xp, array, exponent):
     factor itself."""
     whole = math.floor(exponent + 0.5)
     return xp.ldexp(array * 2.0 ** (exponent - whole), numpy.int32(whole))
-
-
-class S2FP8Simulation(simulation.GemmSimulation):
-
-    """Simulates S2FP8 training on an FP32 model.
-
-    Every GEMM (``Linear``, ``Convolution2D``/``ND``,
-    ``Deconvolution2D``/``ND``) computes in FP32 on operands passed through
-    :func:`s2fp8_truncate`, each tensor with its own statistics: ``x`` and
-    ``W`` in the forward pass (the backward reuses these truncated values),
-    the incoming gradient ``gy`` in the backward pass, and the GEMM's results
-    (the output ``y`` and the gradients ``gx``, ``gW``, ``gb``), so the FP32
-    master weights are updated with S2FP8 gradients. Biases enter in FP32.
-    Parameter arrays are never modified.
-
-    .. admonition:: Example
-
-        >>> import chainer, chainer.links as L, numpy as np
-        >>> from gradient_scaling.chainer.s2fp8 import S2FP8Simulation
-        >>> model = L.Classifier(L.Linear(3, 2))
-        >>> optimizer = chainer.optimizers.SGD().setup(model)
-        >>> x = np.ones((4, 3), np.float32); t = np.zeros(4, np.int32)
-        >>> with S2FP8Simulation():
-        ...     optimizer.update(model, x, t)
-
-    Args:
-        measure_underflow (bool): Count, per GEMM and operand, the gradient
-            values that become zero (see ``underflow_report()`` of
-            :class:`~gradient_scaling.simulation.GemmSimulation`).
-        target (~chainer.Link): Optional model, to name GEMMs by link path in
-            that report.
-
-    """
-
-    name = 'S2FP8Simulation'
-
-    def __init__(self, measure_underflow=False, target=None):
-        super().__init__(round_bias=False, round_incoming_gradients=True,
-                         measure_underflow=measure_underflow, target=target)
-
-    def truncate(self, array):
-        return s2fp8_truncate(array)

@@ -1,0 +1,214 @@
+"""The backward wrappers that apply Algorithm 1's rules on Chainer's graph.
+
+:class:`~gradient_scaling.chainer.hook.GradientScaling` installs one of
+these, per function node and pass, on the node's ``backward``
+(``_internals.wrap_backward_once``); each sees the real gradient Variables,
+asks the open step's :class:`~gradient_scaling.core.step_scales.StepScales`
+for the site's scale, hands the class backward new, rescaled Variables and
+tags what it returns with its scale (an attribute of the Variable:
+docs/DESIGN.md, 2). Nothing is modified in place.
+"""
+
+import gradient_scaling.compat  # NOQA
+
+import math
+
+import chainer
+
+from gradient_scaling.chainer import _internals as internals
+from gradient_scaling.chainer import sites
+from gradient_scaling.core import arrays
+
+__all__ = ['BackwardRules', 'SHAPE_ONLY', 'SOFTMAX', 'rescale']
+
+_SCALE = internals.SCALE_ATTRIBUTE
+_SOFTMAX = internals.SOFTMAX_ATTRIBUTE
+#: Rule kinds of the plain wrapper: functions whose input gradient is a
+#: softmax gradient, and those that only move gradient values around.
+SOFTMAX, SHAPE_ONLY = 'softmax', 'shape-only'
+
+
+class BackwardRules(object):
+
+    """The rules, as backward wrappers, of one GradientScaling hook.
+
+    Args:
+        hook (~gradient_scaling.chainer.hook.GradientScaling): Whose
+            recipe, controller, names and current pass they use.
+
+    """
+
+    def __init__(self, hook):
+        self.hook = hook
+        self.gemm_names = {}  # id(weight Parameter) -> site name
+
+    def gemm(self, class_backward, indexes, grad_outputs, function, in_data):
+        """A GEMM node: the data path scaled by Theorem 1, the weight path
+        by its own scale (lines 5-7)."""
+        gy, = grad_outputs
+        if gy is None:
+            return class_backward(indexes, grad_outputs)
+        step, recipe = self.hook.controller.step, self.hook.recipe
+        shares = recipe.weight_path_shares_data_scale
+        if recipe.cast_rule != 'none' and getattr(gy, _SOFTMAX, False) \
+                and gy.dtype.itemsize > 2 and not shares:
+            # An FP32 model (simulated precision) has no FP16->FP32 cast
+            # before its softmax: the softmax gradient is stored in the low
+            # format where it enters the GEMM that produced the logits. That
+            # is the cast site, so the simulation rounds it after GS scaled
+            # it.
+            gy = self._scale_cast_site(gy)
+        alpha = getattr(gy, _SCALE, 1.0)
+        weight = in_data[1]
+        local, params = {}, {}
+        record = incoming_finite = None
+        beta = 1.0
+        if 0 in indexes or shares:
+            beta, record, incoming_finite = step.gemm(
+                self._gemm_key(function), gy.array, weight,
+                sites.accumulation_length(function, weight), alpha,
+                lambda: sites.data_gradient(function, gy.array, fp32=True))
+            if 0 in indexes:
+                local[0] = beta
+        for i in indexes:
+            if i != 0:
+                params[i] = self.hook.names.parameter(
+                    internals.parameter_of(function.inputs[i]),
+                    function.inputs[i])
+                local[i] = step.weight_path(params[i], alpha, beta)
+        result = self._backward_by_scale(class_backward, indexes, gy, alpha,
+                                         local, len(function.inputs))
+        if record is not None and result.get(0) is not None:
+            step.measure(record, result[0].array)
+        if params and step.refresh:
+            if incoming_finite is None:
+                incoming_finite = math.isfinite(
+                    arrays.ops_for(gy.array).max_abs(gy.array))
+            for i, name in params.items():
+                if internals.parameter_of(function.inputs[i]) is not None:
+                    step.trace(name, incoming_finite, (in_data[0], weight),
+                               None if result[i] is None else
+                               result[i].array)
+        return tuple(result[i] for i in indexes)
+
+    def _backward_by_scale(self, class_backward, indexes, gy, alpha, local,
+                           n_inputs):
+        """Calls the backward once per distinct local scale, data first.
+
+        (Deconvolution2DFunction's backward fails for the weight alone
+        before it has run once; under a simulation one call also means one
+        rounding of the shared scaled gradient.)
+        """
+        by_scale = {}
+        for i in indexes:
+            by_scale.setdefault(local[i], []).append(i)
+        groups = sorted(by_scale.items(), key=lambda g: 0 not in g[1])
+        result = {}
+        for scale, group in groups:
+            if scale != 1.0:
+                self.hook.current_pass.unit = False
+            group = tuple(group)
+            gxs = sites.select_gradients(
+                class_backward(group, (rescale(gy, scale),)), group,
+                n_inputs)
+            result.update(zip(group, _tag(gxs, alpha * scale, False)))
+        return result
+
+    def cast(self, class_backward, indexes, grad_outputs):
+        """An up-cast node: the cast site of Theorem 2 if it feeds a
+        softmax (or ``cast_rule='all'``)."""
+        gy, = grad_outputs
+        if gy is not None and (self.hook.recipe.cast_rule == 'all'
+                               or getattr(gy, _SOFTMAX, False)):
+            gy = self._scale_cast_site(gy)
+        alpha = 1.0 if gy is None else getattr(gy, _SCALE, 1.0)
+        return _tag(class_backward(indexes, (gy,)), alpha, False)
+
+    def _scale_cast_site(self, gy):
+        """Theorem 2 at a cast site: returns the rescaled gradient."""
+        step = self.hook.controller.step
+        beta, record = step.cast(gy.array, getattr(gy, _SCALE, 1.0))
+        if beta != 1.0:
+            self.hook.current_pass.unit = False
+        scaled = rescale(gy, beta)
+        step.measure(record, scaled.array)
+        return scaled
+
+    def plain(self, class_backward, indexes, grad_outputs, kind):
+        """Any other node: the scale passes through; several outputs are
+        unified first (line 17); softmax gradients are marked."""
+        if len(grad_outputs) == 1:  # most nodes: no list to build
+            g = grad_outputs[0]
+            alpha = 1.0 if g is None else getattr(g, _SCALE, 1.0)
+            flag = kind is SOFTMAX or (
+                kind is SHAPE_ONLY and g is not None
+                and getattr(g, _SOFTMAX, False))
+            return _tag(class_backward(indexes, grad_outputs), alpha, flag)
+        present = [g for g in grad_outputs if g is not None]
+        if len(present) > 1:
+            alpha = self._unify(present)
+            grad_outputs = tuple(
+                None if g is None else rescale(
+                    g, alpha / getattr(g, _SCALE, 1.0))
+                for g in grad_outputs)
+        else:
+            alpha = getattr(present[0], _SCALE, 1.0) if present else 1.0
+        flag = kind is SOFTMAX or (
+            kind is SHAPE_ONLY and bool(present)
+            and all(getattr(g, _SOFTMAX, False) for g in present))
+        return _tag(class_backward(indexes, grad_outputs), alpha, flag)
+
+    def combine(self, grad_list):
+        """Sums the contributions to one variable at a common scale."""
+        first = getattr(grad_list[0], _SCALE, 1.0)
+        if any(getattr(g, _SCALE, 1.0) != first for g in grad_list):
+            common = self._unify(grad_list)
+            grad_list[:] = [
+                rescale(g, common / getattr(g, _SCALE, 1.0))
+                for g in grad_list]
+        else:
+            common = first
+        flag = all(getattr(g, _SOFTMAX, False) for g in grad_list)
+        internals.original_reduce(grad_list)
+        setattr(grad_list[0], _SCALE, common)
+        setattr(grad_list[0], _SOFTMAX, flag)
+
+    def _unify(self, grads):
+        return self.hook.controller.step.branch(
+            [getattr(g, _SCALE, 1.0) for g in grads],
+            [g.array for g in grads])
+
+    def _gemm_key(self, function):
+        # Names are cached by the weight node's variable: a GEMM site's
+        # name is its weight's link path, which does not change.
+        node = function.inputs[1]
+        weight = internals.parameter_of(node)
+        base = self.gemm_names.get(id(weight)) if weight is not None \
+            else None
+        if base is None:
+            base = self.hook.names.gemm(function)
+            if weight is not None and isinstance(weight, chainer.Parameter):
+                self.gemm_names[id(weight)] = base
+        return self.hook.controller.step.gemm_key(base)
+
+
+def _tag(gxs, scale, from_softmax):
+    """Marks the gradients a backward returned with their scale and kind."""
+    for gx in gxs:
+        if gx is not None:
+            setattr(gx, _SCALE, scale)
+            setattr(gx, _SOFTMAX, from_softmax)
+    return gxs
+
+
+def rescale(grad_var, ratio):
+    """A new gradient Variable multiplied by a power of two (never in place)."""
+    if ratio == 1.0:
+        return grad_var
+    array = grad_var.array
+    scaled = chainer.Variable(arrays.ops_for(array).scaled(array, ratio),
+                              requires_grad=False)
+    internals.set_gradient_scale(scaled, internals.gradient_scale(grad_var)
+                                 * ratio)
+    internals.set_from_softmax(scaled, internals.from_softmax(grad_var))
+    return scaled

@@ -1,0 +1,222 @@
+"""Gradient scaling's state from step to step, free of any framework.
+
+A :class:`ScaleController` is the half of a gradient-scaling hook that
+does not touch a graph: it holds the recipe, the estimator and the state
+machines (:class:`~gradient_scaling.core.scale_state.RefreshSchedule`,
+:class:`~gradient_scaling.core.scale_state.ScaleTable`,
+:class:`~gradient_scaling.core.scale_state.WeightPathBackoff`,
+:class:`~gradient_scaling.core.step.OverflowGuard`), the sites' telemetry and
+the step's lifecycle (:class:`~gradient_scaling.core.lifecycle.
+StepLifecycle`). An adapter opens a step, asks the open step's
+:class:`~gradient_scaling.core.step_scales.StepScales` for every site's
+scale during backward, ends each pass with its
+:class:`~gradient_scaling.core.step.PassResult`, and concludes the step
+with every rank's :class:`StepPayload`: the transitions are then the same
+on every rank, since the payloads are.
+
+.. admonition:: Example
+
+    >>> import numpy as np
+    >>> from gradient_scaling.core import recipes
+    >>> from gradient_scaling.core.controller import ScaleController
+    >>> from gradient_scaling.core.step import PassResult
+    >>> controller = ScaleController(recipes.GradientScalingRecipe())
+    >>> step = controller.begin_pass()
+    >>> rng = np.random.default_rng(0)
+    >>> beta, record = step.cast(rng.normal(0, 1e-6, 1000), alpha=1.0)
+    >>> beta, record.kind
+    (4.0, 'cast')
+    >>> controller.end_pass(PassResult())
+    True
+    >>> controller.conclude([controller.payload()]).finite
+    True
+
+"""
+
+import dataclasses
+import math
+
+from gradient_scaling.core import estimators
+from gradient_scaling.core import formats
+from gradient_scaling.core import lifecycle
+from gradient_scaling.core import scale_state
+from gradient_scaling.core import step as step_module
+from gradient_scaling.core import telemetry
+from gradient_scaling.core.step import PassResult
+from gradient_scaling.core.step_scales import StepScales
+
+__all__ = ['ScaleController', 'StepPayload']
+
+
+@dataclasses.dataclass
+class StepPayload(object):
+
+    """What one rank's step contributes to the decision (picklable).
+
+    Attributes:
+        result (~gradient_scaling.core.step.PassResult): The rank's own
+            result (all its passes combined).
+        staged (~gradient_scaling.core.scale_state.StagedScales): Scales
+            the step computed, committed if the step is taken.
+        weight_maxima (dict): Largest weight-path gradient values measured
+            at a refresh, per parameter with a backoff.
+
+    """
+
+    result: PassResult
+    staged: scale_state.StagedScales
+    weight_maxima: dict
+
+
+class ScaleController(object):
+
+    """Recipe, state machines, telemetry and lifecycle of gradient scaling.
+
+    Args:
+        recipe (~gradient_scaling.core.recipes.GradientScalingRecipe or
+            ~gradient_scaling.core.recipes.AmaxRecipe): Every setting.
+
+    Attributes:
+        step (StepScales): The open step's scales, or None between steps.
+        last_result (~gradient_scaling.core.step.PassResult): Of the last
+            concluded step.
+        iteration (int): Backward passes seen (telemetry).
+
+    """
+
+    def __init__(self, recipe):
+        self.recipe = recipe
+        self.fmt = formats.get(recipe.fmt)
+        self.estimator = estimators.make_estimator(recipe)
+        self.schedule = scale_state.RefreshSchedule(recipe.update_interval)
+        self.table = scale_state.ScaleTable()
+        self.backoff = scale_state.WeightPathBackoff(
+            recipe.weight_backoff, recipe.weight_backoff_floor,
+            recipe.weight_headroom)
+        self.guard = step_module.OverflowGuard(
+            recipe.mode, recipe.max_consecutive_overflows)
+        self.records = telemetry.SiteRecords()
+        self.lifecycle = lifecycle.StepLifecycle()
+        self.step = None
+        self.last_result = None
+        self.iteration = 0
+
+    # -- the step's lifecycle -----------------------------------------------
+
+    def hold(self):
+        """A scaler will conclude the coming step (:meth:`conclude`)."""
+        if self.lifecycle.hold():
+            self.step = StepScales(self, self.schedule.due())
+
+    def begin_pass(self):
+        """A backward pass starts; returns the open step's scales."""
+        if self.lifecycle.begin_pass():
+            self.step = StepScales(self, self.schedule.due())
+        self.step.new_pass()
+        self.iteration += 1
+        return self.step
+
+    def end_pass(self, result):
+        """Ends the pass with its result; returns whether the caller
+        concludes the step now (no scaler holds it)."""
+        concludes = self.lifecycle.end_pass()
+        self.step.results.append(result)
+        self.step.new_pass()  # drops the references the attribution needed
+        return concludes
+
+    def abort_pass(self):
+        """The backward pass raised: the step is forgotten."""
+        self.lifecycle.abort_pass()
+        self.step = None
+
+    def payload(self):
+        """This rank's :class:`StepPayload` for the open step."""
+        if self.lifecycle.state != 'passed':
+            raise lifecycle.StepOrderError(
+                'GradientScaling: no backward pass to conclude (call '
+                'backward first; state {!r})'.format(self.lifecycle.state))
+        return StepPayload(PassResult.combine(self.step.results),
+                           self.step.staged, dict(self.step.weight_maxima))
+
+    def conclude(self, payloads):
+        """Decides the open step with every rank's payload (rank order)
+        and makes the transitions (:func:`~gradient_scaling.core.step.
+        decide`); returns the combined result.
+
+        Raises:
+            GradientOverflowError: When overflow persists.
+
+        """
+        return step_module.decide(payloads, self.guard, self.transition,
+                                  self.scale_text)
+
+    def transition(self, payloads, result):
+        """The state machines' transitions for a decided step; returns
+        whether a scale was lowered because of it."""
+        step = self.step
+        self.lifecycle.conclude()
+        self.step = None
+        backed_off = False
+        if result.finite:
+            staged = [p.staged for p in payloads]
+            self.table.commit(staged)
+            self.estimator.commit(staged)
+            if step.refresh:
+                maxima = {}
+                for p in payloads:
+                    for name, value in p.weight_maxima.items():
+                        maxima[name] = max(value, maxima.get(name, 0.0))
+                self.backoff.regrow(maxima, self.fmt.max)
+            self.records.update(step.records)
+        else:
+            if result.cause == 'scale':
+                # A cached pass may have met larger gradients than those
+                # its scales were computed from: a refresh is a back-off.
+                backed_off = (self.backoff.back_off(result.weight_paths)
+                              or not step.refresh)
+            self.records.count_overflows(result.sites)
+        self.schedule.conclude(result.finite, step.refresh, result.cause)
+        self.last_result = result
+        return backed_off
+
+    def scale_text(self):
+        """The scales, in one phrase, for messages."""
+        values = list(self.table.scales.values())
+        text = 'site scales 2^{:.0f}..2^{:.0f}'.format(
+            math.log2(min(values)), math.log2(max(values))) if values else \
+            'no site scales yet'
+        if self.backoff.scales:
+            text += ', weight-path backoffs ' + ', '.join(
+                '{} 2^{:.0f}'.format(k, math.log2(v))
+                for k, v in sorted(self.backoff.scales.items())[:4])
+        return text
+
+    # -- state ----------------------------------------------------------------
+
+    def state_dict(self):
+        """Everything carried between steps, as flat ``name: value``
+        entries (Python numbers, strings and lists): the state machines',
+        the estimator's (amax histories), the pass counter and the last
+        refresh's telemetry (``records/...``)."""
+        self.lifecycle.require_idle('GradientScaling: cannot save state')
+        state = {'iteration': self.iteration}
+        for prefix, part in self._parts():
+            state.update(('{}/{}'.format(prefix, k), v)
+                         for k, v in part.state_dict().items())
+        return state
+
+    def load_state_dict(self, state):
+        """Restores :meth:`state_dict`'s entries; missing ``records/``
+        entries (an older snapshot) leave the telemetry empty until the
+        next refresh."""
+        self.lifecycle.require_idle('GradientScaling: cannot load state')
+        self.iteration = int(state['iteration'])
+        for prefix, part in self._parts():
+            start = prefix + '/'
+            part.load_state_dict({k[len(start):]: v for k, v in state.items()
+                                  if k.startswith(start)})
+
+    def _parts(self):
+        return (('schedule', self.schedule), ('table', self.table),
+                ('backoff', self.backoff), ('guard', self.guard),
+                ('estimator', self.estimator), ('records', self.records))

@@ -1,0 +1,209 @@
+"""The scales one step computes: every site's choice, staged until the step ends.
+
+:class:`StepScales` is what an adapter's hook asks, site by site, during
+the backward passes of one step: the local scale of a GEMM's data path
+and weight path, of a cast, of a branch. It reads the committed scales of
+the :class:`~gradient_scaling.core.scale_state.ScaleTable` on cached passes,
+asks the estimator on refreshing ones, and *stages* what it computes (with
+the sites' telemetry and what a failed pass needs to find its cause); the
+:class:`~gradient_scaling.core.controller.ScaleController` commits it all
+when the step is taken and drops it when it is skipped. Arrays are only
+read, through :mod:`~gradient_scaling.core.arrays`: rescaling them is the
+adapter's job.
+"""
+
+from gradient_scaling.core import arrays
+from gradient_scaling.core import rules
+from gradient_scaling.core import scale_state
+from gradient_scaling.core import underflow
+from gradient_scaling.core.step import GemmTrace
+from gradient_scaling.core.telemetry import SiteRecord
+
+__all__ = ['StepScales']
+
+
+class _PassSites(object):
+    """What one backward pass counts and collects (reset every pass)."""
+
+    def __init__(self):
+        self.occurrences = {}  # GEMM base name -> uses so far
+        self.cast_count = 0
+        self.branch_count = 0
+        self.traces = {}  # parameter name -> [GemmTrace]
+        self.nonfinite_sites = []
+
+
+class StepScales(object):
+
+    """The site scales of one step (one or more backward passes).
+
+    Args:
+        controller (~gradient_scaling.core.controller.ScaleController):
+            Whose recipe, estimator and committed state apply.
+        refresh (bool): Whether this step recomputes every scale from the
+            statistics of its own gradients.
+
+    Attributes:
+        staged (~gradient_scaling.core.scale_state.StagedScales): Scales
+            computed so far, committed if the step is taken.
+        records (dict): Site key -> the :class:`SiteRecord` of this step.
+        weight_maxima (dict): Largest weight-path gradient value measured,
+            per parameter with a backoff.
+        results (list): The :class:`~gradient_scaling.core.step.PassResult`
+            of every pass ended so far.
+
+    """
+
+    def __init__(self, controller, refresh):
+        self.controller = controller
+        self.recipe = controller.recipe
+        self.refresh = refresh
+        self.staged = scale_state.StagedScales()
+        self.records = {}
+        self.weight_maxima = {}
+        self.results = []
+        self.sites = _PassSites()
+
+    def new_pass(self):
+        """Forgets what the previous pass counted and collected."""
+        self.sites = _PassSites()
+
+    # -- keys ---------------------------------------------------------------
+
+    def gemm_key(self, base):
+        """``base``, then ``base#1``, ... for a weight used again."""
+        k = self.sites.occurrences.get(base, 0)
+        self.sites.occurrences[base] = k + 1
+        return base if k == 0 else '{}#{}'.format(base, k)
+
+    def _next_key(self, kind):
+        if kind == 'cast':
+            k, self.sites.cast_count = (self.sites.cast_count,
+                                        self.sites.cast_count + 1)
+        else:
+            k, self.sites.branch_count = (self.sites.branch_count,
+                                          self.sites.branch_count + 1)
+        return '{}#{}'.format(kind, k)
+
+    # -- the rules ----------------------------------------------------------
+
+    def gemm(self, key, grad, weight, n, alpha, data_gradient):
+        """The data path's local scale at a GEMM (Theorem 1, capped).
+
+        Returns:
+            tuple: ``(beta, record, incoming_finite)``: ``record`` the
+            site's new :class:`SiteRecord` on a refresh (to complete with
+            :meth:`measure`), else None; ``incoming_finite`` whether
+            ``grad`` was finite, None where it was not measured.
+
+        """
+        return self._site_scale(
+            key, 'gemm', alpha, self.controller.estimator.gemm, grad, weight,
+            n, alpha, key, self.staged, data_gradient)
+
+    def weight_path(self, name, alpha, beta):
+        """The local scale of a GEMM's weight and bias gradients."""
+        return rules.weight_path_scale(
+            alpha, beta, self.controller.backoff.scale(name),
+            self.recipe.weight_path_shares_data_scale,
+            self.recipe.scale_range)
+
+    def cast(self, grad, alpha):
+        """The local scale at a cast before a softmax (Theorem 2).
+
+        Returns:
+            tuple: ``(beta, record)`` as for :meth:`gemm`.
+
+        """
+        key = self._next_key('cast')
+        beta, record, _ = self._site_scale(
+            key, 'cast', alpha, self.controller.estimator.cast, grad, alpha,
+            key, self.staged)
+        if record is None and self.recipe.apply_scales:
+            beta = rules.cached_cast_scale(
+                beta, arrays.ops_for(grad).max_abs(grad), self.recipe.fmt)
+        return beta, record
+
+    def branch(self, scales, grads):
+        """The common scale of contributions at different ``scales`` (line
+        17); ``grads`` are read (for their maxima) only when needed."""
+        if len(set(scales)) == 1:
+            return scales[0]
+        key = self._next_key('branch')
+        signature = rules.branch_signature(scales)
+        if not self.refresh:
+            cached = self.controller.table.lookup(self.staged, key,
+                                                  signature)
+            if cached is not None:
+                return cached
+        maxima = [arrays.ops_for(g).max_abs(g) for g in grads]
+        common = rules.branch_scale(maxima, scales, self.recipe.fmt)
+        if common is None:
+            self.sites.nonfinite_sites.append(key)
+            return max(scales)
+        self.staged.stage(key, common, signature)
+        self.records[key] = SiteRecord(
+            name=key, kind='branch', local_scale=1.0,
+            input_scale=max(scales), output_scale=common,
+            iteration=self.controller.iteration)
+        return common
+
+    def _site_scale(self, key, kind, alpha, estimate, *args):
+        """(beta, record to complete or None, incoming finite or None).
+
+        ``estimate(*args)`` gives (beta, estimated rate, rate at scale 1)
+        on a refreshing pass (or a cache miss).
+        """
+        controller = self.controller
+        if not self.refresh and not self.recipe.every_pass:
+            cached = self.staged.scales.get(key)
+            if cached is None:
+                cached = controller.table.scales.get(key)
+            if cached is not None:
+                return rules.clamp(alpha, cached,
+                                   self.recipe.scale_range), None, None
+        record = SiteRecord(name=key, kind=kind, input_scale=alpha,
+                            iteration=controller.iteration)
+        previous = controller.records.get(key)
+        if previous is not None:
+            record.overflow_count = previous.overflow_count
+        try:
+            beta, estimated, estimated_at_one = estimate(*args)
+        except underflow.NonFiniteStatisticsError:
+            # Not staged: the step cannot be taken anyway.
+            self.sites.nonfinite_sites.append(key)
+            return 1.0, None, False
+        if not self.recipe.apply_scales:
+            beta, estimated = 1.0, estimated_at_one
+        self.staged.stage(key, beta)
+        beta = rules.clamp(alpha, beta, self.recipe.scale_range)
+        record.local_scale = beta
+        record.output_scale = alpha * beta
+        record.estimated_underflow_rate = estimated
+        self.records[key] = record
+        return beta, record, True
+
+    # -- what the step's end needs ------------------------------------------
+
+    def measure(self, record, grad):
+        """Completes a refreshed site's record with the underflow measured
+        on the gradient leaving it (``grad``, scaled, not yet rounded)."""
+        if self.recipe.measure_underflow and record is not None and \
+                grad is not None:
+            record.measured_underflow_rate = arrays.ops_for(
+                grad).underflow_rate(grad, self.recipe.fmt)
+
+    def trace(self, name, incoming_finite, operands, grad):
+        """Records, on a refresh, what attributes a failed weight gradient
+        of parameter ``name`` (see :func:`~gradient_scaling.core.step.
+        pass_result`), and the largest value of a backed-off path."""
+        self.sites.traces.setdefault(name, []).append(
+            GemmTrace(incoming_finite, operands))
+        if grad is not None and self.controller.backoff.managed(name):
+            largest = arrays.ops_for(grad).max_abs(grad)
+            self.weight_maxima[name] = max(
+                largest, self.weight_maxima.get(name, 0.0))
+
+    def traces_of(self, names):
+        """The traces this pass recorded for ``names``."""
+        return {name: self.sites.traces.get(name, []) for name in names}
