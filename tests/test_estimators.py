@@ -18,6 +18,8 @@ from gradient_scaling.core import recipes
 from gradient_scaling.core import formats
 from gradient_scaling import GradientScaling
 from gradient_scaling.core import scale_state
+from gradient_scaling.core import statistics
+from gradient_scaling.core import underflow
 from gradient_scaling.chainer import sites
 from gradient_scaling.chainer import training
 
@@ -248,3 +250,40 @@ def test_cli_and_config():
     assert scaler.hook.estimator.margin == 2
     with pytest.raises(ValueError, match='estimator must be one of'):
         GradientScaling(estimator='oracle')
+
+
+@pytest.mark.parametrize('fmt', ['float16', 'float8_e5m2', 'float8_e4m3'])
+def test_model_gemm_scale_equals_the_exact_caps_where_the_bound_binds_or_not(
+        fmt):
+    # A large weight's maximum is bounded by sqrt(sum w**2) (read once);
+    # the exact maximum is read only where that bound binds. The scale is
+    # the exact cap's in every case.
+    rng = np.random.default_rng(3)
+    model = estimators.make_estimator(recipes.GradientScalingRecipe(
+        underflow_rate=RATE, fmt=fmt))
+    binds = free = 0
+    for trial in range(60):
+        w = (rng.standard_normal((256, 128, 3, 3)) *
+             10.0 ** rng.uniform(-3, 0)).astype(np.float32)
+        w.reshape(-1)[rng.integers(w.size)] *= 10.0 ** rng.uniform(0, 2)
+        g = (rng.standard_normal((8, 256, 4, 4)) *
+             10.0 ** rng.uniform(-9, 1)).astype(np.float32)
+        n = 256 * 9
+        beta, _, _ = model.gemm(g, w, n, 1.0, 'site',
+                                scale_state.StagedScales(), None)
+        g_std, g_max = statistics.spread_and_max(g, sample=False)
+        w_std, w_max = statistics.spread_and_max(w)
+        exact = underflow.gemm_scale_from_stats(g_std, g_max, w_std, w_max,
+                                                n, RATE, fmt)
+        assert beta == exact, trial
+        _, _, bound = statistics.spread_and_max_bounds(w)
+        if underflow.gemm_scale_from_stats(g_std, g_max, w_std, bound, n,
+                                           RATE, fmt) != exact:
+            binds += 1
+        else:
+            free += 1
+    # Both paths taken: in FP16 and E5M2 the bound binds only for
+    # gradients near the format's range; in E4M3 (range 2**-9 .. 448)
+    # almost always.
+    assert binds >= 1 and (free >= 5 or fmt == 'float8_e4m3'), (binds,
+                                                                 free)

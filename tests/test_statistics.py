@@ -419,3 +419,44 @@ def test_chunked_max_abs_matches_numpy():
     assert math.isnan(statistics.max_abs(x))
     assert statistics.max_abs(numpy.arange(5 * 2 ** 16, dtype=numpy.uint32)
                               ) == 5 * 2 ** 16 - 1
+
+
+# -- a weight's spread and bounds of its maximum -----------------------------
+
+@pytest.mark.parametrize('size', [1000, 2 ** 16, 2 ** 16 + 1, 3 * 10 ** 5,
+                                  2 ** 21 + 7])
+@pytest.mark.parametrize('dtype', [numpy.float32, numpy.float64])
+def test_a_weights_spread_and_the_bounds_of_its_maximum(size, dtype):
+    rng = numpy.random.default_rng(size)
+    x = (rng.standard_normal(size) * 0.02).astype(dtype)
+    std, low, high = statistics.spread_and_max_bounds(x)
+    exact_std, exact_max = statistics.spread_and_max(x)
+    assert std == exact_std  # the same sample, the same sweep
+    assert low <= exact_max <= high
+    if size <= statistics.SPREAD_SAMPLE:
+        assert low == high == exact_max  # small: read exactly
+    else:
+        assert high == pytest.approx(numpy.sqrt(numpy.sum(
+            x.astype(numpy.float64) ** 2) * (1 + 2.0 ** -7)), rel=1e-6)
+
+
+def test_max_bound_where_one_value_dominates():
+    # The bound is tightest, and its margin matters, when one value holds
+    # almost all of the sum of squares.
+    for value in (1.0, 3e-20, 7e30):
+        x = numpy.full(2 ** 20, numpy.float32(value * 2 ** -12),
+                       numpy.float32)
+        x[::3] = 0
+        x[12345] = numpy.float32(value)
+        _, _, high = statistics.spread_and_max_bounds(x)
+        assert high >= float(numpy.float32(value)), value
+
+
+@pytest.mark.parametrize('bad', [numpy.nan, numpy.inf, -numpy.inf])
+def test_bounds_of_non_finite_values(bad):
+    x = numpy.random.default_rng(0).standard_normal(2 ** 18).astype(
+        numpy.float32)
+    x[700] = bad  # outside the sample (runs of 64 every 256)
+    _, low, high = statistics.spread_and_max_bounds(x)
+    assert numpy.isfinite(low)
+    assert not numpy.isfinite(high) and numpy.isnan(high) == numpy.isnan(bad)

@@ -285,6 +285,22 @@ def set_param_loss_scale(param, scale):
     param._loss_scale = scale
 
 
+def set_leaf_scales(leaves):
+    """Gives each leaf the scale its gradient carries; returns ``(leaf,
+    gradient array)`` of those with a gradient.
+
+    Chainer's backward has just set every leaf's ``_loss_scale`` to the
+    global loss scale; the scale of its own gradient is the right one.
+    """
+    grads = []
+    for var in leaves:
+        grad_var = var.grad_var
+        if grad_var is not None:
+            var._loss_scale = getattr(grad_var, SCALE_ATTRIBUTE, 1.0)
+            grads.append((var, grad_var.array))
+    return grads
+
+
 def uses_fp32_update(rule):
     return rule._use_fp32_update
 

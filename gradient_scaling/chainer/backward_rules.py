@@ -66,16 +66,20 @@ class BackwardRules(object):
         if 0 in indexes or shares:
             beta, record, incoming_finite = step.gemm(
                 self._gemm_key(function), gy.array, weight,
-                sites.accumulation_length(function, weight), alpha,
+                lambda: sites.accumulation_length(function, weight), alpha,
                 lambda: sites.data_gradient(function, gy.array, fp32=True))
             if 0 in indexes:
                 local[0] = beta
+        named = step.refresh or self.hook.controller.backoff.scales
         for i in indexes:
             if i != 0:
-                params[i] = self.hook.names.parameter(
+                # Names only where they are read: a refresh's traces, or a
+                # weight path with a backoff of its own.
+                name = self.hook.names.parameter(
                     internals.parameter_of(function.inputs[i]),
-                    function.inputs[i])
-                local[i] = step.weight_path(params[i], alpha, beta)
+                    function.inputs[i]) if named else None
+                params[i] = name
+                local[i] = step.weight_path(name, alpha, beta)
         result = self._backward_by_scale(class_backward, indexes, gy, alpha,
                                          local, len(function.inputs))
         if record is not None and result.get(0) is not None:
@@ -99,10 +103,14 @@ class BackwardRules(object):
         before it has run once; under a simulation one call also means one
         rounding of the shared scaled gradient.)
         """
-        by_scale = {}
-        for i in indexes:
-            by_scale.setdefault(local[i], []).append(i)
-        groups = sorted(by_scale.items(), key=lambda g: 0 not in g[1])
+        values = list(local.values())
+        if values.count(values[0]) == len(values):
+            groups = ((values[0], indexes),)
+        else:
+            by_scale = {}
+            for i in indexes:
+                by_scale.setdefault(local[i], []).append(i)
+            groups = sorted(by_scale.items(), key=lambda g: 0 not in g[1])
         result = {}
         for scale, group in groups:
             if scale != 1.0:

@@ -242,33 +242,24 @@ class GradientScaling(chainer.FunctionHook):
     def end_backward(self):
         self.in_backward = False
         chainer_pass, self.current_pass = self.current_pass, None
-        named = []
-        for var in chainer_pass.leaves.values():
-            grad_var = var.grad_var
-            if grad_var is None:
-                continue
-            # Chainer has just set every leaf's _loss_scale to the global
-            # loss scale; the scale of its own gradient is the right one.
-            internals.set_param_loss_scale(
-                var, internals.gradient_scale(grad_var))
-            named.append((var, grad_var.array))
-        result = self._pass_result(chainer_pass, named)
+        grads = internals.set_leaf_scales(chainer_pass.leaves.values())
+        result = self._pass_result(chainer_pass, grads)
         if self.controller.end_pass(result):
             self.conclude([self.step_payload()])
 
-    def _pass_result(self, chainer_pass, named):
+    def _pass_result(self, chainer_pass, grads):
         step = self.controller.step
-        by_name = {self.names.parameter(v): v for v, _ in named}
 
         def traces_of(names):
             if step.refresh:
                 return step.traces_of(names)
-            return sites.operand_traces(chainer_pass.roots,
-                                        [by_name[n] for n in names],
-                                        self.names)
+            wanted = set(names)
+            return sites.operand_traces(
+                chainer_pass.roots, [v for v, _ in grads
+                                     if self.names.parameter(v) in wanted],
+                self.names)
         return step_module.pass_result(
-            chainer_pass.losses,
-            [(self.names.parameter(v), g) for v, g in named], traces_of,
+            chainer_pass.losses, grads, self.names.parameter, traces_of,
             step.sites.nonfinite_sites)
 
     def step_payload(self):

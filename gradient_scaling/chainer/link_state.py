@@ -22,21 +22,35 @@ class LinkState(object):
     """
 
     def __init__(self, link):
-        self._saved = []
-        for sub in link.links():
-            for name in internals.persistent_names(sub):
-                value = getattr(sub, name)
-                if hasattr(value, 'copy'):
-                    value = value.copy()
-                self._saved.append((sub, name, value))
+        # Which values to save, found once (walking the links costs more
+        # than copying their values).
+        self._values = [(sub, name) for sub in link.links()
+                        for name in internals.persistent_names(sub)]
+        self._saved = [None] * len(self._values)
+        self.capture()
+
+    def capture(self):
+        """Saves every value as it is now (into the same buffers as the
+        last capture, when the shapes agree)."""
+        for i, (sub, name) in enumerate(self._values):
+            value, saved = getattr(sub, name), self._saved[i]
+            if _same_array_layout(value, saved):
+                saved[...] = value
+            else:
+                self._saved[i] = value.copy() if hasattr(value, 'copy') \
+                    else value
 
     def restore(self):
         """Puts every captured value back (arrays in place)."""
-        for sub, name, value in self._saved:
+        for (sub, name), value in zip(self._values, self._saved):
             current = getattr(sub, name)
-            if (hasattr(current, 'shape') and hasattr(value, 'shape')
-                    and current.shape == value.shape
-                    and current.dtype == value.dtype):
+            if _same_array_layout(current, value):
                 current[...] = value
             else:
                 setattr(sub, name, value)
+
+
+def _same_array_layout(a, b):
+    return (hasattr(a, 'shape') and hasattr(b, 'shape')
+            and a.shape == b.shape and a.dtype == b.dtype
+            and type(a) is type(b))

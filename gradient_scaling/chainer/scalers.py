@@ -136,14 +136,21 @@ class Scaler(object):
 
     def observation(self, model):
         """Values for LogReport, as a dict of ``scaling/...`` entries."""
-        scales = [s for s in (internals.param_loss_scale(p)
-                              for p in model.params() if p.grad is not None)
-                  if s is not None]
+        # The model's parameters, listed once (Link.params walks the links
+        # every call, which costs more than reading the scales).
+        if getattr(self, '_params_of', None) is not model:
+            self._params, self._params_of = list(model.params()), model
+        scales = sorted(s for s in (internals.param_loss_scale(p)
+                                    for p in self._params
+                                    if p.grad is not None) if s is not None)
         if not scales:
             return {}
-        return {'scaling/min_scale': min(scales),
-                'scaling/max_scale': max(scales),
-                'scaling/median_scale': float(numpy.median(scales))}
+        n = len(scales)  # the median as numpy.median gives it, sorted once
+        median = scales[n // 2] if n % 2 else (scales[n // 2 - 1]
+                                               + scales[n // 2]) / 2
+        return {'scaling/min_scale': scales[0],
+                'scaling/max_scale': scales[-1],
+                'scaling/median_scale': float(median)}
 
     def skip_counts(self):
         """``scaling/skips_data`` and ``_scale`` so far (checking scalers)."""
@@ -372,15 +379,14 @@ class GradientScalingScaler(Scaler):
 
     def observation(self, model):
         values = super().observation(model)
-        records = self.hook.report()
-        estimated = [r.estimated_underflow_rate for r in records
-                     if not math.isnan(r.estimated_underflow_rate)]
-        measured = [r.measured_underflow_rate for r in records
-                    if not math.isnan(r.measured_underflow_rate)]
-        if estimated:
-            values['scaling/worst_estimated_underflow'] = max(estimated)
-        if measured:
-            values['scaling/worst_measured_underflow'] = max(measured)
+        records = self.hook.controller.records
+        for field, key in (('estimated_underflow_rate',
+                            'scaling/worst_estimated_underflow'),
+                           ('measured_underflow_rate',
+                            'scaling/worst_measured_underflow')):
+            worst = records.worst(field)
+            if worst is not None:
+                values[key] = worst
         return values
 
     def serialize(self, serializer):

@@ -33,7 +33,7 @@ from chainer.dataset import convert
 from chainer.training import updaters
 
 from gradient_scaling.chainer import _internals as internals
-from gradient_scaling.chainer import link_state
+from gradient_scaling.chainer import link_state as link_states
 from gradient_scaling.chainer import random_state
 from gradient_scaling.chainer import scalers
 from gradient_scaling.chainer.scalers import SCALING_MODES
@@ -243,7 +243,8 @@ def setup_optimizer(optimizer, model, config):
 
 
 def train_step(optimizer, scaler, loss_func, *args, config=None,
-               simulation=None, communicator=None, **kwargs):
+               simulation=None, communicator=None, link_state=None,
+               **kwargs):
     """One training step; returns ``(skipped, observation)``.
 
     Forward (``loss_func(*args, **kwargs)``, under ``config``'s dtype and
@@ -263,6 +264,9 @@ def train_step(optimizer, scaler, loss_func, *args, config=None,
         simulation (~chainer.FunctionHook): Optional low-precision
             simulation (``config.simulation_hook()``).
         communicator: Optional ChainerMN communicator.
+        link_state (~gradient_scaling.chainer.link_state.LinkState): Of
+            the model, reused from step to step (captured here); by default
+            a new one.
 
     Returns:
         tuple: ``(skipped, observation)``: the scaler's ``scaling/...``
@@ -275,7 +279,10 @@ def train_step(optimizer, scaler, loss_func, *args, config=None,
 
     """
     model = optimizer.target
-    state = link_state.LinkState(model)
+    if link_state is None:
+        link_state = link_states.LinkState(model)
+    else:
+        link_state.capture()
     with contextlib.ExitStack() as stack:
         if config is not None:
             stack.enter_context(config.model_dtype())
@@ -295,7 +302,7 @@ def train_step(optimizer, scaler, loss_func, *args, config=None,
         skipped = scaler.step(optimizer, communicator)
     finally:
         if skipped:
-            state.restore()
+            link_state.restore()
     observation.update(scaler.skip_counts())
     return skipped, observation
 
@@ -341,6 +348,7 @@ class ScalingUpdater(updaters.StandardUpdater):
             simulation = config.simulation_hook()
         self.simulation = simulation
         self.skips = 0
+        self._link_state = self._link_state_of = None
 
     def update_core(self):
         iterator = self.get_iterator('main')
@@ -352,10 +360,14 @@ class ScalingUpdater(updaters.StandardUpdater):
         args, kwargs = ((in_arrays, {}) if isinstance(in_arrays, tuple) else
                         ((), in_arrays) if isinstance(in_arrays, dict) else
                         ((in_arrays,), {}))
+        if self._link_state is None or self._link_state_of is not \
+                optimizer.target:
+            self._link_state = link_states.LinkState(optimizer.target)
+            self._link_state_of = optimizer.target
         skipped, observation = train_step(
             optimizer, self.scaler, loss_func, *args, config=self.config,
             simulation=self.simulation, communicator=self.communicator,
-            **kwargs)
+            link_state=self._link_state, **kwargs)
         observation.update(self._simulation_observation())
         self.skips += int(skipped)
         observation['scaling/skipped'] = int(skipped)

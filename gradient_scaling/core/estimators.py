@@ -79,11 +79,11 @@ class ModelEstimator(object):
                 ``grad`` computed in FP32 (read by the closed loop only).
 
         """
-        ops = arrays.ops_for(grad)
-        g_std, g_max = ops.spread_and_max(grad, sample=False)
+        g_std, g_max = arrays.ops_for(grad).spread_and_max(grad, sample=False)
         if not math.isfinite(g_max):
             raise underflow.NonFiniteStatisticsError('non-finite gradient')
-        w_std, w_max = arrays.ops_for(weight).spread_and_max(weight)
+        w_std, w_max = self._weight_spread_and_cap_maximum(
+            weight, g_std, g_max, n)
         if not math.isfinite(w_max):
             raise underflow.NonFiniteStatisticsError('non-finite weights')
         beta = underflow.gemm_scale_from_stats(
@@ -91,6 +91,29 @@ class ModelEstimator(object):
         sigma = math.sqrt(n) * g_std * w_std
         return (beta, underflow.gemm_underflow_rate(sigma, beta, self.fmt),
                 underflow.gemm_underflow_rate(sigma, 1.0, self.fmt))
+
+    def _weight_spread_and_cap_maximum(self, weight, g_std, g_max, n):
+        """``(std(W), m)``: ``m`` gives the scale the exact ``max|W|``
+        gives, with a large weight read once in the common case.
+
+        The weight's bounds ``low <= max|W| <= high`` come from one read
+        (:func:`~gradient_scaling.core.statistics.spread_and_max_bounds`).
+        If the cap binds even at ``low``, it binds at the exact maximum
+        too, which is then read; if it does not bind at ``high``, it does
+        not bind at the exact maximum either (a larger cap): the scale is
+        the uncapped one. Only in between is the exact maximum read.
+        """
+        ops = arrays.ops_for(weight)
+        w_std, low, high = ops.spread_and_max_bounds(weight)
+        if low == high or not (math.isfinite(low) and math.isfinite(high)):
+            return w_std, high if math.isfinite(low) else low
+
+        def scale(w_max):
+            return underflow.gemm_scale_from_stats(
+                g_std, g_max, w_std, w_max, n, self.underflow_rate, self.fmt)
+        if scale(low) == scale(high):  # the same at both ends: uncapped
+            return w_std, high
+        return w_std, ops.max_abs(weight)
 
     def cast(self, grad, alpha, key, staged):
         """The same for the gradient reaching a softmax cast."""
@@ -197,7 +220,9 @@ class AmaxEstimator(ModelEstimator):
         return underflow.pow2_floor(total / alpha), math.nan, math.nan
 
     def commit(self, staged_tables):
-        keys = {k for t in staged_tables for k in t.amax}
+        # In order of first appearance (a set's order would vary with the
+        # process's hash seed, and so would the saved state).
+        keys = dict.fromkeys(k for t in staged_tables for k in t.amax)
         for key in keys:
             value = max(t.amax[key] for t in staged_tables if key in t.amax)
             past = self.amax.setdefault(key, [])
@@ -253,7 +278,7 @@ def make_estimator(recipe):
     if name == 'hybrid':
         return HybridEstimator(recipe.underflow_rate, fmt)
     if name in ('amax-current', 'amax-delayed'):
-        return AmaxEstimator(recipe.underflow_rate, fmt,
+        return AmaxEstimator(None, fmt,
                              name == 'amax-delayed', recipe.amax_history,
                              recipe.amax_margin)
     raise ValueError('estimator must be one of {}, got {!r}'.format(

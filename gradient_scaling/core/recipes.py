@@ -205,6 +205,8 @@ class _HookRecipe(Recipe):
     scales, in which format, and how a step's faults are handled.
 
     Attributes:
+        update_interval (int): Steps between statistics refreshes (the
+            paper: 100); a refresh also measures backed-off weight paths.
         fmt (str): Format the gradients are stored in (``--format``):
             ``'float16'``, ``'bfloat16'``, ``'float8_e5m2'`` or
             ``'float8_e4m3'``.
@@ -228,6 +230,10 @@ class _HookRecipe(Recipe):
 
     """
 
+    update_interval: int = setting(
+        100, _validate.count, '--update-interval',
+        'GS statistics refresh interval, in iterations (default: '
+        '%(default)s, as in the paper)', int)
     fmt: str = setting(
         'float16', _format_name, '--format',
         'format GS scales gradients for (default: the format of '
@@ -270,8 +276,6 @@ class GradientScalingRecipe(_HookRecipe):
 
     Attributes:
         underflow_rate (float): Target underflow rate ``gamma'`` in (0, 1).
-        update_interval (int): Steps between statistics refreshes (the
-            paper: 100).
         estimator (str): How a site's scale is chosen: ``'model'`` (the
             paper's Theorems 1-2), ``'measured'`` (the exact underflow of
             every power of two, from an exponent histogram at each refresh)
@@ -285,10 +289,6 @@ class GradientScalingRecipe(_HookRecipe):
     underflow_rate: float = setting(
         1e-3, _validate.rate, '--underflow-rate',
         'GS target underflow rate (default: %(default)s)', float)
-    update_interval: int = setting(
-        100, _validate.count, '--update-interval',
-        'GS statistics refresh interval, in iterations (default: '
-        '%(default)s, as in the paper)', int)
     estimator: str = setting(
         'model', _choice(ESTIMATORS), '--gs-estimator',
         "how GS picks each scale: model (the paper's Theorems 1-2), "
@@ -339,14 +339,6 @@ class AmaxRecipe(_HookRecipe):
     @property
     def estimator_name(self):
         return self.mode
-
-    @property
-    def update_interval(self):
-        return 1  # computed every pass: the schedule does not apply
-
-    @property
-    def underflow_rate(self):
-        return 1e-3  # unused: amax recipes have no underflow target
 
 
 _RECIPES = (NoScalingRecipe, FixedLossScalingRecipe,
@@ -404,6 +396,9 @@ def hook_recipe(estimator='model', amax_history=None, amax_margin=None,
     amax = {'amax_history': amax_history, 'amax_margin': amax_margin}
     amax = {k: v for k, v in amax.items() if v is not None}
     if estimator in AmaxRecipe.modes:
+        # GS's target means nothing to the amax recipes; accepted unused,
+        # as the hook always did.
+        settings.pop('underflow_rate', None)
         return for_mode(estimator, **dict(settings, **amax))
     if estimator not in ESTIMATORS:
         raise ValueError('estimator must be one of {}, got {!r}'.format(

@@ -219,7 +219,7 @@ class GemmTrace(object):
     operands: tuple
 
 
-def pass_result(losses, named_grads, traces_of=None, sites=()):
+def pass_result(losses, grads, name_of=str, traces_of=None, sites=()):
     """The :class:`PassResult` of one backward pass.
 
     One fused finiteness check over the losses and every gradient (one host
@@ -231,8 +231,10 @@ def pass_result(losses, named_grads, traces_of=None, sites=()):
 
     Args:
         losses (list): Loss arrays of the pass.
-        named_grads (iterable of (str, array or None)): Each parameter's
-            name and gradient (None: no gradient).
+        grads (iterable of (key, array or None)): Each parameter (any key)
+            and its gradient (None: no gradient).
+        name_of (callable): A parameter's name from its key; called only
+            for parameters whose gradient is not finite.
         traces_of (callable): ``traces_of(names) -> {name: [GemmTrace]}``
             for the parameters with non-finite gradients, called only when
             there are any; None for a plain loss-scaled backward.
@@ -240,8 +242,8 @@ def pass_result(losses, named_grads, traces_of=None, sites=()):
             finite, where known.
 
     """
-    named = [(n, g) for n, g in named_grads if g is not None]
-    values = list(losses) + [g for _, g in named]
+    keyed = [(k, g) for k, g in grads if g is not None]
+    values = list(losses) + [g for _, g in keyed]
     if not values:
         return PassResult()
     ops = arrays.ops_for(values[0])
@@ -249,7 +251,7 @@ def pass_result(losses, named_grads, traces_of=None, sites=()):
     if all(flags):
         return PassResult()
     n = len(losses)
-    bad = sorted({name for (name, _), ok in zip(named, flags[n:])
+    bad = sorted({name_of(k) for (k, _), ok in zip(keyed, flags[n:])
                   if not ok})
     cause, weight_paths = 'data', ()
     if all(flags[:n]):

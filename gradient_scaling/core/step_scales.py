@@ -90,6 +90,16 @@ class StepScales(object):
     def gemm(self, key, grad, weight, n, alpha, data_gradient):
         """The data path's local scale at a GEMM (Theorem 1, capped).
 
+        Args:
+            key (str): The site's key (:meth:`gemm_key`).
+            grad: The gradient entering the GEMM's backward.
+            weight: The GEMM's weight.
+            n (int or callable): Its accumulation length, or a function
+                giving it (read only when the scale is estimated).
+            alpha (float): The scale ``grad`` carries.
+            data_gradient (callable): Returns the GEMM's data gradient
+                for ``grad`` in FP32 (the closed loop histograms it).
+
         Returns:
             tuple: ``(beta, record, incoming_finite)``: ``record`` the
             site's new :class:`SiteRecord` on a refresh (to complete with
@@ -97,9 +107,12 @@ class StepScales(object):
             ``grad`` was finite, None where it was not measured.
 
         """
-        return self._site_scale(
-            key, 'gemm', alpha, self.controller.estimator.gemm, grad, weight,
-            n, alpha, key, self.staged, data_gradient)
+        estimator = self.controller.estimator
+
+        def estimate(*args):
+            return estimator.gemm(grad, weight, n() if callable(n) else n,
+                                  alpha, key, self.staged, data_gradient)
+        return self._site_scale(key, 'gemm', alpha, estimate)
 
     def weight_path(self, name, alpha, beta):
         """The local scale of a GEMM's weight and bias gradients."""

@@ -86,6 +86,13 @@ class SiteRecords(object):
             if record.name in names:
                 record.overflow_count += 1
 
+    def worst(self, field):
+        """The largest value of a rate ``field`` over the records (NaN
+        values left out), or None if there is none."""
+        values = [getattr(r, field) for r in self._records.values()]
+        values = [v for v in values if not math.isnan(v)]
+        return max(values) if values else None
+
     def report(self):
         """Copies of every record, in order of first appearance."""
         return [dataclasses.replace(r) for r in self._records.values()]
