@@ -114,11 +114,17 @@ class StepScales(object):
                                   alpha, key, self.staged, data_gradient)
         return self._site_scale(key, 'gemm', alpha, estimate)
 
-    def weight_path(self, name, alpha, beta):
-        """The local scale of a GEMM's weight and bias gradients."""
+    def weight_path(self, name, alpha, beta, shares=None):
+        """The local scale of a GEMM's weight and bias gradients.
+
+        ``shares``: whether they share the data path's scale (default: the
+        recipe's); an adapter whose GEMM computes both from one scaled
+        gradient passes True.
+        """
+        if shares is None:
+            shares = self.recipe.weight_path_shares_data_scale
         return rules.weight_path_scale(
-            alpha, beta, self.controller.backoff.scale(name),
-            self.recipe.weight_path_shares_data_scale,
+            alpha, beta, self.controller.backoff.scale(name), shares,
             self.recipe.scale_range)
 
     def cast(self, grad, alpha):

@@ -1,0 +1,105 @@
+"""Every touch of PyTorch's private internals, in one place.
+
+What the autograd-graph hook needs that PyTorch's public API does not give:
+
+* ``Node._input_metadata``: the dtype (and shape) of each output of a node's
+  forward, i.e. of each gradient slot of its backward: it tells an up-cast
+  (the paper's softmax-cast site) from a down-cast, and a gradient's
+  dtype before it arrives.
+* ``Node._saved_<name>``: what a GEMM node saved (its input and weight,
+  their sizes, a convolution's stride, padding, groups...): the
+  accumulation length of its data GEMM and, for the closed-loop estimator,
+  the operands to recompute its data gradient in FP32. Read only while the
+  node has not run (they are freed then); negative integers come back as
+  unsigned 64-bit numbers (-1 as 2**64 - 1).
+* ``Variable._execution_engine.queue_callback``: a function run at the end
+  of the backward pass (every ``.grad`` set), where the pass is concluded.
+* ``torch.autograd.backward`` and ``torch.autograd.grad``: while a hook is
+  active (``with hook:``), the former is wrapped so that the hook attaches
+  to the graph of ``loss.backward()`` and the latter refuses (its
+  gradients would stay scaled), as the Chainer adapter refuses
+  ``chainer.grad``.
+"""
+
+import torch
+
+__all__ = ['input_dtype', 'saved', 'queue_end_of_backward', 'install',
+           'uninstall', 'active_handler']
+
+_original = {}
+_handler = None
+
+
+def input_dtype(node, slot):
+    """The dtype of gradient slot ``slot`` of ``node`` (its forward
+    output ``slot``)."""
+    return node._input_metadata[slot].dtype
+
+
+def saved(node, name):
+    """``node._saved_<name>``, or None if the node has no such field or
+    has freed it."""
+    try:
+        return getattr(node, '_saved_' + name)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def saved_int(node, name):
+    """A saved integer field (or tuple of them), negative ones decoded."""
+    value = saved(node, name)
+    if value is None:
+        return None
+    if isinstance(value, (tuple, list)):
+        return tuple(_signed(int(v)) for v in value)
+    return _signed(int(value))
+
+
+def _signed(v):
+    return v - 2 ** 64 if v >= 2 ** 63 else v
+
+
+def queue_end_of_backward(callback):
+    """Runs ``callback()`` when the current backward pass ends."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def _backward(*args, **kwargs):
+    return _handler.backward(_original['backward'], *args, **kwargs)
+
+
+def _grad(*args, **kwargs):
+    raise RuntimeError(
+        'GradientScaling only supports loss.backward() and '
+        'torch.autograd.backward (not torch.autograd.grad): the gradients '
+        'it returns would stay scaled.')
+
+
+def install(handler):
+    """Routes ``torch.autograd.backward`` to ``handler`` until uninstall."""
+    global _handler
+    if _handler is not None:
+        if _handler is handler:
+            return
+        raise RuntimeError(
+            'another GradientScaling hook is already active; only one can '
+            'scale a backward pass at a time')
+    _handler = handler
+    _original['backward'] = torch.autograd.backward
+    _original['grad'] = torch.autograd.grad
+    torch.autograd.backward = _backward
+    torch.autograd.grad = _grad
+
+
+def uninstall(handler):
+    global _handler
+    if _handler is not handler:
+        return
+    torch.autograd.backward = _original['backward']
+    torch.autograd.grad = _original['grad']
+    _original.clear()
+    _handler = None
+
+
+def active_handler():
+    return _handler

@@ -1,0 +1,157 @@
+"""The core's array operations on PyTorch tensors, on the tensor's own device.
+
+:class:`TorchOps` is the :class:`~gradient_scaling.core.arrays.ArrayOps` of
+``torch.Tensor``, registered when this module is imported: statistics are
+computed with torch operations where the tensor lives (no host copy of a
+gradient), in float64, and come back with one host transfer per call, as
+plain Python numbers. float32 subnormals are counted as the values they
+are (PyTorch does not flush them unless ``torch.set_flush_denormal`` is
+on).
+
+.. admonition:: Example
+
+    >>> import torch
+    >>> from gradient_scaling.core import arrays
+    >>> import gradient_scaling.torch.arrays  # NOQA: registers TorchOps
+    >>> ops = arrays.ops_for(torch.ones(3))
+    >>> ops.max_abs(torch.tensor([-3.0, 2.0])), ops.name
+    (3.0, 'torch')
+
+"""
+
+import math
+
+import numpy
+import torch
+
+from gradient_scaling.core import arrays
+from gradient_scaling.core import formats
+from gradient_scaling.core.histogram import ExponentHistogram
+from gradient_scaling.core.statistics import TensorStatistics
+
+__all__ = ['TorchOps', 'TORCH_OPS']
+
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def _values(*tensors):
+    """Python numbers of 0-d tensors, with one host transfer."""
+    return torch.stack([t.to(torch.float64) for t in tensors]).tolist()
+
+
+class TorchOps(arrays.ArrayOps):
+
+    """What the core asks of ``torch.Tensor`` (see the module docstring)."""
+
+    name = 'torch'
+
+    def max_abs(self, x):
+        if x.numel() == 0:
+            return 0.0
+        return float(x.detach().abs().max())
+
+    def spread_and_max(self, x, sample=True):
+        x = x.detach()
+        if x.numel() == 0:
+            return 0.0, 0.0
+        wide = x.to(torch.float64)
+        var, _ = torch.var_mean(wide, correction=0)
+        largest, var = _values(wide.abs().max(), var)
+        if not math.isfinite(largest):
+            return math.nan, largest
+        return math.sqrt(max(var, 0.0)), largest
+
+    def spread_and_max_bounds(self, x):
+        std, largest = self.spread_and_max(x)
+        return std, largest, largest
+
+    def log_statistics(self, x):
+        x = x.detach().to(torch.float64).reshape(-1)
+        count = x.numel()
+        finite = torch.isfinite(x)
+        values = x[finite]
+        magnitudes = values.abs()
+        logs = torch.log(magnitudes[magnitudes != 0])
+        zero = torch.zeros((), dtype=torch.float64, device=x.device)
+
+        def moments(v):
+            if v.numel() == 0:
+                return zero, zero
+            var, mean = torch.var_mean(v, correction=0)
+            return mean, var
+        mean, var = moments(values)
+        log_mean, log_var = moments(logs)
+        (n_finite, nonzero, mean, var, largest, log_mean,
+         log_var) = _values(finite.sum(), torch.tensor(logs.numel()),
+                            mean, var, magnitudes.max() if values.numel()
+                            else zero, log_mean, log_var)
+        return TensorStatistics(
+            count=count, mean=mean, std=math.sqrt(max(var, 0.0)),
+            max_abs=largest, nonzero=int(nonzero), log_mean=log_mean,
+            log_std=math.sqrt(max(log_var, 0.0)),
+            n_nonfinite=count - int(n_finite))
+
+    def exponent_histogram(self, x):
+        x = x.detach().to(torch.float64).reshape(-1)
+        x = x[torch.isfinite(x) & (x != 0)]
+        if x.numel() == 0:
+            empty = numpy.zeros(0, numpy.int64)
+            return ExponentHistogram(0, empty, empty, 0.0)
+        mantissa, exponent = torch.frexp(x.abs())
+        # |x| = m 2**e with 0.5 <= m < 1: floor(log2|x|) = e - 1, and |x| is
+        # a power of two iff m == 0.5 (exact: float32 subnormals are
+        # normal float64 numbers).
+        exponent = exponent.to(torch.int64) - 1
+        low = int(exponent.min())
+        exponent -= low
+        size = int(exponent.max()) + 1
+        counts = torch.bincount(exponent, minlength=size)
+        powers = torch.bincount(exponent[mantissa == 0.5], minlength=size)
+        return ExponentHistogram(low, counts.cpu().numpy(),
+                                 powers.cpu().numpy(),
+                                 float(x.abs().max()))
+
+    def finite_flags(self, tensors):
+        if not tensors:
+            return []
+        # A finite sum proves every element finite (inf and NaN propagate);
+        # only a tensor whose sum is not (a non-finite element, or a sum
+        # that overflows) is checked element by element. One transfer.
+        device = tensors[0].device
+        sums = torch.stack([
+            t.detach().sum(dtype=torch.float32 if t.dtype in _LOW
+                           else None).to(device=device, dtype=torch.float64)
+            for t in tensors])
+        flags = torch.isfinite(sums).tolist()
+        for i, finite in enumerate(flags):
+            if not finite:
+                flags[i] = bool(torch.isfinite(tensors[i]).all())
+        return flags
+
+    def underflow_rate(self, x, fmt):
+        if not x.dtype.is_floating_point or x.element_size() <= 2:
+            return math.nan
+        x = x.detach()
+        threshold = formats.get(fmt).min / 2
+        nonzero, at_most = _values(torch.count_nonzero(x),
+                                   torch.count_nonzero(x.abs() <= threshold))
+        if nonzero == 0:
+            return 0.0
+        return (at_most - (x.numel() - nonzero)) / nonzero
+
+    def scaled(self, x, ratio):
+        """``x * ratio`` for a power of two ``ratio`` (a new tensor), in
+        steps that keep each factor a normal float32 number, so that the
+        product is exact wherever it is representable."""
+        exponent = math.frexp(ratio)[1] - 1
+        result = x
+        while exponent:
+            step = max(-126, min(127, exponent))
+            result = result * math.ldexp(1.0, step)
+            exponent -= step
+        return result if result is not x else x.clone()
+
+
+#: The operations on ``torch.Tensor``.
+TORCH_OPS = TorchOps()
+arrays.register(lambda x: isinstance(x, torch.Tensor), TORCH_OPS)

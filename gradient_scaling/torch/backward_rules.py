@@ -1,0 +1,316 @@
+"""One backward pass of the PyTorch hook: the callbacks that apply the rules.
+
+A :class:`BackwardPass` is made for each backward the hook attaches to: it
+reads the graph (:func:`gradient_scaling.torch.graph.walk`), registers
+callbacks on the nodes that scale or unify gradients and on no other, and
+keeps the scale of every gradient as it goes. Which scale a site gets comes
+from the open step's :class:`~gradient_scaling.core.step_scales.StepScales`
+(the same rules and state as the Chainer adapter's); what is done here is
+moving tensors:
+
+* a GEMM node's pre-hook scales its incoming gradient by the data path's
+  ``beta`` (Theorem 1); its post-hook multiplies the weight and bias
+  gradients by ``gamma / beta``, exact in FP32 and wider, so that they keep
+  the incoming scale (Algorithm 1, lines 6-7). Where the GEMM computes in
+  FP16 or BF16 (autocast), both gradients come out of one scaled input and
+  the weight path keeps ``beta`` (dividing in the low format would lose
+  what the scale saved); a weight-path backoff then lowers both. The
+  simulation's GEMMs scale their own paths (``node.gradient_scales``).
+* a cast site's pre-hook (an up-cast feeding a softmax) scales by Theorem 2;
+  in an FP32 model the logits' GEMM does it on entry;
+* the engine sums the contributions to a slot with several consumers
+  before the producer sees them, so each consumer's post-hook keeps its
+  contribution and the last to arrive returns their sum at the common scale
+  (line 17); a node with several used outputs unifies them in its pre-hook;
+* a parameter's accumulation node brings an existing ``.grad`` (a previous
+  backward of the same step) to a common scale with the new one.
+"""
+
+import collections
+
+from gradient_scaling.core import arrays
+from gradient_scaling.torch import graph
+
+__all__ = ['BackwardPass']
+
+
+class _Stash(object):
+    """The contributions to a slot with several consumers, so far."""
+
+    def __init__(self, expected):
+        self.expected = expected
+        self.arrived = 0
+        self.items = []
+
+
+class BackwardPass(object):
+
+    """The callbacks and scales of one backward pass (see the module).
+
+    Args:
+        hook (~gradient_scaling.torch.hook.GradientScaling): The hook.
+        roots (list): The backward's root nodes.
+        loss_scale (float): The scale the roots' gradients carry.
+        losses (list): The tensors backward starts from (their finiteness
+            decides a data fault).
+
+    """
+
+    def __init__(self, hook, roots, loss_scale, losses):
+        self.hook = hook
+        self.step = hook.controller.step
+        self.plan = graph.walk([node for node, _ in roots],
+                               hook.recipe.cast_rule)
+        self.losses = losses
+        self.started = self.finished = False
+        self.root_slot = dict(roots)
+        self.slot_scales = {slot: loss_scale for slot in roots}
+        self.edge_scales = {}
+        self.node_scales = {}
+        self.sites = {}  # GEMM node -> what its pre-hook chose
+        self.stashes = {slot: _Stash(len(edges))
+                        for slot, edges in self.plan.branches.items()}
+        self.handles = []
+        self._register()
+
+    # -- scales ------------------------------------------------------------
+
+    def slot_scale(self, node, k):
+        """The scale of the gradient reaching slot ``(node, k)``: set by
+        the consumer that scaled or unified it, or passed through plain
+        nodes from the nearest one that did."""
+        path, slot = [], (node, k)
+        scale = self.slot_scales.get(slot)
+        while scale is None:
+            edges = self.plan.consumers.get(slot, ())
+            if len(edges) != 1:
+                raise RuntimeError('GradientScaling: no scale for a slot '
+                                   'of {} (a bug)'.format(slot[0].name()))
+            path.append(slot)
+            consumer, i = edges[0]
+            scale = self.edge_scales.get((consumer, i),
+                                         self.node_scales.get(consumer))
+            if scale is None:
+                slot = self._own_slot(consumer)
+                scale = self.slot_scales.get(slot)
+        for s in path:
+            self.slot_scales[s] = scale
+        return scale
+
+    def _own_slot(self, node):
+        """The slot of a node with one used output (or a root's)."""
+        slots = self.plan.used_slots.get(node)
+        return (node, slots[0]) if slots else (node, self.root_slot[node])
+
+    def edge_scale(self, node, i):
+        """The scale of the gradient ``node``'s backward returns for its
+        input ``i``."""
+        known = self.edge_scales.get((node, i), self.node_scales.get(node))
+        return known if known is not None else self.slot_scale(
+            *self._own_slot(node))
+
+    def parameter_scales(self):
+        """``{parameter: scale}`` of the gradients this pass gave them."""
+        return {p: self.node_scales.get(a) or self.slot_scale(a, 0)
+                for a, p in self.plan.accumulators.items()
+                if self.plan.used_slots.get(a)}
+
+    # -- registration -------------------------------------------------------
+
+    def _register(self):
+        plan, on = self.plan, self.handles.append
+        for root in plan.roots:
+            on(root.register_prehook(self._started))
+        for node in plan.casts:
+            on(node.register_prehook(self._cast(node)))
+        for node, site in plan.gemms.items():
+            on(node.register_prehook(self._gemm_in(node, site)))
+            on(node.register_hook(self._gemm_out(node, site)))
+        for node in plan.multi_output:
+            on(node.register_prehook(self._unify_outputs(node)))
+        consumers = collections.defaultdict(list)
+        for slot, edges in plan.branches.items():
+            for node, i in edges:
+                consumers[node].append((i, slot))
+        for node, edges in consumers.items():
+            on(node.register_hook(self._contribute(node, edges)))
+        for node, param in plan.accumulators.items():
+            if param.grad is not None:
+                on(node.register_prehook(self._accumulate(node, param)))
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def _started(self, grad_outputs):
+        if not self.started:
+            self.started = True
+            self.hook.queue_end(self._finished)
+
+    def _finished(self):
+        self.finished = True
+
+    # -- the rules ------------------------------------------------------------
+
+    def _cast(self, node):
+        def pre(grad_outputs):
+            g = grad_outputs[0]
+            if g is None:
+                return None
+            scaled, scale = self._cast_site(g, self.slot_scale(node, 0))
+            self.node_scales[node] = scale
+            return None if scaled is g else (scaled,)
+        return pre
+
+    def _cast_site(self, g, alpha):
+        beta, record = self.step.cast(g, alpha)
+        scaled = _times(g, beta)
+        self.step.measure(record, scaled)
+        return scaled, alpha * beta
+
+    def _gemm_in(self, node, site):
+        def pre(grad_outputs):
+            g = grad_outputs[0]
+            if g is None:
+                return None
+            given, alpha = g, self.slot_scale(node, 0)
+            if node in self.plan.softmax_gemms and not \
+                    self.hook.recipe.weight_path_shares_data_scale:
+                # No cast before the softmax in an FP32 model: the softmax
+                # gradient is stored in the low format where it enters the
+                # logits' GEMM, which is the cast site.
+                g, alpha = self._cast_site(g, alpha)
+            chosen = self._gemm_scales(site, g, alpha)
+            self.sites[node] = chosen
+            beta, gammas = chosen[1], chosen[2]
+            if site.scales_itself:
+                node.gradient_scales = (beta, gammas)
+            elif beta != 1.0:
+                g = _times(g, beta)
+            return None if g is given else (g,)
+        return pre
+
+    def _gemm_scales(self, site, g, alpha):
+        """(alpha, beta, {edge: gamma}, record, incoming finite, operands,
+        parameter names) of a GEMM for its incoming gradient ``g``."""
+        step, recipe = self.step, self.hook.recipe
+        shares = recipe.weight_path_shares_data_scale
+        coupled = not site.scales_itself and g.element_size() <= 2
+        beta, record, incoming_finite = 1.0, None, None
+        if site.data is not None or shares:
+            beta, record, incoming_finite = step.gemm(
+                step.gemm_key(self.hook.site_name(site.weight)), g,
+                site.weight, site.accumulation_length, alpha,
+                lambda: site.data_gradient(g))
+        named = step.refresh or self.hook.controller.backoff.scales
+        names = {edge: self.hook.parameter_name(param) if named else None
+                 for edge, param in site.parameters.items()}
+        gammas = {edge: step.weight_path(name, alpha, beta, shares or coupled)
+                  for edge, name in names.items()}
+        if coupled and gammas:
+            # One scaled input makes both paths: a weight-path backoff
+            # lowers the data path too.
+            beta = min([beta] + list(gammas.values()))
+            gammas = dict.fromkeys(gammas, beta)
+        operands = None
+        if step.refresh and names:
+            operands = site.operands()
+            if incoming_finite is None:
+                incoming_finite = bool(
+                    arrays.ops_for(g).finite_flags([g])[0])
+        return alpha, beta, gammas, record, incoming_finite, operands, names
+
+    def _gemm_out(self, node, site):
+        def post(grad_inputs, grad_outputs):
+            (alpha, beta, gammas, record, incoming_finite, operands,
+             names) = self.sites.pop(node)
+            gi, changed = list(grad_inputs), False
+            for i in range(len(gi)):
+                gamma = gammas.get(i, beta)
+                if gi[i] is not None and gamma != beta and \
+                        not site.scales_itself:
+                    gi[i], changed = _times(gi[i], gamma / beta), True
+                self.edge_scales[node, i] = alpha * gamma
+            if site.data is not None and gi[site.data] is not None:
+                self.step.measure(record, gi[site.data])
+            if operands is not None:
+                for i, name in names.items():
+                    self.step.trace(name, incoming_finite, operands, gi[i])
+            return tuple(gi) if changed else None
+        return post
+
+    def _unify_outputs(self, node):
+        def pre(grad_outputs):
+            present = [(k, g) for k, g in enumerate(grad_outputs)
+                       if g is not None]
+            scales = [self.slot_scale(node, k) for k, _ in present]
+            if not present:
+                return None
+            common = self.step.branch(scales, [g for _, g in present])
+            self.node_scales[node] = common
+            if all(s == common for s in scales):
+                return None
+            out = list(grad_outputs)
+            for (k, g), s in zip(present, scales):
+                out[k] = _times(g, common / s) if s != common else g
+            return tuple(out)
+        return pre
+
+    def _contribute(self, node, edges):
+        def post(grad_inputs, grad_outputs):
+            gi = list(grad_inputs)
+            for i, slot in edges:
+                stash = self.stashes[slot]
+                stash.arrived += 1
+                if gi[i] is not None:
+                    stash.items.append((gi[i], self.edge_scale(node, i)))
+                if stash.arrived < stash.expected:
+                    gi[i] = None
+                    continue
+                if stash.items and gi[i] is None:
+                    raise RuntimeError(
+                        'GradientScaling: the last contribution to a '
+                        'tensor with several consumers ({}) is None, so '
+                        'the others cannot be returned through it'.format(
+                            slot[0].name()))
+                gi[i] = self._sum(slot, stash.items)
+                del self.stashes[slot]
+            return tuple(gi)
+        return post
+
+    def _sum(self, slot, items):
+        if not items:
+            return None
+        scales = [s for _, s in items]
+        common = self.step.branch(scales, [g for g, _ in items])
+        self.slot_scales[slot] = common
+        total = None
+        for g, s in items:  # in arrival order, as the engine would add
+            g = _times(g, common / s) if s != common else g
+            total = g if total is None else total + g
+        return total
+
+    def _accumulate(self, node, param):
+        def pre(grad_outputs):
+            g = grad_outputs[0]
+            if g is None or param.grad is None:
+                return None
+            new, old = self.slot_scale(node, 0), \
+                self.hook.param_scales.get(param, 1.0)
+            if new == old:
+                self.node_scales[node] = new
+                return None
+            common = self.step.branch([old, new], [param.grad, g])
+            self.node_scales[node] = common
+            if old != common:
+                param.grad = _times(param.grad, common / old)
+            return (_times(g, common / new),) if new != common else None
+        return pre
+
+
+def _times(tensor, ratio):
+    """``tensor * ratio`` (a power of two), a new tensor unless it is 1."""
+    if ratio == 1.0:
+        return tensor
+    return arrays.ops_for(tensor).scaled(tensor, ratio)

@@ -1,0 +1,253 @@
+"""GradientScaler: ``torch.amp.GradScaler``'s verbs for every scaling mode.
+
+Replace ``torch.amp.GradScaler`` by it and change nothing else::
+
+    scaler = GradientScaler(model)                 # mode='gs' by default
+    for x, t in loader:
+        optimizer.zero_grad()
+        with torch.autocast('cuda', dtype=torch.float16):
+            loss = loss_fn(model(x), t)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)                 # optional: clipping
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        taken = scaler.step(optimizer)             # True if not skipped
+        scaler.update()
+
+The step, as in the Chainer adapter (docs/DESIGN.md, 6): the backward's
+result is decided once (combined over ``torch.distributed`` ranks before
+anyone acts on it); a finite step is unscaled (each gradient divided by
+its own scale, in FP32) and taken; a non-finite one is skipped and changes
+nothing: parameters, optimizer state, and every buffer of every module
+(BatchNorm's running statistics, which the forward pass already moved, are
+put back). A data fault (a non-finite loss, input or forward activation)
+changes no scale; a scale fault backs off what overflowed; ``patience``
+skips in a row with nothing left to back off raise
+:class:`~gradient_scaling.core.step.GradientOverflowError`, on every rank.
+
+Per optimizer, as GradScaler's ``OptState``:
+
+=============  ==============================  =================================
+stage          call                            then
+=============  ==============================  =================================
+``ready``      :meth:`unscale_`                ``unscaled`` (the step decided)
+``ready``      :meth:`step`                    ``stepped`` (unscaled first)
+``unscaled``   :meth:`step`                    ``stepped``
+any            :meth:`update`                  every optimizer ``ready`` again
+=============  ==============================  =================================
+
+``unscale_`` twice, ``unscale_`` after ``step``, ``step`` twice, or
+``update`` with no ``step`` since the last one raise ``RuntimeError``.
+"""
+
+import torch
+import torch.distributed as dist
+
+from gradient_scaling.core import recipes
+from gradient_scaling.core import step as step_module
+from gradient_scaling.core.step import PassResult
+from gradient_scaling.torch import strategies
+from gradient_scaling.torch.module_state import ModuleState
+
+__all__ = ['GradientScaler', 'MODES']
+
+#: PyTorch's modes: ``dynamic`` is GradScaler's own semantics.
+MODES = ('fp32', 'none', 'fixed', 'dynamic', 'gs', 'amax-delayed',
+         'amax-current')
+
+
+class GradientScaler(object):
+
+    """Gradient scaling (or a baseline) with GradScaler's verbs.
+
+    Args:
+        model (torch.nn.Module): The model trained (names the sites; its
+            buffers are put back when a step is skipped).
+        mode (str): One of :data:`MODES`.
+        recipe (~gradient_scaling.core.recipes.Recipe): Every setting at
+            once, or ``**settings``: the recipe's fields (``underflow_rate``,
+            ``update_interval``, ``fmt``, ``estimator``, ``loss_scale``,
+            ``init_scale``, ``growth_interval``, ...).
+        process_group: A ``torch.distributed`` group; by default the
+            world, when ``torch.distributed`` is initialized with several
+            ranks. Every rank then takes the same decision, gives every
+            parameter the same scale (the smallest) and averages the
+            gradients itself, after the backward: do not wrap the model in
+            ``DistributedDataParallel``.
+
+    """
+
+    def __init__(self, model, mode='gs', recipe=None, process_group=None,
+                 **settings):
+        if recipe is None:
+            if mode not in MODES:
+                raise ValueError('mode must be one of {}, got {!r}'.format(
+                    ', '.join(MODES), mode))
+            mode = 'dynamic-gradscaler' if mode == 'dynamic' else mode
+            if mode in ('gs', 'amax-delayed', 'amax-current'):
+                recipe = recipes.hook_recipe(
+                    estimator=settings.pop('estimator', 'model')
+                    if mode == 'gs' else mode, **settings)
+            else:
+                recipe = recipes.for_mode(mode, **settings)
+        elif settings:
+            raise ValueError('pass a recipe or settings, not both')
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise ValueError('GradientScaler averages the gradients itself, '
+                             'at one scale per parameter: pass the module, '
+                             'not a DistributedDataParallel wrapper')
+        self.model = model
+        self.recipe = recipe
+        self.strategy = strategies.make(recipe, model)
+        self.process_group = process_group
+        self.state = ModuleState(model)
+        self._stages = {}
+        self._decided = None  # (payloads, result) of the step
+        self._capture = model.register_forward_pre_hook(self._forward)
+
+    @property
+    def guard(self):
+        return self.strategy.guard
+
+    def _forward(self, module, inputs):
+        if not self.state.captured:
+            self.state.capture()
+
+    def _world(self):
+        if self.process_group is not None:
+            return self.process_group
+        if dist.is_available() and dist.is_initialized() and \
+                dist.get_world_size() > 1:
+            return dist.group.WORLD
+        return None
+
+    # -- the verbs ---------------------------------------------------------
+
+    def scale(self, outputs):
+        """The loss (or losses) to call ``backward`` on."""
+        return self.strategy.scale(outputs)
+
+    def unscale_(self, optimizer):
+        """Divides each gradient ``optimizer`` updates by its scale, in
+        place (in FP32 for FP32 parameters), after the step is decided."""
+        stage = self._stages.get(id(optimizer), 'ready')
+        if stage == 'unscaled':
+            raise RuntimeError('unscale_() has already been called on this '
+                               'optimizer since the last update()')
+        if stage == 'stepped':
+            raise RuntimeError('unscale_() is being called after step()')
+        payloads, result = self._decide()
+        if result.finite:
+            for group in optimizer.param_groups:
+                for param in group['params']:
+                    if param.grad is not None:
+                        self._unscale(param)
+        self._stages[id(optimizer)] = 'unscaled'
+
+    def _unscale(self, param):
+        if param.grad.dtype in (torch.float16, torch.bfloat16):
+            raise ValueError('Attempting to unscale FP16 gradients: keep '
+                             'the parameters in FP32 (torch.autocast casts '
+                             'them where it computes in low precision)')
+        scale = self.strategy.scale_of(param)
+        if scale != 1.0:
+            param.grad.mul_(1.0 / scale)
+
+    def step(self, optimizer, *args, **kwargs):
+        """Takes ``optimizer``'s step if the backward was finite; returns
+        whether it did. A skipped step puts the modules' buffers back."""
+        stage = self._stages.get(id(optimizer), 'ready')
+        if stage == 'stepped':
+            raise RuntimeError('step() has already been called since the '
+                               'last update()')
+        if stage == 'ready':
+            self.unscale_(optimizer)
+        _, result = self._decided
+        self._stages[id(optimizer)] = 'stepped'
+        if result.finite:
+            optimizer.step(*args, **kwargs)
+            return True
+        self.state.restore()
+        return False
+
+    def update(self):
+        """The mode's transition for the decided step (grow, back off,
+        commit the scales staged); every optimizer is ready again.
+
+        Raises:
+            GradientOverflowError: When overflow persists.
+
+        """
+        if self._decided is None or 'stepped' not in self._stages.values():
+            raise RuntimeError('update() needs a step() since the last '
+                               'update()')
+        payloads, _ = self._decided
+        self._decided, self._stages = None, {}
+        self.state.captured = False
+        self.strategy.after_update()
+        step_module.decide(payloads, self.guard, self.strategy.transition,
+                           self.strategy.scale_text)
+
+    def _decide(self):
+        """Every rank's payload and the combined result, once per step;
+        with several ranks, the gradients are given one scale per
+        parameter and averaged."""
+        if self._decided is None:
+            payload = self.strategy.payload(self.model)
+            group = self._world()
+            if group is None or not self.strategy.checks:
+                payloads = [payload]
+            else:
+                payloads = [None] * dist.get_world_size(group)
+                dist.all_gather_object(payloads, payload, group=group)
+            result = PassResult.combine(p.result for p in payloads)
+            if result.finite and group is not None:
+                _average_gradients(self.model, self.strategy, group)
+            self._decided = (payloads, result)
+        return self._decided
+
+    # -- state ---------------------------------------------------------------
+
+    def get_scale(self):
+        """The loss scale (a float), or, for gradient scaling, the
+        committed local scale of every site (a dict)."""
+        return self.strategy.get_scale()
+
+    def state_dict(self):
+        """The mode's state between steps (plain Python values)."""
+        return {'mode': self.recipe.mode,
+                'state': self.strategy.state_dict()}
+
+    def load_state_dict(self, state):
+        if state.get('mode') != self.recipe.mode:
+            raise ValueError('a state of mode {!r}, this scaler is {!r}'
+                             .format(state.get('mode'), self.recipe.mode))
+        self.strategy.load_state_dict(state['state'])
+
+
+def _average_gradients(model, strategy, group):
+    """Gives each parameter the smallest of its scales over the ranks (no
+    rank's gradient can overflow by being scaled down), rescales the local
+    gradients to it and averages them: one all-reduce of the scales, one
+    of the gradients of each dtype."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    scales = torch.tensor([strategy.scale_of(p) for p in params],
+                          dtype=torch.float64)
+    common = scales.clone()
+    dist.all_reduce(common, op=dist.ReduceOp.MIN, group=group)
+    for p, mine, target in zip(params, scales.tolist(), common.tolist()):
+        if mine != target:
+            p.grad.mul_(target / mine)  # a power of two: exact
+            strategy.set_scale(p, target)
+    world = dist.get_world_size(group)
+    by_dtype = {}
+    for p in params:
+        by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p)
+    for group_params in by_dtype.values():
+        flat = torch.cat([p.grad.reshape(-1) for p in group_params])
+        dist.all_reduce(flat, group=group)
+        flat.mul_(1.0 / world)
+        offset = 0
+        for p in group_params:
+            n = p.grad.numel()
+            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+            offset += n

@@ -1,0 +1,224 @@
+"""What each scaling mode does in PyTorch, behind the scaler's verbs.
+
+One class per kind of recipe (:mod:`gradient_scaling.core.recipes`); the
+:class:`~gradient_scaling.torch.scaler.GradientScaler` holds one and never
+asks which: each says how the loss is scaled, which scale a parameter's
+gradient carries, what a step contributes to the decision and how its
+state moves when the step is decided.
+
+=========================  =====================================================
+recipe                     strategy
+=========================  =====================================================
+none / fp32                :class:`Unscaled`: nothing scaled, never checked
+fixed                      :class:`FixedScale`: ``loss * S``, never checked
+dynamic, dynamic-          :class:`DynamicScale`: ``torch.amp.GradScaler``'s
+gradscaler                 growth and backoff, with a floor and a ceiling
+gs, amax-*                 :class:`PerTensor`: the gradient-scaling hook
+=========================  =====================================================
+"""
+
+import torch
+
+from gradient_scaling.core import recipes
+from gradient_scaling.core import step as step_module
+from gradient_scaling.core.step import PassResult
+from gradient_scaling.torch.hook import GradientScaling
+
+__all__ = ['Unscaled', 'FixedScale', 'DynamicScale', 'PerTensor', 'make']
+
+
+class _Payload(object):
+    """A loss-scaled step's contribution to the decision (picklable)."""
+
+    def __init__(self, result):
+        self.result = result
+
+
+class Unscaled(object):
+
+    """No scaling and no check (``GradScaler(enabled=False)``)."""
+
+    checks = False
+
+    def __init__(self, recipe, model):
+        self.recipe = recipe
+        self.guard = step_module.OverflowGuard(recipe.mode,
+                                               getattr(recipe, 'patience',
+                                                       10))
+        self._losses = []
+
+    loss_scale = 1.0
+
+    def scale(self, outputs):
+        self._losses.extend(_tensors(outputs))
+        return outputs if self.loss_scale == 1.0 else _times(
+            outputs, self.loss_scale)
+
+    def scale_of(self, param):
+        return self.loss_scale
+
+    def set_scale(self, param, scale):
+        """Records that ``param.grad`` now carries ``scale`` (one loss
+        scale is the same on every rank: nothing to record)."""
+
+    def payload(self, model):
+        self._losses = []
+        return _Payload(PassResult())
+
+    def transition(self, payloads, result):
+        return False
+
+    def after_update(self):
+        """Called once the gradients are unscaled (a loss scale is no
+        longer on them)."""
+
+    def scale_text(self):
+        return 'loss scale {:g}'.format(self.loss_scale)
+
+    def get_scale(self):
+        return self.loss_scale
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+class FixedScale(Unscaled):
+
+    """Fixed-LS: ``loss * loss_scale``, never checked (the paper's)."""
+
+    def __init__(self, recipe, model):
+        super().__init__(recipe, model)
+        self.loss_scale = recipe.loss_scale
+
+
+class DynamicScale(Unscaled):
+
+    """``torch.amp.GradScaler``'s dynamic loss scaling, checked, with a
+    floor and a ceiling (the Chainer adapter's
+    :class:`~gradient_scaling.chainer.scalers.GradScalerLossScaling`
+    transition table). A data fault (a non-finite loss) skips and changes
+    no scale."""
+
+    checks = True
+
+    def __init__(self, recipe, model):
+        super().__init__(recipe, model)
+        self.loss_scale = recipe.init_scale
+        self.clean_steps = 0
+
+    def payload(self, model):
+        losses, self._losses = self._losses, []
+        return _Payload(step_module.pass_result(
+            [t.detach() for t in losses],
+            [(n, p.grad) for n, p in model.named_parameters()]))
+
+    def transition(self, payloads, result):
+        recipe = self.recipe
+        if result.finite:
+            self.clean_steps += 1
+            if self.clean_steps >= recipe.growth_interval:
+                self.loss_scale = min(self.loss_scale * recipe.growth_factor,
+                                      recipe.max_scale)
+                self.clean_steps = 0
+            return False
+        if result.cause == 'data':
+            return False
+        before = self.loss_scale
+        self.loss_scale = max(self.loss_scale * recipe.backoff_factor,
+                              recipe.min_scale)
+        self.clean_steps = 0
+        return self.loss_scale < before
+
+    def state_dict(self):
+        return dict({'scale': self.loss_scale,
+                     'clean_steps': self.clean_steps},
+                    **{'guard/' + k: v
+                       for k, v in self.guard.state_dict().items()})
+
+    def load_state_dict(self, state):
+        self.loss_scale = float(state['scale'])
+        self.clean_steps = int(state['clean_steps'])
+        self.guard.load_state_dict({k[len('guard/'):]: v
+                                    for k, v in state.items()
+                                    if k.startswith('guard/')})
+
+
+class PerTensor(object):
+
+    """Gradient scaling (and Transformer Engine's amax recipes): the
+    :class:`~gradient_scaling.torch.hook.GradientScaling` hook attaches to
+    the loss's graph; every parameter's gradient has its own scale."""
+
+    checks = True
+
+    def __init__(self, recipe, model):
+        self.recipe = recipe
+        self.hook = GradientScaling(model, recipe=recipe)
+        self.guard = self.hook.guard
+
+    def scale(self, outputs):
+        self.hook.hold_step()
+        self.hook.attach(outputs)
+        return outputs
+
+    def scale_of(self, param):
+        return self.hook.scale_of(param)
+
+    def set_scale(self, param, scale):
+        self.hook.param_scales[param] = scale
+
+    def payload(self, model):
+        return self.hook.step_payload()
+
+    def transition(self, payloads, result):
+        return self.hook.controller.transition(payloads, result)
+
+    def after_update(self):
+        self.hook.param_scales.clear()
+
+    def scale_text(self):
+        return self.hook.controller.scale_text()
+
+    def get_scale(self):
+        """The committed local scale of every site."""
+        return dict(self.hook.table.scales)
+
+    def state_dict(self):
+        return self.hook.state_dict()
+
+    def load_state_dict(self, state):
+        self.hook.load_state_dict(state)
+
+
+_STRATEGIES = {
+    recipes.NoScalingRecipe: Unscaled,
+    recipes.FixedLossScalingRecipe: FixedScale,
+    recipes.GradScalerRecipe: DynamicScale,
+    recipes.GradientScalingRecipe: PerTensor,
+    recipes.AmaxRecipe: PerTensor,
+}
+
+
+def make(recipe, model):
+    """The strategy that applies ``recipe`` to ``model``."""
+    cls = _STRATEGIES.get(type(recipe))
+    if cls is None:
+        raise ValueError('{} has no PyTorch strategy (Chainer\'s own Dyn-LS '
+                         'is Chainer only; use dynamic-gradscaler)'.format(
+                             type(recipe).__name__))
+    return cls(recipe, model)
+
+
+def _tensors(outputs):
+    if isinstance(outputs, torch.Tensor):
+        return [outputs]
+    return [t for o in outputs for t in _tensors(o)]
+
+
+def _times(outputs, scale):
+    if isinstance(outputs, torch.Tensor):
+        return outputs * scale
+    return type(outputs)(_times(o, scale) for o in outputs)
