@@ -13,6 +13,10 @@ VENV ?= .venv-$(notdir $(PYTHON))
 endif
 PY := $(VENV)/bin/python
 WHEELS := build/wheels
+# PyTorch, for the PyTorch adapter's tests: 2.13.0 is the CPU build the
+# registry of these machines serves for Python 3.11 (other versions pull
+# several GB of CUDA libraries); other Pythons skip the PyTorch tests.
+TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
@@ -32,6 +36,9 @@ $(STAMP): setup.py Makefile tools/build_frozen_wheels.py tools/chainercv_patch/_
 	@# mpi4py needs an MPI library (Debian: openmpi-bin libopenmpi-dev); the
 	@# MPI tests are skipped without it.
 	-$(PY) -m pip install -q 'mpi4py>=3.1' || echo 'mpi4py not installed: MPI tests will be skipped'
+	if $(PY) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then \
+		$(PY) -m pip install -q '$(TORCH)'; \
+	else echo 'not Python 3.11: PyTorch not installed, its tests will be skipped'; fi
 	$(PY) -c "import gradient_scaling, chainer, chainercv; print('chainer', chainer.__version__, 'chainercv', chainercv.__version__)"
 	touch $(STAMP)
 

@@ -92,3 +92,35 @@ def test_the_core_runs_with_every_framework_blocked():
     assert report['age'] == 1  # refreshed at step 3 (interval 2)
     # The Chainer names say what is missing.
     assert 'chainer' in report['hook_error']
+
+
+TORCH_WITHOUT_CHAINER = r'''
+import json, sys
+for name in ('chainer', 'chainercv', 'cupy'):
+    sys.modules[name] = None
+import torch
+from gradient_scaling.torch import GradientScaler
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(),
+                            torch.nn.Linear(8, 3))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+scaler = GradientScaler(model, update_interval=1)
+loss = torch.nn.functional.cross_entropy(
+    model(torch.randn(16, 4)), torch.randint(0, 3, (16,))) * 1e-7
+scaler.scale(loss).backward()
+taken = scaler.step(optimizer)
+scaler.update()
+print(json.dumps({'taken': taken, 'sites': sorted(scaler.get_scale()),
+                  'chainer': sys.modules.get('chainer') is not None}))
+'''
+
+
+def test_the_pytorch_adapter_runs_without_chainer():
+    pytest.importorskip('torch')
+    out = subprocess.run([sys.executable, '-c', TORCH_WITHOUT_CHAINER],
+                         cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    import json
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report == {'taken': True, 'sites': ['2.weight', 'cast#0'],
+                      'chainer': False}

@@ -1,0 +1,49 @@
+"""GradientScaler on two gloo ranks (CPU processes): one decision for all."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip('torch')
+
+SCRIPT = os.path.join(os.path.dirname(__file__), 'torch_distributed.py')
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+def run(scenario, tmp_path):
+    out = str(tmp_path / 'rank')
+    result = subprocess.run([sys.executable, SCRIPT, scenario, out,
+                             str(free_port())], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.load(open('{}.{}'.format(out, r))) for r in (0, 1)]
+
+
+def test_a_fault_on_one_rank_skips_on_both(tmp_path):
+    ranks = run('once', tmp_path)
+    for r in ranks:
+        assert r['taken'] == [True] * 3 + [False] + [True] * 4
+        assert r['skips'] == {'data': 1, 'scale': 0}
+        assert r['error'] is None
+    # identical replicas: parameters, BatchNorm buffers, scaler state
+    assert ranks[0]['parameters'] == ranks[1]['parameters']
+    assert ranks[0]['scaler'] == ranks[1]['scaler']
+
+
+def test_a_persistent_fault_on_one_rank_ends_both(tmp_path):
+    ranks = run('persistent', tmp_path)
+    for r in ranks:
+        # three skips in a row, the third's update() raises on both
+        assert r['taken'] == [True, True, False, False, False]
+        assert '3 steps in a row' in r['error']
+        assert r['seconds'] < 60
+    assert ranks[0]['parameters'] == ranks[1]['parameters']

@@ -1,0 +1,167 @@
+"""GradientScaling in PyTorch: exactness, the rules' sites, names, errors."""
+
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip('torch')
+
+from gradient_scaling.torch import GradientScaling  # NOQA: after torch
+
+from helpers import is_power_of_two  # NOQA
+from torch_nets import EveryConstructNet  # NOQA
+from torch_nets import every_construct_batch  # NOQA
+
+
+@pytest.fixture
+def every_construct():
+    torch.manual_seed(0)
+    net = EveryConstructNet().double()
+    _, _, x, t = every_construct_batch(np.random.default_rng(0))
+    return net, (lambda: net(x, t))
+
+
+def gradients(net, loss_fn, hook=None, passes=1):
+    net.zero_grad(set_to_none=True)
+    for _ in range(passes):
+        if hook is None:
+            loss_fn().backward()
+        else:
+            with hook:
+                loss_fn().backward()
+    return {n: p.grad / (hook.scale_of(p) if hook else 1.0)
+            for n, p in net.named_parameters()}
+
+
+@pytest.mark.parametrize('passes', [1, 3])
+@pytest.mark.parametrize('interval', [1, 100])
+def test_exact_on_every_construct(every_construct, passes, interval):
+    net, loss_fn = every_construct
+    expected = gradients(net, loss_fn, passes=passes)
+    hook = GradientScaling(net, update_interval=interval)
+    actual = gradients(net, loss_fn, hook, passes)
+    for name, ref in expected.items():
+        assert torch.equal(actual[name], ref), name  # 0 relative error
+    scales = {hook.scale_of(p) for p in net.parameters()}
+    # Meaningful only if the scales differ from 1 and from each other.
+    assert len(scales) >= 3 and max(scales) >= 2 ** 15
+    assert all(is_power_of_two(s) for s in scales)
+    kinds = [r.kind for r in hook.report()]
+    assert set(kinds) == {'gemm', 'cast', 'branch'}
+    names = [r.name for r in hook.report() if r.kind == 'gemm']
+    # Every GEMM with a data gradient is a site, named by its weight; the
+    # shared weight twice; conv1 (whose input needs no gradient) is not.
+    assert sorted(names) == ['conv2a.weight', 'conv2b.weight',
+                             'conv3.weight', 'deconv.weight', 'fc.weight',
+                             'shared.weight', 'shared.weight#1']
+
+
+def test_report_csv_and_refresh_schedule(every_construct, tmp_path):
+    net, loss_fn = every_construct
+    hook = GradientScaling(net, update_interval=3)
+    seen = []
+    for _ in range(7):
+        gradients(net, loss_fn, hook)
+        seen.append({r.name: r.iteration for r in hook.report()})
+    assert [s['fc.weight'] for s in seen] == [1, 1, 1, 4, 4, 4, 7]
+    text = hook.to_csv(str(tmp_path / 'sites.csv'))
+    assert text.splitlines()[0].startswith('name,kind,local_scale')
+    assert len(text.splitlines()) == 1 + len(hook.report())
+    for r in hook.report():
+        if r.kind in ('gemm', 'cast'):
+            assert 0 <= r.estimated_underflow_rate <= 2e-3, r
+            assert 0 <= r.measured_underflow_rate <= 1, r
+
+
+def test_bare_hook_decides_each_pass_and_a_data_fault_changes_nothing(
+        every_construct):
+    net, loss_fn = every_construct
+    hook = GradientScaling(net, update_interval=2,
+                           max_consecutive_overflows=3)
+    gradients(net, loss_fn, hook)
+    table, age = dict(hook.table.scales), hook.schedule.age
+    with pytest.warns(RuntimeWarning, match='loss, an input or a forward'):
+        gradients(net, lambda: loss_fn() * math.inf, hook)
+    assert hook.skipped and hook.last_result.cause == 'data'
+    assert hook.table.scales == table and hook.schedule.age == age
+    assert hook.guard.skips == {'data': 1, 'scale': 0}
+
+
+def test_refuses_double_backprop_grad_and_inputs(every_construct):
+    net, loss_fn = every_construct
+    with GradientScaling(net):
+        with pytest.raises(RuntimeError, match='double backprop'):
+            loss_fn().backward(create_graph=True)
+        with pytest.raises(RuntimeError, match='autograd.grad'):
+            torch.autograd.grad(loss_fn(), [net.fc.weight])
+        with pytest.raises(RuntimeError, match='inputs='):
+            loss_fn().backward(inputs=[net.fc.weight])
+    # PyTorch is its own again after the with block.
+    assert torch.autograd.grad(loss_fn(), [net.fc.weight])[0] is not None
+
+
+def test_two_active_hooks_refused(every_construct):
+    net, _ = every_construct
+    with GradientScaling(net):
+        with pytest.raises(RuntimeError, match='already active'):
+            with GradientScaling(net):
+                pass
+
+
+def test_autocast_fp16_sites_and_the_cast_before_the_softmax():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                              torch.nn.Linear(32, 10))
+    x = torch.randn(8, 16)
+    t = torch.randint(0, 10, (8,))
+
+    def first_layer_gradient(hook=None):
+        net.zero_grad(set_to_none=True)
+        with torch.autocast('cpu', dtype=torch.float16):
+            # gradients ~1e-9, below FP16's smallest subnormal (6e-8)
+            loss = torch.nn.functional.cross_entropy(net(x), t) * 1e-7
+        if hook is None:
+            loss.backward()
+            return net[0].weight.grad.double()
+        with hook:
+            loss.backward()
+        return net[0].weight.grad.double() / hook.scale_of(net[0].weight)
+
+    reference = torch.func.grad(lambda w: torch.nn.functional.cross_entropy(
+        torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(
+            x.double(), w, net[0].bias.double())), net[2].weight.double(),
+            net[2].bias.double()), t) * 1e-7)(net[0].weight.detach().double())
+    hook = GradientScaling(net, update_interval=1)
+    scaled = first_layer_gradient(hook)
+    kinds = {r.name: r.kind for r in hook.report()}
+    # autocast casts the FP16 logits up for cross_entropy: the paper's site
+    assert kinds == {'cast#0': 'cast', '2.weight': 'gemm'}
+    assert [r.local_scale for r in hook.report() if r.kind == "cast"][0] \
+        >= 2 ** 8
+    for p in net.parameters():
+        assert p.grad.dtype == torch.float32
+        assert torch.isfinite(p.grad).all()
+        assert is_power_of_two(hook.scale_of(p))
+    plain = first_layer_gradient()
+
+    def error(g):
+        return float((g - reference).norm() / reference.norm())
+    # Unscaled, FP16 loses the gradients; GS keeps them to FP16 precision.
+    assert error(plain) > 0.5 and error(scaled) < 0.01, (error(plain),
+                                                         error(scaled))
+
+
+def test_measured_and_hybrid_estimators_run_on_torch(every_construct):
+    net, loss_fn = every_construct
+    for estimator in ('measured', 'hybrid'):
+        hook = GradientScaling(net, update_interval=1, estimator=estimator)
+        actual = gradients(net, loss_fn, hook)
+        expected = gradients(net, loss_fn)
+        for name, ref in expected.items():
+            assert torch.equal(actual[name], ref), (estimator, name)
+        for r in hook.report():
+            if r.kind in ('gemm', 'cast'):
+                # exact: the histogram's rate at the chosen scale
+                assert 0 <= r.estimated_underflow_rate <= 1e-3 or \
+                    r.local_scale < 2 ** 10, r

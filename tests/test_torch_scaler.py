@@ -1,0 +1,216 @@
+"""GradientScaler: GradScaler's verbs, the step's guarantees, resume."""
+
+import copy
+import io
+import math
+import warnings
+
+import pytest
+
+torch = pytest.importorskip('torch')
+
+from gradient_scaling import GradientOverflowError  # NOQA
+from gradient_scaling.torch import GradientScaler  # NOQA
+
+from torch_faults import FaultNet, batches, NAN, INF  # NOQA
+from torch_nets import SmallCNN  # NOQA
+
+CHECKING = ('gs', 'dynamic', 'amax-current', 'amax-delayed')
+
+
+def build(mode, seed=0, **settings):
+    torch.manual_seed(seed)
+    model = FaultNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    settings.setdefault('update_interval', 3) if mode == 'gs' else None
+    return model, optimizer, GradientScaler(model, mode, **settings)
+
+
+def train_step(model, optimizer, scaler, x, t):
+    optimizer.zero_grad()
+    loss = model(x, t)
+    scaler.scale(loss).backward()
+    taken = scaler.step(optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        scaler.update()
+    return taken, float(loss.detach())
+
+
+def state_of(model, optimizer, scaler):
+    """Every parameter and buffer, the optimizer's state and the scaler's,
+    as plain values (bit-identical comparisons)."""
+    return (copy.deepcopy(model.state_dict()),
+            copy.deepcopy(optimizer.state_dict()),
+            copy.deepcopy(scaler.state_dict()))
+
+
+def scales(scaler_state):
+    """The scaler state that sets scales: not its counters and telemetry
+    (the pass counter, the sites' records, the overflow guard)."""
+    return {k: v for k, v in scaler_state['state'].items()
+            if k != 'iteration' and not k.startswith(('records/', 'guard'))}
+
+
+def assert_same(a, b):
+    (ma, oa, sa), (mb, ob, sb) = a, b
+    assert ma.keys() == mb.keys()
+    for k in ma:
+        assert torch.equal(ma[k], mb[k]), k
+    assert repr(oa) == repr(ob)
+    assert sa == sb
+
+
+@pytest.mark.parametrize('mode', CHECKING)
+@pytest.mark.parametrize('where, value', [
+    ('loss', NAN), ('loss', INF), ('gradient', NAN), ('gradient', INF),
+    ('input', NAN), ('input', INF)])
+def test_a_bad_step_is_skipped_counted_and_changes_nothing(mode, where,
+                                                           value):
+    model, optimizer, scaler = build(mode)
+    data = batches(8)
+    for x, t in data[:3]:
+        assert train_step(model, optimizer, scaler, x, t)[0]
+    before = state_of(model, optimizer, scaler)
+    model.fault = (where, value)
+    taken, _ = train_step(model, optimizer, scaler, *data[3])
+    model.fault = None
+    assert not taken
+    cause = 'scale' if where == 'gradient' else 'data'
+    assert scaler.guard.skips[cause] == 1
+    assert scaler.guard.total_skips == 1
+    after = state_of(model, optimizer, scaler)
+    # Parameters, buffers (BatchNorm's), optimizer state: untouched; the
+    # scaler's own state moves only by the skip it counted (and, for an
+    # overflow, what it backed off).
+    assert_same(before[:2] + (None,), after[:2] + (None,))
+    if cause == 'data':  # and no scale changed (telemetry records it)
+        assert scales(after[2]) == scales(before[2])
+    for x, t in data[4:]:  # training recovers
+        assert train_step(model, optimizer, scaler, x, t)[0]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize('mode', CHECKING)
+def test_a_skipped_data_fault_leaves_the_run_as_if_unseen(mode):
+    # The run with one NaN batch equals, bit for bit, the run without it.
+    data = batches(8)
+    clean = build(mode)
+    for x, t in data[:3] + data[4:]:
+        train_step(*clean, x, t)
+    faulty = build(mode)
+    for i, (x, t) in enumerate(data):
+        faulty[0].fault = ('input', NAN) if i == 3 else None
+        train_step(*faulty, x, t)
+    assert_same(state_of(*clean)[:2] + (None,),
+                state_of(*faulty)[:2] + (None,))
+
+
+def test_persistent_faults_raise_after_patience():
+    model, optimizer, scaler = build('gs', max_consecutive_overflows=3)
+    data = batches(4)
+    model.fault = ('loss', NAN)
+    for x, t in data[:2]:
+        assert not train_step(model, optimizer, scaler, x, t)[0]
+    with pytest.raises(GradientOverflowError, match='3 steps in a row'):
+        train_step(model, optimizer, scaler, *data[2])
+
+
+@pytest.mark.parametrize('mode', CHECKING + ('none', 'fixed'))
+def test_resume_from_state_dicts_continues_bit_for_bit(mode):
+    data = batches(10, seed=1)
+    straight = build(mode)
+    for x, t in data:
+        train_step(*straight, x, t)
+    first = build(mode)
+    for x, t in data[:5]:
+        train_step(*first, x, t)
+    buffer = io.BytesIO()
+    torch.save({'model': first[0].state_dict(),
+                'optimizer': first[1].state_dict(),
+                'scaler': first[2].state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)  # plain values only
+    resumed = build(mode, seed=7)  # other initial weights
+    resumed[0].load_state_dict(saved['model'])
+    resumed[1].load_state_dict(saved['optimizer'])
+    resumed[2].load_state_dict(saved['scaler'])
+    for x, t in data[5:]:
+        train_step(*resumed, x, t)
+    assert_same(state_of(*straight), state_of(*resumed))
+
+
+def test_the_verbs_refuse_a_wrong_order():
+    model, optimizer, scaler = build('gs')
+    x, t = batches(1)[0]
+    scaler.scale(model(x, t)).backward()
+    scaler.unscale_(optimizer)
+    with pytest.raises(RuntimeError, match='already been called'):
+        scaler.unscale_(optimizer)
+    assert scaler.step(optimizer) is True
+    with pytest.raises(RuntimeError, match='after step'):
+        scaler.unscale_(optimizer)
+    with pytest.raises(RuntimeError, match='step\\(\\) has already'):
+        scaler.step(optimizer)
+    scaler.update()
+    with pytest.raises(RuntimeError, match='update\\(\\) needs a step'):
+        scaler.update()
+    with pytest.raises(ValueError, match='mode must be one of'):
+        GradientScaler(model, 'magic')
+
+
+def test_unscale_gives_true_gradients_before_clipping():
+    for mode in ('gs', 'dynamic', 'fixed'):
+        model, optimizer, scaler = build(mode, loss_scale=64.0) \
+            if mode == 'fixed' else build(mode)
+        reference = copy.deepcopy(model)
+        x, t = batches(1)[0]
+        reference(x, t).backward()
+        scaler.scale(model(x, t)).backward()
+        scaler.unscale_(optimizer)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5,
+                                       atol=1e-7)
+
+
+def test_autocast_fp16_a_small_cnn_trains_with_gs_as_with_gradscaler():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 3, 8, 8, generator=g)
+    t = (x[:, 0].mean((1, 2)) > 0).long() + 2 * (x[:, 1].mean((1, 2)) > 0)
+    results = {}
+    for name in ('gs', 'torch.amp.GradScaler'):
+        torch.manual_seed(0)
+        model = SmallCNN()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05,
+                                    momentum=0.9)
+        scaler = GradientScaler(model, 'gs', update_interval=10) \
+            if name == 'gs' else torch.amp.GradScaler('cpu')
+        for step in range(60):
+            i = step % 4 * 16
+            optimizer.zero_grad()
+            with torch.autocast('cpu', dtype=torch.float16):
+                loss = torch.nn.functional.cross_entropy(
+                    model(x[i:i + 16]), t[i:i + 16])
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        with torch.no_grad():
+            results[name] = float((model(x).argmax(1) == t).float().mean())
+    # measured: both fit the 64 examples (1.0 and 1.0)
+    assert results['gs'] >= 0.9 and abs(
+        results['gs'] - results['torch.amp.GradScaler']) <= 0.05, results
+
+
+def test_get_scale_per_site_and_state_dict_is_plain_data():
+    model, optimizer, scaler = build('gs', update_interval=1)
+    x, t = batches(1)[0]
+    train_step(model, optimizer, scaler, x, t)
+    scales = scaler.get_scale()
+    # conv's input needs no gradient: fc is the site (the fault layer
+    # between the logits and the softmax hides the softmax gradient)
+    assert set(scales) == {'fc.weight'}
+    assert all(isinstance(v, float) and v > 0 for v in scales.values())
+    state = scaler.state_dict()
+    assert state['mode'] == 'gs'
+    assert math.isfinite(sum(v for v in state['state'].values()
+                             if isinstance(v, (int, float))))
