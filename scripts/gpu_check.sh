@@ -16,8 +16,9 @@
 #   install, info          the wheels; versions, device, CUDA/cuDNN as Chainer sees them
 #   gpu-tests              pytest -m gpu
 #   kernels, smoke-train   scripts/gpu_smoke.py kernels / train
-#   statistics-bandwidth   scripts/benchmark_statistics.py --device gpu (64 MB float32)
-#   benchmark              scripts/benchmark.py --gpu 0, small_cnn resnet50 ssd300, fp32 + mixed16
+#   statistics-bandwidth   scripts/benchmark_kernels.py --gpu 0 (64 MB float32)
+#   benchmark              scripts/benchmark.py --gpu 0, small_cnn resnet50 ssd300, fp32 + mixed16,
+#                          and the framework-bound targets (ResNet-50 32x32, one model copy)
 #   example-*              20 iterations of every example with --gpu 0 --scaling gs,
 #                          and their per-site scales
 # then one summary table. Logs and results go to $OUT if set, else to
@@ -112,6 +113,13 @@ note_benchmark() {
         "$LOGDIR/benchmark.md" |
         awk -F'|' '{gsub(/^ +| +$/, "", $5); gsub(/ /, "", $8)
                    printf "resnet50 mixed16 %s/none wall %s; ", $5, $8}'
+    # The targets: | model | input | precision | variant | rounds | min wall
+    # | min CPU | CPU: min ratio | CPU: median | wall: min ratio | wall:
+    # median | target | met |
+    grep -E '^\| resnet50 \| 1x32 \| fp32 \| (gs@1|gs@100|plain\+check \(A/A\)) \|' \
+        "$LOGDIR/benchmark.md" |
+        awk -F'|' '{gsub(/^ +| +$/, "", $5); gsub(/ /, "", $11); gsub(/ /, "", $14)
+                   printf "target %s wall min ratio %s (met: %s); ", $5, $11, $14}'
 }
 example_note() {
     grep -E '^Final' "$1" | tail -n 1 | tr '\n' ' '
@@ -133,12 +141,15 @@ step info 60 "$PYTHON" scripts/gpu_smoke.py info --gpu "$GPU"
 step gpu_tests 150 "$PYTHON" -m pytest -q -m gpu tests -p no:cacheprovider
 step kernels 60 "$PYTHON" scripts/gpu_smoke.py kernels --gpu "$GPU"
 step smoke_train 60 "$PYTHON" scripts/gpu_smoke.py train --gpu "$GPU"
-step statistics_bandwidth 60 "$PYTHON" scripts/benchmark_statistics.py \
-    --device gpu --size $((2 ** 24)) --dtype float32
+step statistics_bandwidth 60 "$PYTHON" scripts/benchmark_kernels.py \
+    --gpu "$GPU" --size $((2 ** 24)) --dtypes float32 --repeat 5 \
+    --out "$LOGDIR/benchmark_kernels.md"
 
-# GS's cost: the targets are about ResNet-50 at batch 32 (benchmark.py's
-# own GPU shapes are smaller).
-BENCH=(--gpu "$GPU" --models small_cnn resnet50 ssd300
+# GS's cost: the full-size targets are about ResNet-50 at batch 32
+# (benchmark.py's own GPU shapes are smaller); the framework-bound ones are
+# its targets mode (ResNet-50 at 32x32, batch 1). No simulation mode here.
+BENCH=(--gpu "$GPU" --modes full framework targets
+       --models small_cnn resnet50 ssd300
        --precisions fp32 mixed16 --intervals 1 10 100 --repeat 3
        --memory-repeat 1 --shape resnet50=32x224 ssd300=8x300
        --out "$LOGDIR/benchmark.md")

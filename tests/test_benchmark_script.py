@@ -1,5 +1,7 @@
-"""Smoke test of scripts/benchmark.py: its --quick table, not its timings."""
+"""Smoke tests of scripts/benchmark.py and scripts/benchmark_kernels.py
+(their --quick tables, not their timings) and of the harness."""
 
+import doctest
 import importlib.util
 import math
 import os
@@ -9,39 +11,57 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, 'scripts', 'benchmark.py')
+SCRIPTS = os.path.join(ROOT, 'scripts')
+if SCRIPTS not in sys.path:
+    sys.path.insert(0, SCRIPTS)
+
+from benchmarking import harness  # NOQA: E402
+from benchmarking import report as report_module  # NOQA: E402
+from benchmarking import rows  # NOQA: E402
+
 VARIANTS = ['none', 'none (2nd copy)', 'none+check', 'dynamic'] + [
     'gs@{}{}'.format(k, suffix) for suffix in ('', '+measure')
     for k in (1, 10, 100)]
-STAT_OPERATIONS = ['copy', 'tensor_statistics(log=False)',
-                   'tensor_statistics(log=True)', 'max_abs']
+PRECISIONS = ('fp32', 'sim-fp16')
+TARGET_VARIANTS = ['plain+check', 'plain+check (A/A)', 'gs@1', 'gs@100',
+                   'gs@1+measure']
+SIMULATIONS = ['fp32', 'fp32 (again)', 'sim-fp16', 'sim-fp8-e5m2', 's2fp8']
+STAT_OPERATIONS = ['copy', 'copy (again)', 'tensor_statistics(log=True)',
+                   'tensor_statistics(log=False)', 'max_abs',
+                   'spread_and_max(sample=False)']
 
 
-def _run(*args):
-    return subprocess.run([sys.executable, SCRIPT] + list(args),
-                          cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+def _run(script, *args):
+    return subprocess.run([sys.executable, os.path.join(SCRIPTS, script)]
+                          + list(args), cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
 
 
 def _table(text, heading):
     """Rows (lists of cells) of the first Markdown table after heading."""
     lines = text[text.index(heading):].splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith('|'))
-    rows = []
+    found = []
     for line in lines[start + 2:]:  # after the header and |---|
         if not line.startswith('|'):
             break
-        rows.append([cell.strip() for cell in line.strip('|').split('|')])
-    return rows
+        found.append([cell.strip() for cell in line.strip('|').split('|')])
+    return found
+
+
+def _positive(cells):
+    values = [float(cell) for cell in cells]
+    assert all(math.isfinite(v) and v > 0 for v in values), cells
+    return values
 
 
 @pytest.fixture(scope='module')
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp('benchmark') / 'benchmark.md'
-    result = _run('--quick', '--models', 'small_cnn', '--modes',
-                  'framework', '--stat-dtypes', 'float32', '--blas-threads',
-                  '0', '--quiet', '--out', str(out), '--gpu-iteration-ms',
-                  'small_cnn=0.5')
+    result = _run('benchmark.py', '--quick', '--models', 'small_cnn',
+                  '--modes', 'framework', 'targets', 'simulation',
+                  '--attribute', '--blas-threads', '0', '--quiet', '--out',
+                  str(out), '--gpu-iteration-ms', 'small_cnn=0.5')
     assert result.returncode == 0, result.stderr
     return out.read_text()
 
@@ -49,34 +69,35 @@ def report(tmp_path_factory):
 def test_quick_report_describes_the_run(report):
     assert report.startswith('# Gradient scaling: cost in training')
     assert 'scripts/benchmark.py --quick --models small_cnn' in report
-    for key in ('* CPU:', '* NumPy:', '* Chainer:', 'cores'):
+    for key in ('* CPU:', '* NumPy:', '* Chainer:', 'cores',
+                '* BLAS threads: library default'):
         assert key in report, key
 
 
 def test_quick_iteration_table_has_every_variant_with_positive_ratios(
         report):
-    rows = _table(report, '## Training iteration')
-    assert [(r[0], r[1], r[2], r[3]) for r in rows] == [
+    table = _table(report, '## Training iteration')
+    assert [(r[0], r[1], r[2], r[3]) for r in table] == [
         ('small_cnn', 'framework 4x16', precision, variant)
-        for precision in ('fp32', 'sim-fp16') for variant in VARIANTS]
-    for row in rows:
+        for precision in PRECISIONS for variant in VARIANTS]
+    for row in table:
         # wall, CPU, wall / none, CPU / none, CPU / dynamic, peak (MB),
         # peak / none
-        values = [float(cell) for cell in row[4:11]]
-        assert all(math.isfinite(v) and v > 0 for v in values), row
+        _positive(row[4:11])
         assert int(row[11]) == 0, row  # no skipped step
         low, high = (float(q) for q in row[12].split('-'))
         assert 0 < low <= float(row[7]) <= high, row
-    for row in rows:
         if row[3] == 'none':
             assert float(row[6]) == float(row[7]) == float(row[10]) == 1.0
+        if row[3] == 'dynamic':
+            assert float(row[8]) == 1.0
 
 
 def test_quick_per_node_cost_table(report):
-    rows = _table(report, '## Per-node cost')
-    assert [(r[0], r[1], r[2]) for r in rows] == [
-        ('framework', 'small_cnn', p) for p in ('fp32', 'sim-fp16')]
-    for row in rows:
+    table = _table(report, '## Per-node cost')
+    assert [(r[0], r[1], r[2]) for r in table] == [
+        ('framework', 'small_cnn', p) for p in PRECISIONS]
+    for row in table:
         assert int(row[3]) >= 10  # backward function nodes counted
         assert float(row[4]) > 0
         float(row[5]), float(row[6])  # microseconds per node (may be < 0)
@@ -86,111 +107,180 @@ def test_quick_per_node_cost_table(report):
             rel=0.02, abs=0.02)
     predicted = _table(report, 'Predicted for the given device')
     assert [(r[0], r[1], r[2], r[3]) for r in predicted] == [
-        ('framework', 'small_cnn', p, '0.5') for p in ('fp32', 'sim-fp16')]
-    for row, cost in zip(predicted, rows):
+        ('framework', 'small_cnn', p, '0.5') for p in PRECISIONS]
+    for row, cost in zip(predicted, table):
         nodes, refresh = int(cost[3]), float(cost[6])
         assert float(row[4]) == pytest.approx(
             1 + nodes * refresh * 1e-6 / 5e-4, abs=2e-3)
 
 
+def test_quick_attribution_table_times_every_section(report):
+    table = _table(report, '## Where GS')
+    assert [(r[0], r[1], r[2]) for r in table] == [
+        ('framework small_cnn', p, kind) for p in PRECISIONS
+        for kind in ('refresh', 'cached', 'refresh+measure')]
+    for row in table:
+        iteration = _positive(row[3:4])
+        sections = [float(c) for c in row[4:11]]
+        assert iteration and all(s >= 0 for s in sections), row
+        dispatch, scale_choice, _, _, traces, measurement, check = sections
+        assert dispatch > 0 and scale_choice > 0 and check > 0, row
+        hook = float(row[11])
+        assert hook == pytest.approx(sum(sections[:6]), abs=0.03), row
+        assert float(row[13]) >= float(row[12]) >= 1.0, row
+        if row[2] == 'cached':
+            assert traces == 0, row  # traces are kept at refreshes only
+        else:
+            assert traces > 0, row
+        if row[2] == 'refresh+measure' and row[1] == 'fp32':
+            # Under a simulation the simulation measures, not GS.
+            assert measurement > 0, row
+    calls = {(r[1], r[2]): int(r[14]) for r in table}
+    for p in PRECISIONS:  # a refresh also traces
+        assert calls[p, 'refresh'] > calls[p, 'cached'] > 10
+
+
+def test_quick_targets_table_on_one_model_copy(report):
+    table = _table(report, '## Framework-bound targets')
+    assert [(r[0], r[1], r[2], r[3]) for r in table] == [
+        ('resnet50', '1x32', 'fp32', v) for v in TARGET_VARIANTS]
+    for row in table:
+        assert int(row[4]) == 2  # rounds, --quick
+        _positive(row[5:11])
+    baseline = table[0]
+    assert [float(c) for c in baseline[7:11]] == [1.0] * 4
+    targets = {r[3]: (r[11], r[12]) for r in table}
+    assert targets['gs@1'][0] == '<= 1.15'
+    assert targets['gs@100'][0] == '<= 1.02'
+    assert targets['plain+check (A/A)'] == ('-', '-')
+    for label in ('gs@1', 'gs@100'):
+        row = next(r for r in table if r[3] == label)
+        assert row[12] == ('yes' if float(row[7]) <= {
+            'gs@1': 1.15, 'gs@100': 1.02}[label] else 'no')
+
+
+def test_quick_simulation_table(report):
+    table = _table(report, '## Simulation cost')
+    assert [(r[0], r[1], r[2]) for r in table] == [
+        ('small_cnn', '4x16', v) for v in SIMULATIONS]
+    for row in table:
+        _positive(row[3:7])
+    assert float(table[0][5]) == float(table[0][6]) == 1.0
+
+
 def test_prediction_formula():
-    sys.path.insert(0, os.path.join(ROOT, 'scripts'))
-    import benchmark
     # 100 nodes, 10 us each cached, 110 us refreshing, on a 10 ms device
     # iteration: 1 ms a cached pass, +10 ms every k passes
-    assert benchmark.predicted_ratio(100, 10, 110, 0.01, 1) == \
+    assert rows.predicted_ratio(100, 10, 110, 0.01, 1) == \
         pytest.approx(1 + 100 * 110e-6 / 0.01)
-    assert benchmark.predicted_ratio(100, 10, 110, 0.01, 100) == \
+    assert rows.predicted_ratio(100, 10, 110, 0.01, 100) == \
         pytest.approx(1 + 100 * 11e-6 / 0.01)
 
 
-def test_quick_statistics_table_compares_with_a_copy(report):
-    rows = _table(report, '## Statistics throughput')
-    assert [r[0] for r in rows] == STAT_OPERATIONS
-    assert all(r[1] == 'float32' and int(r[2]) == 2 ** 14 for r in rows)
-    for row in rows:
-        assert all(float(cell) > 0 for cell in row[3:6]), row
-    assert float(rows[0][5]) == 1.0
+class _Busy(object):
+
+    def __init__(self, label, order):
+        self.label = label
+        self.order = order
+        self.prepared = 0
+        self.skips = 0
+
+    def prepare(self):
+        self.prepared += 1
+
+    def step(self):
+        self.order.append(self.label)
+        sum(range(20000))
+
+
+def test_one_loop_alternates_and_budget_adds_rounds():
+    order = []
+    variants = [_Busy('a', order), _Busy('b', order), _Busy('c', order)]
+    samples = harness.time_alternately(variants, 3)
+    assert [len(s) for s in samples.values()] == [3, 3, 3]
+    # warm-up, then forward and reversed order in turn
+    assert ''.join(order) == 'abc' + 'abc' + 'cba' + 'abc'
+    assert variants[0].prepared == 4
+    assert all(s.wall > 0 and s.cpu >= 0 for s in samples['a'])
+    samples = harness.time_alternately(variants, 3, budget=5.0)
+    rounds = len(samples['a'])
+    assert 3 < rounds <= harness.MAX_ROUNDS
+    assert len(samples['c']) == rounds
+
+
+def test_ratios_and_amortised_series():
+    a = [harness.Sample(2.0, 4.0), harness.Sample(3.0, 3.0)]
+    b = [harness.Sample(1.0, 2.0), harness.Sample(1.5, 1.0)]
+    assert harness.ratios(a, b) == [2.0, 3.0]
+    assert harness.ratios(a, b, 'wall') == [2.0, 2.0]
+    assert harness.amortised(a, b, 4) == [harness.Sample(1.25, 2.5),
+                                          harness.Sample(1.875, 1.5)]
+    assert harness.quartiles([1.0, 2.0, 3.0, 4.0, 5.0]) == (2.0, 4.0)
+
+
+def test_target_rows_take_minima_and_median_ratios():
+    s = harness.Sample
+    samples = {'plain+check': [s(1.0, 1.0), s(2.0, 1.1)],
+               'plain+check (A/A)': [s(1.1, 1.0), s(1.0, 1.2)],
+               'gs@1': [s(1.2, 1.2), s(1.4, 1.1)]}
+    table = rows.target_rows('m', '1x32', 'fp32', samples, 'cpu')
+    gs = table[2]
+    assert (gs.min_cpu, gs.min_wall) == (1.1, 1.2)
+    assert gs.cpu_min_ratio == pytest.approx(1.1)
+    assert gs.cpu_median_ratio == pytest.approx((1.2 + 1.0) / 2)
+    assert gs.wall_min_ratio == pytest.approx(1.2)
+    assert (gs.target, gs.met) == ('<= 1.15', 'yes')
+    assert rows.target_rows('m', '1x32', 'fp32', samples, 'wall')[2].met \
+        == 'no'
+
+
+def test_docstring_examples():
+    for module in (harness, report_module):
+        failed, attempted = doctest.testmod(module)
+        assert attempted > 0 and failed == 0, module.__name__
+
+
+def _blas_threads():
+    try:
+        import threadpoolctl
+    except ImportError:
+        return None
+    return [(i['internal_api'], i['num_threads'])
+            for i in threadpoolctl.threadpool_info()
+            if i['user_api'] == 'blas']
+
+
+def test_blas_limit_is_lifted_again():
+    # Tests after this one in the same process compare examples bit for
+    # bit with subprocesses: they need the default thread count back.
+    before = _blas_threads()
+    with harness.BlasThreads(1) as limit:
+        if before is not None:
+            assert limit.description == '1 (threadpoolctl)'
+            assert all(n == 1 for _, n in _blas_threads())
+    assert _blas_threads() == before
+
+
+def test_quick_kernels_table_compares_with_a_copy(tmp_path):
+    out = tmp_path / 'kernels.md'
+    result = _run('benchmark_kernels.py', '--quick', '--dtypes', 'float32',
+                  'float16', '--out', str(out))
+    assert result.returncode == 0, result.stderr
+    table = _table(out.read_text(), '## Statistics next to a copy')
+    assert [(r[0], r[1], r[2]) for r in table] == [
+        (op, 'NumPy call', dtype) for dtype in ('float32', 'float16')
+        for op in STAT_OPERATIONS]
+    for row in table:
+        assert int(row[3]) == 2 ** 14
+        _positive(row[4:8])
+    for row in (table[0], table[6]):
+        assert float(row[6]) == float(row[7]) == 1.0
 
 
 @pytest.mark.skipif(importlib.util.find_spec('cupy') is not None,
                     reason='CuPy is installed')
-def test_gpu_without_cupy_is_a_clear_error():
-    result = _run('--gpu', '0', '--quick', '--models', 'small_cnn')
+@pytest.mark.parametrize('script', ['benchmark.py', 'benchmark_kernels.py'])
+def test_gpu_without_cupy_is_a_clear_error(script):
+    result = _run(script, '--gpu', '0', '--quick')
     assert result.returncode == 2
     assert '--gpu needs CuPy' in result.stderr
-
-
-def _markdown_rows(text):
-    return [[cell.strip() for cell in line.strip('|').split('|')]
-            for line in text.splitlines()
-            if line.startswith('|') and not line.startswith('|---')][1:]
-
-
-@pytest.mark.parametrize('script, args, variants', [
-    ('benchmark_hook.py', ['--update-intervals', '1', '7'],
-     ['plain', 'gs@1', 'gs@7']),
-    ('benchmark_simulation.py', ['--variants', 'sim-fp16', 's2fp8'],
-     ['fp32', 'sim-fp16', 's2fp8']),
-])
-def test_side_by_side_benchmarks(script, args, variants, tmp_path):
-    out = tmp_path / 'table.md'
-    result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, 'scripts', script), '--models',
-         'small_cnn', '--batch', '2', '--repeat', '2', '--out', str(out)]
-        + args, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.count('small_cnn round') == 2
-    rows = _markdown_rows(out.read_text())
-    assert [(r[0], r[1], r[2]) for r in rows] == [
-        ('small_cnn', '2', v) for v in variants]
-    first = float(rows[0][3])
-    for row in rows:
-        median, ratio = float(row[3]), float(row[4])
-        assert median > 0
-        # The ratio is the median over the first variant's (to the 4
-        # decimals the medians are printed with).
-        slack = median / first * (5e-5 / median + 5e-5 / first) + 5e-4
-        assert abs(ratio - median / first) <= slack, row
-    assert rows[0][4] == '1.000'
-
-
-def test_budget_adds_rounds_to_a_cheap_case():
-    sys.path.insert(0, os.path.join(ROOT, 'scripts'))
-    import benchmark
-
-    class Model(object):
-        def cleargrads(self):
-            pass
-
-    class Variant(object):
-        model = Model()
-
-        def __init__(self, label):
-            self.label = label
-
-        def step(self):
-            sum(range(20000))
-
-    class Tracker(object):
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *args):
-            pass
-
-        def reset(self):
-            return 0
-
-        def peak(self):
-            return 1
-
-    variants = [Variant('a'), Variant('b')]
-    times, _ = benchmark.measure_variants(variants, 3, 1, Tracker(),
-                                          lambda message: None)
-    assert [len(t) for t in times.values()] == [3, 3]
-    times, _ = benchmark.measure_variants(variants, 3, 1, Tracker(),
-                                          lambda message: None, budget=5.0)
-    rounds = len(times['a'])
-    assert 3 < rounds <= benchmark._MAX_ROUNDS
-    assert len(times['b']) == rounds

@@ -112,16 +112,29 @@ def test_scales_summary(tmp_path):
 
 def test_benchmark_note_reads_the_report_table(tmp_path):
     # The note the summary gives for the benchmark step, on a report in
-    # benchmark.py's own format (the GPU's precision is mixed16).
+    # benchmark.py's own format (the GPU's precision is mixed16; the
+    # targets run in FP32, met on the wall-clock min ratio).
     sys.path.insert(0, os.path.join(ROOT, 'scripts'))
     import benchmark
-    rows = [('resnet50', 'full 32x224', 'mixed16', label, 0.1, 0.1, wall,
-             wall, 1.0, 1.0, 0, (wall, wall))
-            for label, wall in [('none', 1.0), ('none (2nd copy)', 1.004),
-                                ('dynamic', 1.01), ('gs@1', 1.1),
-                                ('gs@100', 1.02), ('gs@100+measure', 1.03)]]
-    (tmp_path / 'benchmark.md').write_text(benchmark.format_report(
-        ['benchmark.py'], [], rows, [], 1.0, 'H200'))
+    from benchmarking import rows
+    results = benchmark.Results()
+    results.iterations = [
+        rows.IterationRow('resnet50', 'full 32x224', 'mixed16', label, 0.1,
+                          0.1, wall, wall, 1.0, 1.0, 1.0, 0, (wall, wall))
+        for label, wall in [('none', 1.0), ('none (2nd copy)', 1.004),
+                            ('dynamic', 1.01), ('gs@1', 1.1),
+                            ('gs@100', 1.02), ('gs@100+measure', 1.03)]]
+    results.targets = [
+        rows.TargetRow('resnet50', '1x32', 'fp32', label, 20, 0.05, 0.05,
+                       ratio + 0.1, ratio, ratio, ratio, target, met)
+        for label, ratio, target, met in [
+            ('plain+check', 1.0, '-', '-'),
+            ('plain+check (A/A)', 0.99, '-', '-'),
+            ('gs@1', 1.12, '<= 1.15', 'yes'),
+            ('gs@100', 1.03, '<= 1.02', 'no'),
+            ('gs@1+measure', 1.2, '-', '-')]]
+    (tmp_path / 'benchmark.md').write_text(benchmark.build_report(
+        ['benchmark.py'], [], results).render(1.0))
     with open(os.path.join(ROOT, 'scripts', 'gpu_check.sh')) as f:
         source = f.read()
     function = re.search(r'^note_benchmark\(\) \{.*?^\}$', source,
@@ -132,4 +145,23 @@ def test_benchmark_note_reads_the_report_table(tmp_path):
     assert note.split('; ') == [
         'resnet50 mixed16 none (2nd copy)/none wall 1.004',
         'resnet50 mixed16 gs@1/none wall 1.100',
-        'resnet50 mixed16 gs@100/none wall 1.020', '']
+        'resnet50 mixed16 gs@100/none wall 1.020',
+        'target plain+check (A/A) wall min ratio 0.990 (met: -)',
+        'target gs@1 wall min ratio 1.120 (met: yes)',
+        'target gs@100 wall min ratio 1.030 (met: no)', '']
+
+
+def test_statistics_note_reads_the_kernels_target_line(tmp_path):
+    # benchmark_kernels.py --gpu ends with this line; the summary shows it.
+    log = tmp_path / 'statistics_bandwidth.log'
+    log.write_text('| copy | CUDA events | float32 | 16777216 | ... |\n'
+                   'statistics kernel at 83% of copy bandwidth (target >= '
+                   '70%): met\n')
+    with open(os.path.join(ROOT, 'scripts', 'gpu_check.sh')) as f:
+        function = re.search(r'^note_statistics_bandwidth\(\) \{.*?\}$',
+                             f.read(), re.MULTILINE).group(0)
+    note = subprocess.run(['bash', '-c', function +
+                           '\nnote_statistics_bandwidth "$0"', str(log)],
+                          capture_output=True, text=True, check=True).stdout
+    assert note.strip() == ('statistics kernel at 83% of copy bandwidth '
+                            '(target >= 70%): met')

@@ -12,6 +12,9 @@ Chainer touch is in :mod:`gradient_scaling.chainer._internals`
 
 import gradient_scaling.compat  # NOQA
 
+import time
+import types
+
 import chainer
 from chainer.functions.array import cast
 
@@ -29,9 +32,16 @@ from gradient_scaling.core.step import GradientOverflowError
 from gradient_scaling.core.telemetry import SiteRecord
 
 __all__ = ['GradientScaling', 'GradientOverflowError', 'SiteRecord',
-           'StepPayload', 'measured_underflow_rate', 'CAST_RULES']
+           'StepPayload', 'measured_underflow_rate', 'CAST_RULES',
+           'TIMED_SECTIONS']
 
 CAST_RULES = recipes.CAST_RULES
+#: The sections a timer given to :meth:`GradientScaling.time_with` receives.
+TIMED_SECTIONS = ('dispatch', 'scale choice', 'rescaling', 'branches',
+                  'traces', 'measurement', 'finiteness check')
+_STEP_SECTIONS = {'gemm': 'scale choice', 'cast': 'scale choice',
+                  'weight_path': 'scale choice', 'branch': 'branches',
+                  'trace': 'traces', 'measure': 'measurement'}
 
 # Rule kinds, by function class (the plain wrapper's kinds are named in
 # backward_rules).
@@ -122,12 +132,21 @@ class GradientScaling(chainer.FunctionHook):
             ``max_consecutive_overflows``, ``weight_backoff``,
             ``weight_backoff_floor``, ``weight_headroom``,
             ``scale_range`` (documented on the recipes).
+        timer: Optional; times the hook's own work (:meth:`time_with`).
+
+    **Timing points.** With a ``timer`` (an object with ``add(section,
+    seconds)`` and optionally a ``clock``, else ``time.perf_counter``), each
+    timed call's own seconds (less its timed calls') go to one of
+    :data:`TIMED_SECTIONS`: ``dispatch`` is the entry at each node, the
+    backward wrappers (not the function's backward), a pass's start and end
+    and the step's decision; ``scale choice`` the step's ``gemm``, ``cast``
+    and ``weight_path``. Without a timer no timing code runs.
 
     """
 
     name = 'GradientScaling'
 
-    def __init__(self, target=None, recipe=None, **settings):
+    def __init__(self, target=None, recipe=None, timer=None, **settings):
         if recipe is not None and settings:
             raise ValueError('pass a recipe or settings, not both (got {})'
                              .format(', '.join(sorted(settings))))
@@ -140,6 +159,8 @@ class GradientScaling(chainer.FunctionHook):
         self.current_pass = None
         self.rules = backward_rules.BackwardRules(self)
         self._kinds = {}  # function class -> rule kind
+        if timer is not None:
+            self.time_with(timer)
 
     # The controller's state, read where the hook used to keep it.
     schedule = property(lambda self: self.controller.schedule)
@@ -286,6 +307,20 @@ class GradientScaling(chainer.FunctionHook):
         return (in_dtype.kind == 'f' and out_dtype.kind == 'f'
                 and in_dtype.itemsize < out_dtype.itemsize)
 
+    def time_with(self, timer):
+        """Times this hook's work with ``timer`` (*Timing points*)."""
+        timing = _Timing(timer)
+        for name in ('backward_preprocess', 'hold_step', 'begin_backward',
+                     'end_backward', 'step_payload', 'conclude'):
+            setattr(self, name, timing.wrap('dispatch', getattr(self, name)))
+        self._pass_result = timing.wrap('finiteness check', self._pass_result)
+        controller = self.controller
+        controller.transition = timing.wrap('dispatch', controller.transition)
+        begin_pass = controller.begin_pass
+        controller.begin_pass = lambda: timing.time_step(begin_pass())
+        timing.time_rules(self.rules)
+        return self
+
     # -- reporting and state ----------------------------------------------
 
     def report(self):
@@ -318,3 +353,56 @@ class GradientScaling(chainer.FunctionHook):
                           'scales by object id; they cannot be restored '
                           'in another process', RuntimeWarning)
         serialization.serialize_state(serializer, self.controller)
+
+
+class _Timing(object):
+
+    """Wraps callables: each call adds its own seconds to a timer's section."""
+
+    def __init__(self, timer):
+        self.add, self.clock = timer.add, getattr(timer, 'clock',
+                                                  time.perf_counter)
+        self.inner = [0.0]  # per open timed call: its timed calls' seconds
+        self.step = None
+
+    def wrap(self, section, fn):
+        """``fn`` timed (``section`` None: its time is only subtracted)."""
+        add, clock, inner = self.add, self.clock, self.inner
+
+        def timed(*args, **kwargs):
+            inner.append(0.0)
+            start = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds = clock() - start
+                own = seconds - inner.pop()
+                inner[-1] += seconds
+                if section is not None:
+                    add(section, own)
+        return timed
+
+    def time_step(self, step):
+        """The open step with its rules timed (a new StepScales a step)."""
+        if step is not self.step:
+            self.step = step
+            for name, section in _STEP_SECTIONS.items():
+                setattr(step, name, self.wrap(section, getattr(step, name)))
+        return step
+
+    def time_rules(self, rules):
+        """Times the backward wrappers (not the function's own backward, their
+        first argument) and ``rescale``: the methods calling it are rebound,
+        on ``rules`` alone, to copies that see a timed one."""
+        scope = dict(vars(backward_rules), rescale=self.wrap(
+            'rescaling', backward_rules.rescale))
+        for name, fn in vars(type(rules)).items():
+            if isinstance(fn, types.FunctionType) and \
+                    'rescale' in fn.__code__.co_names:
+                copy = types.FunctionType(fn.__code__, scope, name,
+                                          fn.__defaults__, fn.__closure__)
+                setattr(rules, name, types.MethodType(copy, rules))
+        for name in ('gemm', 'cast', 'plain'):
+            rule = getattr(rules, name)
+            setattr(rules, name, self.wrap('dispatch', lambda backward, *a,
+                    rule=rule: rule(self.wrap(None, backward), *a)))

@@ -1,11 +1,14 @@
-"""What the benchmark scripts share: the timed models and the timing.
+"""The benchmarks' one harness, shared by scripts/benchmark.py and
+scripts/benchmark_kernels.py.
 
-* :mod:`benchmarking.cases`: each model with its loss and a batch of
-  inputs (a small CNN, ResNet-50, SSD300 + multibox loss, SegNetBasic),
-  and a gradient-like tensor for the statistics throughput.
-* :mod:`benchmarking.alternate`: variants timed in turn within each round,
-  so that all of them see the same machine load, and the Markdown table of
-  medians and ratios.
+* :mod:`benchmarking.harness`: the timing loop (variants alternated within
+  each round), the peak-memory rounds, the timer of the hook's timing
+  points, BLAS thread limiting; framework-neutral.
+* :mod:`benchmarking.rows`: the result rows (dataclasses) and their
+  builders; :mod:`benchmarking.report`: the Markdown report.
+* :mod:`benchmarking.cases`: Chainer's models, each with its loss and a
+  batch; :mod:`benchmarking.chainer_variants`: the variants trained on them.
+  Another framework adds its own cases and variants module.
 
 A sibling of the scripts: ``python scripts/benchmark.py`` finds it as
 Python finds a script's own modules, with no ``sys.path`` edit.

@@ -14,10 +14,8 @@ import chainer
 import chainer.functions as F
 
 from chainer_links import SmallCNN
-from gradient_scaling.core import statistics
 
-__all__ = ['Classification', 'MultiboxTraining', 'CASES',
-           'gradient_like_tensor', 'statistics_operations']
+__all__ = ['Classification', 'MultiboxTraining', 'CASES']
 
 
 class Classification(chainer.Chain):
@@ -114,30 +112,3 @@ def segnet(batch, size, rng):
 CASES = {'small_cnn': small_cnn, 'resnet18': resnet18, 'resnet50': resnet50,
          'resnet101': resnet101, 'ssd300': ssd300, 'segnet': segnet}
 
-
-def gradient_like_tensor(size, dtype, device, seed):
-    """``size`` normal values of scale 1e-3, 10% zeros, in ``dtype``; on
-    the GPU for ``device == 'gpu'``.  Returns it and a synchronize
-    function (a no-op on the CPU)."""
-    rng = numpy.random.default_rng(seed)
-    x = rng.standard_normal(size, dtype=numpy.float32) * numpy.float32(1e-3)
-    x[rng.random(size, dtype=numpy.float32) < 0.1] = 0
-    x = x.astype(dtype)
-    if device == 'gpu':
-        import cupy
-        return cupy.asarray(x), cupy.cuda.Device().synchronize
-    return x, lambda: None
-
-
-def statistics_operations(x):
-    """``(name, function)`` of what the statistics throughput compares: a
-    copy of ``x`` (memory speed), the GEMM rule's statistics
-    (``log=False``), the cast rule's (``log=True``) and ``max_abs``."""
-    return [
-        ('copy', lambda: x.copy()),
-        ('tensor_statistics(log=False)',
-         lambda: statistics.tensor_statistics(x, log=False)),
-        ('tensor_statistics(log=True)',
-         lambda: statistics.tensor_statistics(x, log=True)),
-        ('max_abs', lambda: statistics.max_abs(x)),
-    ]

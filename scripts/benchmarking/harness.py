@@ -1,0 +1,246 @@
+"""The one timing loop, the peak-memory rounds and the hook's timer.
+
+Framework-neutral: a *variant* is any object with a ``label`` and a
+``step()`` (one training iteration, synchronised with its device), and
+optionally ``prepare()`` (untimed, before each step: clearing gradients)
+and ``skips`` (steps skipped so far). Chainer's variants are in
+:mod:`benchmarking.chainer_variants`; another framework adds its own.
+
+.. admonition:: Example
+
+    >>> class Busy(object):
+    ...     def __init__(self, label):
+    ...         self.label = label
+    ...     def step(self):
+    ...         sum(range(1000))
+    >>> samples = time_alternately([Busy("a"), Busy("b")], rounds=3)
+    >>> [len(s) for s in samples.values()]
+    [3, 3]
+"""
+
+import collections
+import dataclasses
+import statistics
+import time
+import tracemalloc
+
+__all__ = ['Sample', 'time_alternately', 'peak_memory', 'HostPeak',
+           'CupyPeak', 'SectionTimes', 'ratios', 'amortised', 'quartiles',
+           'BlasThreads', 'MAX_ROUNDS']
+
+#: Rounds a ``budget`` may add up to.
+MAX_ROUNDS = 200
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample(object):
+    """One timed step: wall seconds and CPU seconds of this process."""
+
+    wall: float
+    cpu: float
+
+
+def _prepare(variant):
+    prepare = getattr(variant, 'prepare', None)
+    if prepare is not None:
+        prepare()
+
+
+def time_alternately(variants, rounds, budget=0.0, warm_up=True, log=None):
+    """Times one step of every variant per round, alternated.
+
+    Every variant runs once per round, in forward order in even rounds and
+    reversed in odd ones, so that each sees the same machine load and none
+    gains from following a particular other. Wall time
+    (``time.perf_counter``) and this process's CPU time
+    (``time.process_time``) are both taken; on a shared machine the CPU
+    time is the steadier.
+
+    Args:
+        variants (list): Objects with ``label`` and ``step()``.
+        rounds (int): Timed rounds, at least.
+        budget (float): More rounds while they fit in this many seconds,
+            estimated from the warm-up round (at most :data:`MAX_ROUNDS`).
+        warm_up (bool): One untimed round first (allocations, caches, a
+            hook's first refresh).
+        log (callable): Gets a progress line per round.
+
+    Returns:
+        dict: label -> list of :class:`Sample`, one per round.
+
+    """
+    samples = {v.label: [] for v in variants}
+    if warm_up:
+        start = time.perf_counter()
+        for v in variants:
+            _prepare(v)
+            v.step()
+        seconds = time.perf_counter() - start
+        if budget > 0 and seconds > 0:
+            rounds = max(rounds, min(int(budget / seconds), MAX_ROUNDS))
+    for r in range(rounds):
+        for v in (variants if r % 2 == 0 else variants[::-1]):
+            _prepare(v)
+            wall, cpu = time.perf_counter(), time.process_time()
+            v.step()
+            samples[v.label].append(Sample(time.perf_counter() - wall,
+                                           time.process_time() - cpu))
+        if log is not None:
+            log('    round {}/{}'.format(r + 1, rounds))
+    return samples
+
+
+def peak_memory(variants, tracker, rounds):
+    """Median over ``rounds`` of each variant's peak bytes during a step,
+    less the bytes held before it (no timing is taken: tracing is slow).
+
+    Returns:
+        dict: label -> median peak bytes.
+
+    """
+    peaks = {v.label: [] for v in variants}
+    with tracker:
+        for v in variants:  # what was allocated before tracing is untracked
+            v.step()
+        for _ in range(rounds):
+            for v in variants:
+                _prepare(v)
+                before = tracker.reset()
+                v.step()
+                peaks[v.label].append(tracker.peak() - before)
+    return {label: statistics.median(p) for label, p in peaks.items()}
+
+
+class HostPeak(object):
+
+    """Peak traced bytes (Python objects and NumPy arrays) via tracemalloc."""
+
+    def __enter__(self):
+        tracemalloc.start()
+        return self
+
+    def __exit__(self, *args):
+        tracemalloc.stop()
+
+    def reset(self):
+        tracemalloc.reset_peak()
+        return tracemalloc.get_traced_memory()[0]
+
+    def peak(self):
+        return tracemalloc.get_traced_memory()[1]
+
+
+class CupyPeak(object):
+
+    """Peak bytes held from CuPy's memory pool (its allocations, not the
+    pool's cached blocks) between :meth:`reset` and :meth:`peak`."""
+
+    def __init__(self):
+        import cupy
+
+        class Hook(cupy.cuda.MemoryHook):
+            name = 'BenchmarkPeak'
+
+            def __init__(self):
+                self.current = self.high = 0
+
+            # CuPy passes keyword arguments; mem_size is the pool block.
+            def malloc_postprocess(self, **kwargs):
+                self.current += kwargs['mem_size']
+                self.high = max(self.high, self.current)
+
+            def free_postprocess(self, **kwargs):
+                self.current -= kwargs['mem_size']
+
+        self.hook = Hook()
+
+    def __enter__(self):
+        self.hook.__enter__()
+        return self
+
+    def __exit__(self, *args):
+        self.hook.__exit__(*args)
+
+    def reset(self):
+        self.hook.high = self.hook.current
+        return self.hook.current
+
+    def peak(self):
+        return self.hook.high
+
+
+class SectionTimes(object):
+
+    """Seconds and calls per section: the timer a hook's timing points fill
+    (``GradientScaling.time_with``; any object with ``add`` will do).
+
+    Args:
+        clock (callable): What the hook reads the time with.
+
+    """
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.seconds = collections.Counter()
+        self.calls = collections.Counter()
+
+    def add(self, section, seconds):
+        self.seconds[section] += seconds
+        self.calls[section] += 1
+
+
+def ratios(series, baseline, clock='cpu'):
+    """Per-round ratios of two lists of :class:`Sample` taken in the same
+    rounds (load that drifts between rounds cancels)."""
+    return [getattr(a, clock) / getattr(b, clock)
+            for a, b in zip(series, baseline)]
+
+
+def amortised(refresh, cached, k):
+    """Per round, a refresh every ``k`` steps: ``(t_refresh + (k - 1)
+    t_cached) / k`` from the timed refresh and cached passes."""
+    return [Sample((r.wall + (k - 1) * c.wall) / k,
+                   (r.cpu + (k - 1) * c.cpu) / k)
+            for r, c in zip(refresh, cached)]
+
+
+def quartiles(values):
+    """(first, third) quartile: the spread of a ratio over the rounds."""
+    values = list(values)
+    if len(values) < 2:
+        return values[0], values[0]
+    q = statistics.quantiles(values, n=4, method='inclusive')
+    return q[0], q[2]
+
+
+class BlasThreads(object):
+
+    """Limits BLAS to ``n`` threads (threadpoolctl) inside a ``with``;
+    ``n`` 0 leaves the library default. :attr:`description` says which.
+
+    Restored on exit: a caller that goes on in the same process (a test)
+    must get its thread count back, since it changes float results.
+    """
+
+    def __init__(self, n):
+        self.n = n
+        self.limiter = None
+        self.description = 'library default'
+
+    def __enter__(self):
+        if self.n:
+            try:
+                import threadpoolctl
+            except ImportError:
+                self.description = ('library default (threadpoolctl is not '
+                                    'installed)')
+                return self
+            self.limiter = threadpoolctl.threadpool_limits(
+                limits=self.n, user_api='blas')
+            self.description = '{} (threadpoolctl)'.format(self.n)
+        return self
+
+    def __exit__(self, *args):
+        if self.limiter is not None:
+            self.limiter.restore_original_limits()
+            self.limiter = None

@@ -1,0 +1,330 @@
+"""The benchmarks' results: one dataclass per table row, and their builders.
+
+Each field that is a column says so (:func:`column`: its header and
+format); :func:`benchmarking.report.markdown_table` renders any list of
+them, and a row class's docstring is its table's paragraph in the report. The builders take the samples of :func:`benchmarking.harness.
+time_alternately`, keyed by the variant labels below, whichever framework
+ran them.
+"""
+
+import dataclasses
+import statistics
+
+from benchmarking.harness import amortised
+from benchmarking.harness import quartiles
+from benchmarking.harness import ratios
+
+__all__ = ['column', 'IterationRow', 'NodeCostRow', 'PredictionRow',
+           'AttributionRow', 'SimulationRow', 'TargetRow', 'KernelRow',
+           'iteration_rows', 'node_cost_row', 'predicted_ratio',
+           'prediction_rows',
+           'attribution_row', 'ratio_rows', 'target_rows', 'SECTIONS',
+           'TARGETS']
+
+# The labels of the training-iteration variants. NONE_COPY is the A/A
+# control: `none` again on a second copy of the model (its ratio to `none`
+# is that case's noise floor); CHECK: no scaling plus the one fused
+# finiteness check every method that can skip a step needs.
+NONE, NONE_COPY, CHECK, DYNAMIC = ('none', 'none (2nd copy)', 'none+check',
+                                   'dynamic')
+REFRESH, CACHED = 'gs-refresh', 'gs-cached'
+# The framework-bound targets: the GS variants on one copy of the model,
+# against a plain step with the same check (and that step again, the A/A).
+PLAIN_CHECK, PLAIN_CHECK_AA = 'plain+check', 'plain+check (A/A)'
+TARGETS = {'gs@1': 1.15, 'gs@100': 1.02}
+#: The sections of GS's own work per pass (the hook's timing points).
+SECTIONS = ('dispatch', 'scale choice', 'rescaling', 'branches', 'traces',
+            'measurement', 'finiteness check')
+
+
+def column(header, fmt='{}'):
+    """A field shown as a table column, ``fmt.format(value)``."""
+    return dataclasses.field(metadata={'header': header, 'format': fmt})
+
+
+_RATIO, _SECONDS, _SPREAD = '{:.3f}', '{:.4f}', '{0[0]:.3f}-{0[1]:.3f}'
+
+
+@dataclasses.dataclass
+class IterationRow(object):
+    """Forward + backward + update (`training.train_step`, what
+    `ScalingUpdater.update_core` runs), each variant on its own copy of the
+    model, alternated in one process. Times: medians over the rounds;
+    ratios: medians over the rounds of the ratio to `none` in the same round
+    (CPU / dynamic divides two such medians; the last column is their spread
+    over the rounds: noise). `none (2nd copy)` is the A/A control, `none`
+    again on a second copy of the model: how far from 1 its ratio lands is
+    the noise floor of that case. `gs@k` is amortised from timed refresh and
+    cached passes, `(t_refresh + (k - 1) t_cached) / k`. Peak: what an
+    iteration allocates on top of the model and optimizer state
+    (tracemalloc, or CuPy's pool with --gpu)."""
+
+    model: str = column('model')
+    input: str = column('input (mode, batch x size)')
+    precision: str = column('precision')
+    variant: str = column('variant')
+    wall: float = column('wall (s)', _SECONDS)
+    cpu: float = column('CPU (s)', _SECONDS)
+    wall_ratio: float = column('wall / none', _RATIO)
+    cpu_ratio: float = column('CPU / none', _RATIO)
+    cpu_to_dynamic: float = column('CPU / dynamic', _RATIO)
+    peak_mb: float = column('peak (MB)', '{:.1f}')
+    peak_ratio: float = column('peak / none', _RATIO)
+    skips: int = column('skips')
+    spread: tuple = column('CPU / none, quartiles', _SPREAD)
+
+
+@dataclasses.dataclass
+class NodeCostRow(object):
+    """The hook adds host-side work per backward function node; the device
+    only speeds up the arithmetic. Added CPU time per node against a plain
+    backward with the one fused finiteness check every skipping method needs
+    (`none+check`), in the same round (median over the rounds), for cached
+    and refreshing passes, and the number of nodes one backward visits.
+    Predicted GS@k / Dyn-LS on a device whose Dyn-LS iteration takes T:
+    `1 + nodes (cached + (refresh - cached) / k) / T` (Dyn-LS taken as
+    plain + check). A refresh reads every GEMM's weight and incoming
+    gradient once: its cost grows with those elements (last two columns),
+    not with the nodes."""
+
+    mode: str = column('mode')
+    model: str = column('model')
+    precision: str = column('precision')
+    nodes: int = column('nodes')
+    dynamic_cpu: float = column('Dyn-LS CPU (s)', _SECONDS)
+    cached_us: float = column('cached (us/node)', '{:.1f}')
+    refresh_us: float = column('refresh (us/node)', '{:.1f}')
+    elements_m: float = column('elements read at a refresh (M)', '{:.2f}')
+    refresh_ns: float = column('refresh (ns/element)', '{:.2f}')
+
+
+@dataclasses.dataclass
+class PredictionRow(object):
+    """GS@1 and GS@100 / Dyn-LS predicted for a device iteration time."""
+
+    mode: str = column('mode')
+    model: str = column('model')
+    precision: str = column('precision')
+    device_ms: float = column('T (ms)', '{:.1f}')
+    gs1: float = column('GS@1 / Dyn-LS', _RATIO)
+    gs100: float = column('GS@100 / Dyn-LS', _RATIO)
+
+
+_MS = '{:.2f}'
+
+
+@dataclasses.dataclass
+class AttributionRow(object):
+    """GS's own work per pass (wall time, mean over the `--passes` passes),
+    timed inside the hook by its public timing points
+    (`GradientScaling.time_with`): `dispatch` (the entry at each function
+    node, the backward wrappers without the function's own backward, a
+    pass's start and end, the step's decision), `scale choice` (each site's
+    scale: at a refresh, the statistics; cached, the table lookup),
+    `rescaling` (the power-of-two multiplies), `branches` (scale unification
+    where gradients are summed), `traces` (what a refresh keeps to
+    attribute a failed step), `measurement` (the underflow measured at a
+    refresh) and the `finiteness check`, which Dyn-LS and `none+check` pay
+    too. "hook / none": 1 + the hook's work (all but the check) over the
+    median iteration time of no scaling in the same rounds. A refresh every
+    k iterations costs `(refresh + (k - 1) cached) / k`. Each timed call
+    costs ~0.3 us, part of it counted (last column: timed calls per
+    pass)."""
+
+    case: str = column('case')
+    precision: str = column('precision')
+    kind: str = column('pass')
+    iteration: float = column('iteration (s)', _SECONDS)
+    dispatch: float = column('dispatch (ms)', _MS)
+    scale_choice: float = column('scale choice (ms)', _MS)
+    rescaling: float = column('rescaling (ms)', _MS)
+    branches: float = column('branches (ms)', _MS)
+    traces: float = column('traces (ms)', _MS)
+    measurement: float = column('measurement (ms)', _MS)
+    check: float = column('finiteness check (ms)', _MS)
+    hook: float = column('hook, total (ms)', _MS)
+    hook_ratio: float = column('hook / none', _SECONDS)
+    with_check_ratio: float = column('(hook + check) / none', _SECONDS)
+    calls: int = column('timed calls')
+
+
+@dataclasses.dataclass
+class SimulationRow(object):
+    """The simulation's own cost: an iteration without scaling
+    (`train_step`, MomentumSGD) under each simulated precision against FP32,
+    on one copy of the model, alternated; `fp32 (again)` is the A/A control.
+    Target: sim-fp16 / fp32 <= 1.5."""
+
+    model: str = column('model')
+    input: str = column('input (batch x size)')
+    variant: str = column('variant')
+    wall: float = column('wall (s)', _SECONDS)
+    cpu: float = column('CPU (s)', _SECONDS)
+    wall_ratio: float = column('wall / fp32', _RATIO)
+    cpu_ratio: float = column('CPU / fp32', _RATIO)
+    spread: tuple = column('CPU / fp32, quartiles', _SPREAD)
+
+
+@dataclasses.dataclass
+class TargetRow(object):
+    """The issue's targets for the framework-bound case: GS by
+    `training.train_step` with a GS scaler (update interval 1 and 100,
+    underflow measurement off unless `+measure`) against a plain step with
+    the same finiteness check (forward, backward, one fused
+    `statistics.finite_flags` over the loss and every gradient,
+    `optimizer.update()`), all on ONE copy of the model (separate copies
+    differ by 1-3% from memory placement), alternated. `plain+check (A/A)`
+    is the plain step again: the noise floor. "min ratio": the variant's
+    minimum over the rounds over the plain step's; "median ratio": the
+    median of the per-round ratios. `met` compares the CPU min ratio (wall
+    with --gpu) with the target. GS@100's timed rounds are cached passes
+    (its refresh falls in the warm-up round)."""
+
+    model: str = column('model')
+    input: str = column('input (batch x size)')
+    precision: str = column('precision')
+    variant: str = column('variant')
+    rounds: int = column('rounds')
+    min_wall: float = column('min wall (s)', _SECONDS)
+    min_cpu: float = column('min CPU (s)', _SECONDS)
+    cpu_min_ratio: float = column('CPU: min ratio', _RATIO)
+    cpu_median_ratio: float = column('CPU: median ratio', _RATIO)
+    wall_min_ratio: float = column('wall: min ratio', _RATIO)
+    wall_median_ratio: float = column('wall: median ratio', _RATIO)
+    target: str = column('target')
+    met: str = column('met')
+
+
+@dataclasses.dataclass
+class KernelRow(object):
+    """Median over alternated rounds on one gradient-like tensor (normal
+    values, 10% zeros); time / copy < 1 means faster than copying the
+    tensor; bandwidth from the least traffic (a copy moves the tensor twice,
+    a statistics pass reads it once); `copy (again)` is the A/A control."""
+
+    operation: str = column('operation')
+    timing: str = column('timed')
+    dtype: str = column('dtype')
+    elements: int = column('elements')
+    ms: float = column('time (ms)', '{:.3f}')
+    gb_per_s: float = column('GB/s (least traffic)', '{:.3g}')
+    time_ratio: float = column('time / copy', _RATIO)
+    bandwidth_ratio: float = column('bandwidth / copy\'s', '{:.3g}')
+
+
+def _cpu(series):
+    return statistics.median(t.cpu for t in series)
+
+
+def iteration_rows(model, shape, precision, samples, peaks, skips,
+                   intervals):
+    """The variant table's rows of one case; ``gs@k`` amortised from the
+    timed refresh and cached passes, with the larger of their peaks."""
+    series = [(label, samples[label], peaks[label], skips[label])
+              for label in (NONE, NONE_COPY, CHECK, DYNAMIC)]
+    for suffix in ('', '+measure'):
+        refresh = REFRESH + suffix
+        cached = CACHED + suffix if CACHED + suffix in samples else CACHED
+        for k in intervals:
+            series.append((
+                'gs@{}{}'.format(k, suffix),
+                amortised(samples[refresh], samples[cached], k),
+                peaks[refresh] if k == 1 else max(peaks[refresh],
+                                                  peaks[cached]),
+                skips[refresh] + (skips[cached] if k > 1 else 0)))
+    none, none_peak = samples[NONE], peaks[NONE]
+    dynamic = statistics.median(ratios(samples[DYNAMIC], none))
+    rows = []
+    for label, runs, peak, skip in series:
+        cpu_ratios = ratios(runs, none)
+        cpu_ratio = statistics.median(cpu_ratios)
+        rows.append(IterationRow(
+            model, shape, precision, label,
+            statistics.median(t.wall for t in runs), _cpu(runs),
+            statistics.median(ratios(runs, none, 'wall')), cpu_ratio,
+            cpu_ratio / dynamic, peak / 1e6,
+            peak / none_peak if none_peak else float('nan'), skip,
+            quartiles(cpu_ratios)))
+    return rows
+
+
+def node_cost_row(mode, model, precision, samples, nodes, elements):
+    """GS's added CPU time per node: a figure that does not depend on the
+    device the arithmetic runs on. A refresh reads every GEMM's weight and
+    incoming gradient once: its cost grows with those ``elements``."""
+    def added(label):
+        return statistics.median((t.cpu - c.cpu) / nodes * 1e6 for t, c in
+                                 zip(samples[label], samples[CHECK]))
+    refresh = added(REFRESH)
+    return NodeCostRow(mode, model, precision, nodes, _cpu(samples[DYNAMIC]),
+                       added(CACHED), refresh, elements / 1e6,
+                       refresh * nodes * 1e3 / max(elements, 1))
+
+
+def predicted_ratio(nodes, cached_us, refresh_us, iteration_seconds, k):
+    """GS@k / Dyn-LS on a device whose Dyn-LS iteration takes
+    ``iteration_seconds``: the hook's host-side work per node does not get
+    faster with the device, the arithmetic does."""
+    per_pass = nodes * (cached_us + (refresh_us - cached_us) / k) * 1e-6
+    return 1 + per_pass / iteration_seconds
+
+
+def prediction_rows(node_rows, device_ms):
+    """GS@1 and GS@100 / Dyn-LS predicted from :class:`NodeCostRow` s for
+    the models in ``device_ms`` (their Dyn-LS iteration on a device)."""
+    return [PredictionRow(r.mode, r.model, r.precision, device_ms[r.model],
+                          *(predicted_ratio(r.nodes, r.cached_us,
+                                            r.refresh_us,
+                                            device_ms[r.model] / 1e3, k)
+                            for k in (1, 100)))
+            for r in node_rows if r.model in device_ms]
+
+
+def attribution_row(case, precision, kind, series, none, times, passes):
+    """A GS variant's sections per pass (``times``: a SectionTimes over
+    ``passes`` passes), against the wall time of no scaling (``none``)
+    in the same rounds."""
+    ms = {s: times.seconds[s] / passes * 1e3 for s in SECTIONS}
+    hook = sum(v for s, v in ms.items() if s != 'finiteness check')
+    none_ms = statistics.median(t.wall for t in none) * 1e3
+    return AttributionRow(
+        case, precision, kind, statistics.median(t.wall for t in series),
+        *(ms[s] for s in SECTIONS), hook, 1 + hook / none_ms,
+        1 + (hook + ms['finiteness check']) / none_ms,
+        round(sum(times.calls.values()) / passes))
+
+
+def ratio_rows(model, shape, samples, baseline):
+    """:class:`SimulationRow` s: every variant against ``baseline``."""
+    rows = []
+    for label, runs in samples.items():
+        cpu_ratios = ratios(runs, samples[baseline])
+        rows.append(SimulationRow(
+            model, shape, label, statistics.median(t.wall for t in runs),
+            _cpu(runs), statistics.median(ratios(runs, samples[baseline],
+                                                 'wall')),
+            statistics.median(cpu_ratios), quartiles(cpu_ratios)))
+    return rows
+
+
+def target_rows(model, shape, precision, samples, clock):
+    """The targets' rows: each variant's minimum over the rounds against
+    :data:`PLAIN_CHECK`'s, and the median of the per-round ratios;
+    ``met`` compares the ratio of minima on ``clock`` with the target."""
+    base = samples[PLAIN_CHECK]
+    rows = []
+    for label, runs in samples.items():
+        def minimum(series, c):
+            return min(getattr(t, c) for t in series)
+        min_ratio = {c: minimum(runs, c) / minimum(base, c)
+                     for c in ('cpu', 'wall')}
+        target = TARGETS.get(label)
+        rows.append(TargetRow(
+            model, shape, precision, label, len(runs),
+            minimum(runs, 'wall'), minimum(runs, 'cpu'), min_ratio['cpu'],
+            statistics.median(ratios(runs, base, 'cpu')), min_ratio['wall'],
+            statistics.median(ratios(runs, base, 'wall')),
+            '-' if target is None else '<= {:.2f}'.format(target),
+            '-' if target is None else
+            ('yes' if min_ratio[clock] <= target else 'no')))
+    return rows
