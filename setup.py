@@ -42,11 +42,12 @@ setup(
     long_description=__doc__,
     license='MIT',
     python_requires='>=3.9',
-    # example_common: what the example scripts share (examples/*/train*.py
-    # import it as a package, with no sys.path edit).
+    # example_data: the examples' datasets (readers of a user's folders,
+    # generated data); example_common: what the example scripts share
+    # (examples/*/train*.py import both as packages, with no sys.path edit).
     packages=find_packages(include=['gradient_scaling', 'gradient_scaling.*',
                                     'chainer_links', 'chainer_links.*',
-                                    'embedded_datasets', 'embedded_datasets.*',
+                                    'example_data', 'example_data.*',
                                     'example_common', 'example_common.*']),
     install_requires=install_requires,
     extras_require=extras_require,

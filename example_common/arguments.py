@@ -12,9 +12,8 @@ and a file option (``--resume``, ``--pretrained-model``,
 pickle to load -- before any work, nothing written.
 
 Schedule options left at ``None`` take the defaults of the data actually
-used, which is known only after a possible fall-back to the embedded data:
-:func:`apply_defaults` (called by
-:func:`example_common.data.real_or_embedded`).
+used, which is known only once the data are loaded
+(:func:`example_data.real_or_embedded`): :func:`apply_defaults`.
 
 >>> parser = arguments.make_parser(__doc__)
 >>> arguments.add_dataset(parser, [('camvid', 'CamVid')])

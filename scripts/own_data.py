@@ -30,7 +30,6 @@ own data"), from data that installs offline.
 """
 
 import argparse
-import gzip
 import io
 import os
 import xml.etree.ElementTree as ET
@@ -39,9 +38,11 @@ import zipfile
 import numpy as np
 from PIL import Image
 
+from example_data.fashion_mnist import FASHION_MNIST_DIR
+from example_data.fashion_mnist import FashionMNISTDataset
+
 TRAIN_COLUMNS = 384
 STRIDES = {128: 64, 256: 32}
-FASHION_MNIST_DIR = '/usr/share/datasets/fashion-mnist'
 FASHION_NAMES = ('t-shirt', 'trouser', 'pullover', 'dress', 'coat',
                  'sandal', 'shirt', 'sneaker', 'bag', 'ankle-boot')
 
@@ -141,18 +142,10 @@ def build_nuclei(wheel, out, tile=128):
               n_boxes['train'], n_boxes['val'], masks))
 
 
-def read_idx(path):
-    with gzip.open(path, 'rb') as f:
-        data = f.read()
-    ndim = data[3]
-    shape = [int.from_bytes(data[4 + 4 * i:8 + 4 * i], 'big')
-             for i in range(ndim)]
-    return np.frombuffer(data, np.uint8, offset=4 + 4 * ndim).reshape(shape)
-
-
 def build_fashion(source, out, per_class):
-    images = read_idx(os.path.join(source, 'train-images-idx3-ubyte.gz'))
-    labels = read_idx(os.path.join(source, 'train-labels-idx1-ubyte.gz'))
+    # The 28x28 uint8 images and labels of the training files, checked.
+    train = FashionMNISTDataset(source, 'train')
+    images, labels = train.images, train.labels
     root = os.path.join(out, 'fashion-folders')
     for label, name in enumerate(FASHION_NAMES):
         os.makedirs(os.path.join(root, name), exist_ok=True)

@@ -31,8 +31,8 @@ from chainer_links import ResNet56
 from chainer_links import SmallCNN
 from chainer_links import SmallSSD
 from chainer_links import SmallSSDExtractor
-from embedded_datasets import ShapesClassificationDataset
-from embedded_datasets import ShapesDetectionDataset
+from example_data import ShapesClassificationDataset
+from example_data import ShapesDetectionDataset
 
 from helpers import load_example
 

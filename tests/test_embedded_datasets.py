@@ -16,15 +16,15 @@ from chainercv.utils.testing.assertions import assert_is_label_dataset
 from chainercv.utils.testing.assertions import \
     assert_is_semantic_segmentation_dataset
 
-from embedded_datasets import class_weights
-from embedded_datasets import shapes_classification_label_names
-from embedded_datasets import shapes_label_names
-from embedded_datasets import shapes_segmentation_label_names
-from embedded_datasets import ShapesClassificationDataset
-from embedded_datasets import ShapesDetectionDataset
-from embedded_datasets import ShapesSegmentationDataset
-from embedded_datasets.detection import mask_bbox
-from embedded_datasets.detection import shape_mask
+from example_data import class_weights
+from example_data import shapes_classification_label_names
+from example_data import shapes_label_names
+from example_data import shapes_segmentation_label_names
+from example_data import ShapesClassificationDataset
+from example_data import ShapesDetectionDataset
+from example_data import ShapesSegmentationDataset
+from example_data.shapes import mask_bbox
+from example_data.shapes import shape_mask
 
 dataset_classes = (ShapesDetectionDataset, ShapesSegmentationDataset,
                    ShapesClassificationDataset)

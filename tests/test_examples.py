@@ -22,9 +22,10 @@ import numpy as np
 from PIL import Image
 import pytest
 
-from embedded_datasets import ShapesDetectionDataset
-from embedded_datasets import ShapesSegmentationDataset
 from example_common.errors import DatasetError
+from example_data import FashionMNISTDataset
+from example_data import ShapesDetectionDataset
+from example_data import ShapesSegmentationDataset
 from gradient_scaling.chainer import files
 from gradient_scaling.chainer.scalers import SCALING_MODES
 
@@ -482,7 +483,7 @@ def write_fashion_mnist(root, n_train=8, n_test=4):
 def test_cifar_fashion_mnist_layout(tmp_path):
     write_fashion_mnist(str(tmp_path / 'fm'))
     cifar = load_example('cifar/train.py')
-    dataset = cifar.FashionMNISTDataset(str(tmp_path / 'fm'), 'train')
+    dataset = FashionMNISTDataset(str(tmp_path / 'fm'), 'train')
     img, label = dataset[3]
     assert img.shape == (3, 32, 32) and img.dtype == np.float32
     assert label == 3

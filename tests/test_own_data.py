@@ -26,11 +26,11 @@ import pytest
 from chainercv.utils import bbox_iou
 
 from chainer_links import SmallSSD
-from embedded_datasets.detection import generate_scene
 from example_common.errors import DatasetError
-from example_common import dataset_files
-from example_common import fitting
-from example_common.voc_format import VOCFormatBboxDataset
+from example_data import files
+from example_data import fitting
+from example_data.shapes import generate_scene
+from example_data.voc import VOCFormatBboxDataset
 
 from helpers import EXAMPLES
 from helpers import last
@@ -197,7 +197,7 @@ def test_segnet_learns_from_binary_mask_folders(tmp_path, capsys):
 
 
 def test_mask_values_classes_names_and_ignore(tmp_path):
-    from example_common.mask_folders import load_mask_folders
+    from example_data.mask_folders import load_mask_folders
     write_mask_folders(tmp_path / 'multi', binary=False, splits=(('', 10),))
     # No split folders: every fifth pair held out.
     train, test, names = load_mask_folders(str(tmp_path / 'multi'),
@@ -349,7 +349,7 @@ def test_oversized_image_refused_before_decoding(width, tmp_path):
     huge_png(path, width, width)  # 1e10 pixels; 8.1e7 (> 2**26, < PIL's)
     started = time.time()
     with pytest.raises(DatasetError, match='huge.png') as error:
-        dataset_files.decode_image(path)
+        files.decode_image(path)
     assert time.time() - started < 1
     assert '\n' not in str(error.value)
     assert 'pixels' in str(error.value)
@@ -398,25 +398,25 @@ def test_entity_attacks_refused_in_bounded_time_and_memory(document,
 def test_oversized_annotation_refused(tmp_path, monkeypatch):
     path = tmp_path / 'a.xml'
     path.write_text('<annotation>' + ' ' * 2000 + '</annotation>')
-    monkeypatch.setattr(dataset_files, 'MAX_XML_BYTES', 1000)
+    monkeypatch.setattr(files, 'MAX_XML_BYTES', 1000)
     with pytest.raises(DatasetError, match='more than the 1000 allowed'):
-        dataset_files.parse_xml(str(path))
+        files.parse_xml(str(path))
 
 
 def test_progress_on_large_sets_plain_lines(monkeypatch):
     import io
     fast = io.StringIO()
-    dataset_files.check_all(range(400), lambda i: i, 'numbers', out=fast)
+    files.check_all(range(400), lambda i: i, 'numbers', out=fast)
     assert fast.getvalue() == ''  # done before PROGRESS_AFTER_S
-    monkeypatch.setattr(dataset_files, 'PROGRESS_AFTER_S', 0)
+    monkeypatch.setattr(files, 'PROGRESS_AFTER_S', 0)
     out = io.StringIO()
-    dataset_files.check_all(range(400), lambda i: i, 'numbers', out=out)
+    files.check_all(range(400), lambda i: i, 'numbers', out=out)
     lines = out.getvalue().splitlines()
     assert [ln.split(': ')[1].split(' files')[0] for ln in lines] == [
         '100/400', '200/400', '300/400', '400/400']
     assert '\r' not in out.getvalue() and '\x1b' not in out.getvalue()
     quiet = io.StringIO()
-    dataset_files.check_all(range(10), lambda i: i, 'few', out=quiet)
+    files.check_all(range(10), lambda i: i, 'few', out=quiet)
     assert quiet.getvalue() == ''
 
 
@@ -463,8 +463,8 @@ def test_own_data_script_builds_folders_the_examples_read(tmp_path):
     import zipfile
     from helpers import load_script
     from test_examples import write_fashion_mnist
-    from example_common.class_folders import load_class_folders
-    from example_common.mask_folders import load_mask_folders
+    from example_data.class_folders import load_class_folders
+    from example_data.mask_folders import load_mask_folders
     rng = np.random.default_rng(3)
     img = rng.integers(0, 40, (512, 512)).astype(np.uint16)
     labels = np.zeros((512, 512), np.uint16)

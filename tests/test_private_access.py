@@ -16,7 +16,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: The project's own Python code, scanned recursively.
-SCANNED = ('gradient_scaling', 'example_common', 'embedded_datasets',
+SCANNED = ('gradient_scaling', 'example_common', 'example_data',
            'chainer_links', 'examples', 'scripts', 'tests', 'tools')
 ALLOWED = {os.path.join('gradient_scaling', 'chainer', '_internals.py'),
            os.path.join('gradient_scaling', 'torch', '_internals.py'),

@@ -28,9 +28,7 @@ simulated (``--precision sim-fp16``) unless ``--precision`` says otherwise
 
 import gradient_scaling  # NOQA: restores what Chainer needs, first
 
-import gzip
 import math
-import os
 
 import numpy as np
 
@@ -43,19 +41,18 @@ from chainer.training import triggers
 
 from chainercv import transforms
 
-from gradient_scaling.chainer import files
 from gradient_scaling.chainer import training as gs_training
 
 import chainer_links
 from chainer_links import ClassifierTrainChain
-from embedded_datasets import ShapesClassificationDataset
 from example_common import arguments
-from example_common import data
-from example_common.errors import DatasetError
-from example_common.errors import DatasetNotFound
 from example_common.errors import run_main
 from example_common import reports
 from example_common import snapshots
+from example_data import chainer as chainer_data
+from example_data import fashion_mnist
+from example_data import real_or_embedded
+from example_data import ShapesClassificationDataset
 
 EMBEDDED_DEFAULTS = {'iteration': 300, 'batchsize': 32, 'lr': 0.1,
                      'eval_interval': 100}
@@ -66,72 +63,6 @@ LR_STEPS = (0.5, 0.75)
 ARCHS = {'resnet20': chainer_links.ResNet20,
          'resnet32': chainer_links.ResNet32,
          'resnet56': chainer_links.ResNet56}
-FASHION_MNIST_DIR = '/usr/share/datasets/fashion-mnist'
-FASHION_MNIST_FILES = {
-    'train': ('train-images-idx3-ubyte.gz', 'train-labels-idx1-ubyte.gz'),
-    'test': ('t10k-images-idx3-ubyte.gz', 't10k-labels-idx1-ubyte.gz')}
-fashion_mnist_label_names = (
-    'T-shirt/top', 'Trouser', 'Pullover', 'Dress', 'Coat', 'Sandal',
-    'Shirt', 'Sneaker', 'Bag', 'Ankle boot')
-cifar10_label_names = ('airplane', 'automobile', 'bird', 'cat', 'deer',
-                       'dog', 'frog', 'horse', 'ship', 'truck')
-
-
-def read_idx(path, magic, ndim):
-    """An IDX file (MNIST's format, gzipped) as a uint8 array."""
-    try:
-        with gzip.open(path, 'rb') as f:
-            data = f.read()
-    except OSError as e:
-        raise DatasetError('cannot read {}: {}'.format(path, e))
-    header = 4 + 4 * ndim
-    if len(data) < header or int.from_bytes(data[:4], 'big') != magic:
-        raise DatasetError('{} is not an IDX file of {} dimension(s) (magic '
-                           'number {} expected)'.format(path, ndim, magic))
-    shape = tuple(int.from_bytes(data[4 + 4 * i:8 + 4 * i], 'big')
-                  for i in range(ndim))
-    if len(data) != header + int(np.prod(shape)):
-        raise DatasetError('{}: {} bytes of data, the header says {}'.format(
-            path, len(data) - header, shape))
-    return np.frombuffer(data, dtype=np.uint8, offset=header).reshape(shape)
-
-
-class FashionMNISTDataset(chainer.dataset.DatasetMixin):
-
-    """Fashion-MNIST as 32x32 RGB images, from the Debian package's files.
-
-    ``img`` is float32 (3, 32, 32) in [0, 255]: the 28x28 grey image padded
-    by 2 pixels of black and replicated to three channels, so CIFAR models
-    take it unchanged; ``label`` is int32.
-
-    Args:
-        data_dir (str): Directory with the four ``*-ubyte.gz`` files.
-        split ({'train', 'test'}): 60000 or 10000 images.
-
-    Raises:
-        DatasetError: naming the file, if one is missing or malformed.
-    """
-
-    label_names = fashion_mnist_label_names
-
-    def __init__(self, data_dir, split):
-        image_file, label_file = FASHION_MNIST_FILES[split]
-        self.images = read_idx(os.path.join(data_dir, image_file), 2051, 3)
-        self.labels = read_idx(os.path.join(data_dir, label_file), 2049, 1)
-        if len(self.images) != len(self.labels):
-            raise DatasetError('{} has {} images, {} has {} labels'.format(
-                image_file, len(self.images), label_file, len(self.labels)))
-        if self.labels.max(initial=0) >= len(self.label_names):
-            raise DatasetError('{}: labels must be < {}'.format(
-                label_file, len(self.label_names)))
-
-    def __len__(self):
-        return len(self.images)
-
-    def get_example(self, i):
-        img = np.pad(self.images[i], 2).astype(np.float32)
-        return (np.broadcast_to(img, (3, 32, 32)).copy(),
-                np.int32(self.labels[i]))
 
 
 class PadCropFlip(object):
@@ -176,7 +107,8 @@ def parse_args(argv=None):
                         help='fashion-mnist: the directory of the *-ubyte.gz '
                         'files (default: {}); cifar10: the directory of '
                         'cifar-10.npz (default: $CHAINER_DATASET_ROOT/pfnet/'
-                        'chainer/cifar)'.format(FASHION_MNIST_DIR))
+                        'chainer/cifar)'.format(
+                            fashion_mnist.FASHION_MNIST_DIR))
     parser.add_argument('--arch', choices=sorted(ARCHS), default='resnet20')
     arguments.add_embedded_size(parser, 2000, 500)
     parser.add_argument('--batchsize', type=int, default=None)
@@ -195,48 +127,21 @@ def parse_args(argv=None):
 
 
 def load_fashion_mnist(args):
-    data_dir = args.data_dir or FASHION_MNIST_DIR
-    if not os.path.isdir(data_dir):
-        raise DatasetNotFound(
-            'Fashion-MNIST not found: {} is not a directory (install the '
-            'Debian package dataset-fashion-mnist)'.format(data_dir))
-    return (FashionMNISTDataset(data_dir, 'train'),
-            FashionMNISTDataset(data_dir, 'test'), fashion_mnist_label_names)
+    return fashion_mnist.load_fashion_mnist(args.data_dir)
 
 
 def load_cifar10(args):
-    chainer_cache = os.path.join(chainer.dataset.get_dataset_root(),
-                                 'pfnet', 'chainer', 'cifar')
-    path = os.path.join(args.data_dir or chainer_cache, 'cifar-10.npz')
-    if not os.path.isfile(path):
-        raise DatasetNotFound('CIFAR-10 not found: {} does not exist '
-                              '(nothing is downloaded)'.format(path))
-    train, test = read_cifar10(path)
-    return train, test, cifar10_label_names
+    return chainer_data.load_cifar10(args.data_dir)
 
 
 def load_datasets(args):
     """(train, test, label_names): Fashion-MNIST, CIFAR-10 or the
     embedded shapes; the schedule follows the data used."""
-    return data.real_or_embedded(
+    datasets = real_or_embedded(
         args, {'fashion-mnist': load_fashion_mnist, 'cifar10': load_cifar10},
-        ShapesClassificationDataset, (EMBEDDED_DEFAULTS, REAL_DEFAULTS))
-
-
-def read_cifar10(path):
-    """A cifar-10.npz as Chainer caches it (``train_x`` uint8 (N, 3072),
-    ``train_y``, ``test_x``, ``test_y``), as images in [0, 255]; read with
-    pickle disabled."""
-    try:
-        npz = files.read_npz(path)
-        return tuple(chainer.datasets.TupleDataset(
-            npz[x].reshape(-1, 3, 32, 32).astype(np.float32),
-            npz[y].astype(np.int32))
-            for x, y in (('train_x', 'train_y'), ('test_x', 'test_y')))
-    except files.FileError as e:
-        raise DatasetError(str(e))
-    except (ValueError, KeyError) as e:
-        raise DatasetError('cannot read {}: {}'.format(path, e))
+        ShapesClassificationDataset)
+    arguments.apply_defaults(args, EMBEDDED_DEFAULTS, REAL_DEFAULTS)
+    return datasets
 
 
 def main(argv=None):
@@ -253,8 +158,8 @@ def main(argv=None):
     train = TransformDataset(TransformDataset(train, PadCropFlip()),
                              Subtract(model.mean))
     test = TransformDataset(test, Subtract(model.mean))
-    train_iter, test_iter = data.iterators(train, test, args.batchsize,
-                                           args.loaderjob)
+    train_iter, test_iter = chainer_data.iterators(
+        train, test, args.batchsize, args.loaderjob)
     epoch_length = max(1, math.ceil(len(train) / args.batchsize))
     iteration = args.iteration or args.epoch * epoch_length
     steps = sorted(set(max(1, round(iteration * s)) for s in LR_STEPS))

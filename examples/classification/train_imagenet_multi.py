@@ -44,7 +44,6 @@ import gradient_scaling  # NOQA: restores what Chainer needs, first
 
 import math
 import multiprocessing
-import os
 
 import numpy as np
 
@@ -61,16 +60,16 @@ from gradient_scaling.chainer import training as gs_training
 
 import chainer_links
 from chainer_links import ClassifierTrainChain
-from embedded_datasets import ShapesClassificationDataset
 from example_common import arguments
-from example_common import class_folders
-from example_common import data
-from example_common.errors import DatasetError
-from example_common.errors import DatasetNotFound
 from example_common.errors import run_main
-from example_common import fitting
 from example_common import reports
 from example_common import snapshots
+from example_data import chainer as chainer_data
+from example_data import class_folders
+from example_data import DatasetError
+from example_data import fitting
+from example_data import real_or_embedded
+from example_data import ShapesClassificationDataset
 
 # The embedded run uses a larger lr than the linear scaling rule's 0.0125
 # for its 32 images, and milder crops: its shapes are small.
@@ -82,7 +81,7 @@ IMAGENET_DEFAULTS = {'iteration': None, 'epoch': 90, 'batchsize': 32,
                      'lr': None, 'eval_interval': None, 'insize': 224,
                      'crop_area': (0.08, 1)}
 # A folder of class folders: the embedded schedule, the input size from the
-# images (example_common/fitting.py) and their mean colour.
+# images (example_data/fitting.py) and their mean colour.
 FOLDERS_DEFAULTS = dict(EMBEDDED_DEFAULTS, insize=None)
 # Goyal et al.: 90 epochs, 5 of warmup, x0.1 at 30, 60 and 80.
 GOYAL_EPOCHS = 90
@@ -241,32 +240,15 @@ def create_communicator(args):
     return chainermn.create_communicator(args.communicator)
 
 
-def imagenet_dirs(data_dir):
-    """(train_dir, val_dir); DatasetNotFound when either is absent."""
-    if data_dir is None:
-        raise DatasetNotFound('--dataset imagenet needs --data-dir (a '
-                              'directory with train/ and val/)')
-    dirs = os.path.join(data_dir, 'train'), os.path.join(data_dir, 'val')
-    for d in dirs:
-        if not os.path.isdir(d):
-            raise DatasetNotFound(
-                'ImageNet not found: {} is not a directory (expected one '
-                'sub-directory of images per class)'.format(d))
-    return dirs
-
-
 def load_imagenet(args):
-    return class_folders.load_split_folders(*imagenet_dirs(args.data_dir))
+    return class_folders.load_imagenet(args.data_dir,
+                                       read_image=chainer_data.read_image)
 
 
 def load_folders(args):
     """Class folders under ``--data-dir``, or under its train/ and val/."""
-    if args.data_dir is None:
-        raise DatasetNotFound('--dataset folders needs --data-dir')
-    if all(os.path.isdir(os.path.join(args.data_dir, d))
-           for d in ('train', 'val')):
-        return load_imagenet(args)
-    return class_folders.load_class_folders(args.data_dir)
+    return class_folders.load_folders(args.data_dir,
+                                      read_image=chainer_data.read_image)
 
 
 def load_datasets(args, comm, log):
@@ -280,7 +262,7 @@ def load_datasets(args, comm, log):
     train, val, label_names, error, fitted = None, None, None, None, {}
     if comm is None or comm.rank == 0:
         try:
-            train, val, label_names = data.real_or_embedded(
+            train, val, label_names = real_or_embedded(
                 args, {'imagenet': load_imagenet, 'folders': load_folders},
                 ShapesClassificationDataset,
                 image_size=(EMBEDDED_DEFAULTS['insize'],) * 2)
@@ -380,8 +362,8 @@ def main(argv=None):
 
     train, val, (n_train, n_val) = share_datasets(train, val, model, args,
                                                   comm)
-    train_iter, val_iter = data.iterators(train, val, args.batchsize,
-                                          args.loaderjob, parallel_test=True)
+    train_iter, val_iter = chainer_data.iterators(
+        train, val, args.batchsize, args.loaderjob, parallel_test=True)
     total_batch = args.batchsize * n_process
     lr = args.lr if args.lr is not None else 0.1 * total_batch / 256
     epoch_length = max(1, math.ceil(n_train / total_batch))

@@ -26,7 +26,7 @@ embedded data (generated shapes, 4 classes) uses 32x48 images
 layout (train/ trainannot/ val/ valannot/ test/ testannot/ and the
 {train,val,test}.txt lists); when it is absent the script says so and
 stops.  Folders of images and masks (``--dataset folders``,
-example_common/mask_folders.py) give the class count and weights from their
+example_data/mask_folders.py) give the class count and weights from their
 masks; the model trains on random crops (``--crop-size``, default: the
 largest multiple of 16 every image holds, at most 64 on a CPU) and is
 evaluated on whole images.  mIoU is the mean over the classes present in
@@ -38,8 +38,6 @@ the simulation works: 4).
 
 import gradient_scaling  # NOQA: restores what Chainer needs, first
 
-import os
-
 import numpy as np
 
 import chainer
@@ -48,31 +46,24 @@ from chainer.datasets import TransformDataset
 from chainer.optimizer_hooks import WeightDecay
 from chainer import training
 
-from chainercv.datasets import camvid_label_names
-from chainercv.datasets import CamVidDataset
+from chainercv.evaluations import calc_semantic_segmentation_confusion
 from chainercv.extensions import SemanticSegmentationEvaluator
 from chainercv.links import SegNetBasic
-
-from gradient_scaling.chainer import files
-from gradient_scaling.chainer import training as gs_training
-
-from embedded_datasets import class_weights
-from embedded_datasets import ShapesSegmentationDataset
-from example_common import arguments
-from chainercv.evaluations import calc_semantic_segmentation_confusion
 from chainercv.utils import apply_to_iterator
 from chainercv import transforms
 
-from embedded_datasets import median_frequency_weights
-from example_common import data
-from example_common.errors import DatasetError
-from example_common.errors import DatasetNotFound
+from gradient_scaling.chainer import training as gs_training
+
+from example_common import arguments
 from example_common.errors import run_main
-from example_common import dataset_files
-from example_common import fitting
-from example_common import mask_folders
 from example_common import reports
 from example_common import snapshots
+from example_data import chainer as chainer_data
+from example_data import fitting
+from example_data import mask_folders
+from example_data import real_or_embedded
+from example_data import ShapesSegmentationDataset
+from example_data import training_class_weights
 
 EMBEDDED_DEFAULTS = {'iteration': 200, 'batchsize': 4, 'lr': 0.1,
                      'eval_interval': 50}
@@ -294,73 +285,25 @@ def parse_args(argv=None):
     return args
 
 
-def camvid_root(data_dir):
-    """CamVid's directory; raises DatasetNotFound (never downloads) if absent.
-    """
-    if data_dir is None:
-        data_dir = os.path.join(chainer.dataset.get_dataset_root(),
-                                'pfnet', 'chainercv', 'camvid')
-    if not os.path.isdir(data_dir):
-        raise DatasetNotFound(
-            'CamVid not found: {} is not a directory (expected ChainerCV\'s '
-            'layout: train.txt, train/, trainannot/, ...)'.format(data_dir))
-    return data_dir
-
-
-def camvid_split(root, split):
-    """CamVidDataset for ``split``, with every listed file checked."""
-    list_path = os.path.join(root, '{}.txt'.format(split))
-    if not os.path.isfile(list_path):
-        raise DatasetError('CamVid split list {} not found'.format(
-            list_path))
-    dataset = CamVidDataset(data_dir=root, split=split)
-    for line, paths in enumerate(dataset.paths, 1):
-        if len(paths) != 2:
-            raise DatasetError(
-                '{}, line {}: expected "<image> <label>", got {!r}'.format(
-                    list_path, line, ' '.join(paths)))
-        for path in paths:
-            if not os.path.isfile(path):
-                raise DatasetError('{} (listed in {}, line {}) not '
-                                   'found'.format(path, list_path, line))
-    if len(dataset) == 0:
-        raise DatasetError('{} lists no images'.format(list_path))
-    dataset_files.check_all(dataset.paths, check_camvid_pair,
-                    'CamVid {} images and labels'.format(split))
-    return dataset
-
-
-def check_camvid_pair(paths):
-    """Decodes a CamVid image and its label map; the labels must be
-    CamVid's 11 classes or 11 (unlabelled), and the sizes agree."""
-    _, label = dataset_files.decode_image_and_mask(paths)
-    label_path = paths[1]
-    if label.max() > len(camvid_label_names):
-        raise DatasetError(
-            'label {} has value {}: CamVid has classes 0 .. {} and 11 for '
-            'unlabelled pixels (your own classes: --dataset folders)'.format(
-                label_path, label.max(), len(camvid_label_names) - 1))
-
-
 def load_camvid(args):
-    root = camvid_root(args.data_dir)
-    return (camvid_split(root, 'train'), camvid_split(root, args.test_split),
-            camvid_label_names)
+    """CamVid's training split and ``--test-split`` (example_data/chainer/
+    camvid.py), every listed file checked."""
+    return chainer_data.load_camvid(args.data_dir, args.test_split)
 
 
 def load_folders(args):
-    """Images and masks of ``--data-dir`` (example_common/mask_folders.py):
+    """Images and masks of ``--data-dir`` (example_data/mask_folders.py):
     classes from the masks, every file checked."""
     return mask_folders.load_mask_folders(
         args.data_dir, args.train_split, args.test_split, args.label_names,
-        args.ignore_label)
+        args.ignore_label, read_image=chainer_data.read_image)
 
 
 def load_datasets(args):
     """(train, test, label_names) of CamVid, a folder or the embedded
     scenes, every file checked; the schedule takes their defaults, and a
     folder's training crops a size that every image holds."""
-    train, test, names = data.real_or_embedded(
+    train, test, names = real_or_embedded(
         args, {'camvid': load_camvid, 'folders': load_folders},
         ShapesSegmentationDataset,
         image_size=tuple(args.embedded_image_size))
@@ -377,31 +320,8 @@ def load_class_weight(args, train, n_class):
     """``--class-weight`` FILE, else median frequency balancing of train
     (from the pixel counts of a folder's file check)."""
     if args.class_weight is None:
-        if hasattr(train, 'class_pixel_counts'):
-            return median_frequency_weights(
-                *train.class_pixel_counts(n_class))
-        labels = train.slice[:, 1] if hasattr(train, 'slice') else (
-            label for _, label in train)
-        # class_weights reads (img, label) pairs; only labels are loaded.
-        return class_weights(((None, label) for label in labels), n_class)
-    path = args.class_weight
-    try:
-        weight = files.load_array(path)  # pickle disabled
-    except files.FileError as e:
-        raise DatasetError('--class-weight {}: {}'.format(path, e.why))
-    if weight.dtype.kind not in 'biuf':
-        raise DatasetError('--class-weight {}: expected numbers, got a {} '
-                           'array'.format(path, weight.dtype))
-    weight = np.asarray(weight, dtype=np.float32)
-    if weight.shape == (n_class + 1,):
-        # Older calc_weight.py files also weight CamVid's unlabelled pixels
-        # (12 values); those are ignored here.
-        weight = weight[:n_class]
-    if weight.shape != (n_class,) or not np.all(np.isfinite(weight)) or \
-            np.any(weight < 0):
-        raise DatasetError('--class-weight {}: expected {} finite weights '
-                           '>= 0, got {}'.format(path, n_class, weight))
-    return weight
+        return training_class_weights(train, n_class)
+    return chainer_data.load_class_weight(args.class_weight, n_class)
 
 
 def build_model(n_class):
@@ -439,8 +359,8 @@ def main(argv=None):
 
     train = TransformDataset(train, RandomCropFlip(args.crop_size)
                              if args.crop_size else random_flip)
-    train_iter, test_iter = data.iterators(train, test, args.batchsize,
-                                           args.loaderjob)
+    train_iter, test_iter = chainer_data.iterators(
+        train, test, args.batchsize, args.loaderjob)
 
     optimizer, scaler = gs_training.setup_optimizer(
         chainer.optimizers.MomentumSGD(lr=args.lr * factor, momentum=0.9),

@@ -21,7 +21,7 @@ Defaults follow the paper and ChainerCV for VOC (lr 1e-3, 120k iterations,
 steps at 80k and 100k, ChainerCV's augmentation, VOC07 test with the 07
 metric); the embedded data uses a small SSD (64x64) and a short schedule;
 voc-format data get defaults fitted to their box sizes
-(example_common/fitting.py): on a CPU the small SSD at the input size where
+(example_data/fitting.py): on a CPU the small SSD at the input size where
 the median box is ~24 pixels (its default boxes follow the input size) and
 a run of about 15 minutes.
 On a CPU, mixed precision is simulated (``--precision sim-fp16``) unless
@@ -33,19 +33,16 @@ import gradient_scaling  # NOQA: restores what Chainer needs, first
 
 import argparse
 import copy
-import os
 
 import numpy as np
 
 import chainer
-from chainer.datasets import ConcatenatedDataset
 from chainer.datasets import TransformDataset
 from chainer.optimizer_hooks import WeightDecay
 from chainer import training
 from chainer.training import extensions
 from chainer.training import triggers
 
-from chainercv.datasets import voc_bbox_label_names
 from chainercv.extensions import DetectionVOCEvaluator
 # ChainerCV's GradientScaling is an optimizer hook that multiplies a
 # gradient by a constant (here: the bias learning rate x2), nothing to do
@@ -64,17 +61,15 @@ from gradient_scaling.chainer import training as gs_training
 
 from chainer_links import mixed_precision_ssd
 from chainer_links import SmallSSD
-from embedded_datasets import ShapesDetectionDataset
 from example_common import arguments
-from example_common import data
-from example_common.errors import DatasetError
 from example_common.errors import run_main
-from example_common import fitting
 from example_common import reports
 from example_common import snapshots
-from example_common.voc_format import read_label_names
-from example_common.voc_format import voc_root
-from example_common.voc_format import VOCFormatBboxDataset
+from example_data import chainer as chainer_data
+from example_data import fitting
+from example_data import real_or_embedded
+from example_data import ShapesDetectionDataset
+from example_data import voc
 
 # A short schedule on which the small SSD reaches mAP ~0.75 in a few CPU
 # minutes (measured); lr 1e-3 (the paper's, for VOC) learns too slowly here.
@@ -227,31 +222,22 @@ def input_size(text):
 
 def load_voc(args):
     """VOC07+12 trainval and VOC07 test, with ChainerCV's label names."""
-    roots = [voc_root(args.data_dir, '2007'), voc_root(args.data_dir, '2012')]
-    train = ConcatenatedDataset(*[
-        VOCFormatBboxDataset(root, args.train_split) for root in roots])
-    test = VOCFormatBboxDataset(roots[0], args.test_split,
-                                use_difficult=True, return_difficult=True)
-    return train, test, voc_bbox_label_names
+    return chainer_data.load_voc(args.data_dir, args.train_split,
+                                 args.test_split)
 
 
 def load_voc_format(args):
     """A VOC-layout directory with the label names of ``--label-names``."""
-    if not os.path.isdir(args.data_dir):
-        raise DatasetError('--data-dir {} is not a directory'.format(
-            args.data_dir))
-    names = read_label_names(args.label_names)
-    train = VOCFormatBboxDataset(args.data_dir, args.train_split, names)
-    test = VOCFormatBboxDataset(args.data_dir, args.test_split, names,
-                                use_difficult=True, return_difficult=True)
-    return train, test, names
+    return voc.load_voc_format(args.data_dir, args.label_names,
+                               args.train_split, args.test_split,
+                               read_image=chainer_data.read_image)
 
 
 def load_datasets(args):
     """(train, test, label_names): VOC, a VOC-layout directory or the
     embedded shapes, every file checked; then the schedule and model
     defaults of the data used (:func:`apply_defaults`)."""
-    datasets = data.real_or_embedded(
+    datasets = real_or_embedded(
         args, {'voc': load_voc, 'voc-format': load_voc_format},
         ShapesDetectionDataset)
     apply_defaults(args, datasets[0])
@@ -317,8 +303,8 @@ def main(argv=None):
 
     train = TransformDataset(
         train, Transform(model.coder, model.insize, model.mean))
-    train_iter, test_iter = data.iterators(train, test, args.batchsize,
-                                           args.loaderjob)
+    train_iter, test_iter = chainer_data.iterators(
+        train, test, args.batchsize, args.loaderjob)
 
     optimizer, scaler = gs_training.setup_optimizer(
         chainer.optimizers.MomentumSGD(), train_chain, config)

@@ -44,7 +44,7 @@ def ssd_examples(model, size, n_images):
     resized to ``size``, minus the model's mean, boxes encoded by its
     coder; a list of ``(img, locs, labels)``."""
     from chainercv import transforms
-    from embedded_datasets import ShapesDetectionDataset
+    from example_data import ShapesDetectionDataset
     examples = []
     for img, bbox, label in ShapesDetectionDataset('train', size=n_images):
         _, h, w = img.shape

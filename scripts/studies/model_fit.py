@@ -144,7 +144,7 @@ def ssd300_case():
 
 def segnet_case():
     from chainercv.links import SegNetBasic
-    from embedded_datasets import ShapesSegmentationDataset
+    from example_data import ShapesSegmentationDataset
     data = ShapesSegmentationDataset('train', size=2)
     x, t = [np.stack(a) for a in zip(*[data[i] for i in range(2)])]
     x = (x - 128.0) / 64.0
@@ -160,7 +160,7 @@ def segnet_case():
 
 def resnet18_case():
     from chainer_links import ResNet18
-    from embedded_datasets import ShapesClassificationDataset
+    from example_data import ShapesClassificationDataset
     data = ShapesClassificationDataset('train', size=16)
     x, t = [np.stack(a) for a in zip(*[data[i] for i in range(16)])]
     x = (x - 128.0) / 64.0

@@ -23,8 +23,8 @@ import chainer.functions as F
 
 from chainercv.links import SegNetBasic
 
-from embedded_datasets import class_weights
-from embedded_datasets import ShapesSegmentationDataset
+from example_data import class_weights
+from example_data import ShapesSegmentationDataset
 from gradient_scaling import measured_underflow_rate
 from gradient_scaling.chainer.simulation import LowPrecisionSimulation
 from gradient_scaling.core import statistics

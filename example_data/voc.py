@@ -1,65 +1,31 @@
 """Detection datasets in PASCAL VOC's directory layout, any label names.
 
 ``VOCFormatBboxDataset`` reads ``<root>/ImageSets/Main/<split>.txt``,
-``<root>/Annotations/<id>.xml`` and ``<root>/JPEGImages/<id>.jpg`` exactly as
-ChainerCV's ``VOCBboxDataset`` does (same output format), but with the label
-names of your choice, no download, and errors that name the offending file.
-The whole split is checked when the dataset is created: every annotation is
-parsed (no document type declarations: :func:`example_common.dataset_files.parse_xml`)
-and every image decoded once (:func:`example_common.dataset_files.decode_image`),
-so a bad file stops a run before anything is written.  An image may also be
-``<id>.png`` or ``<id>.jpeg``.
+``<root>/Annotations/<id>.xml`` and ``<root>/JPEGImages/<id>.jpg`` exactly
+as ChainerCV's ``VOCBboxDataset`` does (same output format), but with the
+label names of your choice, no download, and errors that name the
+offending file.  The whole split is checked when the dataset is created:
+every annotation is parsed (no document type declarations:
+:func:`example_data.files.parse_xml`) and every image decoded once
+(:func:`example_data.files.decode_image`), so a bad file stops a run
+before anything is written.  An image may also be ``<id>.png`` or
+``<id>.jpeg``.  PASCAL VOC itself, with ChainerCV's label names and
+Chainer's dataset root: :mod:`example_data.chainer.voc`.
 """
-
-import gradient_scaling  # NOQA: restores what Chainer needs, first
 
 import os
 
 import numpy as np
 
-import chainer
-from chainercv.datasets import voc_bbox_label_names
+from example_data._dataset import Dataset
+from example_data.errors import DatasetError
+from example_data import files
+from example_data.files import read_label_names
 
-from example_common.errors import DatasetError
-from example_common.errors import DatasetNotFound
-from example_common import dataset_files
-
-__all__ = ['read_label_names', 'voc_root', 'VOCFormatBboxDataset']
+__all__ = ['VOCFormatBboxDataset', 'load_voc_format']
 
 
-def read_label_names(spec):
-    """Label names from a file (one per line) or a comma-separated list."""
-    if os.path.isfile(spec):
-        with open(spec) as f:
-            names = [line.strip() for line in f if line.strip()]
-    else:
-        names = [name.strip() for name in spec.split(',') if name.strip()]
-    if not names:
-        raise DatasetError('no label names in {!r}'.format(spec))
-    if len(set(names)) != len(names):
-        raise DatasetError('duplicate label names in {!r}'.format(spec))
-    return tuple(names)
-
-
-def voc_root(data_dir, year):
-    """``VOCdevkit/VOC<year>`` under ``data_dir`` or ChainerCV's dataset root.
-
-    Raises DatasetNotFound (never downloads) when it is absent.
-    """
-    if data_dir is None:
-        data_dir = os.path.join(chainer.dataset.get_dataset_root(),
-                                'pfnet', 'chainercv', 'voc')
-    for candidate in (os.path.join(data_dir, 'VOCdevkit', 'VOC' + year),
-                      os.path.join(data_dir, 'VOC' + year)):
-        if os.path.isdir(candidate):
-            return candidate
-    raise DatasetNotFound(
-        'PASCAL VOC {} not found under {} (expected VOCdevkit/VOC{}/ with '
-        'ImageSets/Main, Annotations, JPEGImages)'.format(year, data_dir,
-                                                          year))
-
-
-class VOCFormatBboxDataset(chainer.dataset.DatasetMixin):
+class VOCFormatBboxDataset(Dataset):
 
     """A VOC-layout detection dataset with its own label names.
 
@@ -71,9 +37,12 @@ class VOCFormatBboxDataset(chainer.dataset.DatasetMixin):
             ``JPEGImages``.
         split (str): Name of the id list, ``ImageSets/Main/<split>.txt``.
         label_names (tuple of str): Class names; an object whose name is
-            not among them is an error. Defaults to PASCAL VOC's 20.
+            not among them is an error (PASCAL VOC's 20:
+            ``chainercv.datasets.voc_bbox_label_names``).
         use_difficult (bool): Keep objects marked difficult.
         return_difficult (bool): Also return the difficult flags.
+        read_image (callable): Decodes a path to float32 ``(3, H, W)``;
+            ``None``: :func:`example_data.files.read_image` (PIL).
 
     Attributes:
         image_sizes (list of tuple): ``(H, W)`` of every image, in id order.
@@ -86,9 +55,10 @@ class VOCFormatBboxDataset(chainer.dataset.DatasetMixin):
 
     """
 
-    def __init__(self, root, split, label_names=voc_bbox_label_names,
-                 use_difficult=False, return_difficult=False):
+    def __init__(self, root, split, label_names, use_difficult=False,
+                 return_difficult=False, read_image=None):
         self.root = root
+        self.read_image = read_image or files.read_image
         self.split = split
         self.label_names = tuple(label_names)
         self._index = {name.lower(): i
@@ -104,11 +74,11 @@ class VOCFormatBboxDataset(chainer.dataset.DatasetMixin):
         if not self.ids:
             raise DatasetError('id list is empty: {}'.format(id_file))
         what = '{} ({})'.format(split, root)
-        self._annotations = dataset_files.check_all(self.ids, self._parse,
+        self._annotations = files.check_all(self.ids, self._parse,
                                             what + ' annotations')
         self._image_paths = [self._image_path(id_) for id_ in self.ids]
-        self.image_sizes = dataset_files.check_all(self._image_paths,
-                                           dataset_files.decode_image,
+        self.image_sizes = files.check_all(self._image_paths,
+                                           files.decode_image,
                                            what + ' images')
 
     def __len__(self):
@@ -132,7 +102,7 @@ class VOCFormatBboxDataset(chainer.dataset.DatasetMixin):
 
     def _parse(self, id_):
         path = os.path.join(self.root, 'Annotations', id_ + '.xml')
-        tree = dataset_files.parse_xml(path)
+        tree = files.parse_xml(path)
         bbox, label, difficult = [], [], []
         for obj in tree.findall('object'):
             try:
@@ -162,8 +132,25 @@ class VOCFormatBboxDataset(chainer.dataset.DatasetMixin):
                 np.array(label, np.int32), np.array(difficult, bool))
 
     def get_example(self, i):
-        img = dataset_files.read_image(self._image_paths[i], color=True)
+        img = self.read_image(self._image_paths[i])
         bbox, label, difficult = self._annotations[i]
         if self.return_difficult:
             return img, bbox.copy(), label.copy(), difficult.copy()
         return img, bbox.copy(), label.copy()
+
+
+def load_voc_format(data_dir, label_names, train_split, test_split,
+                    read_image=None):
+    """``(train, test, label_names)`` of a VOC-layout directory with the
+    label names of ``label_names`` (a file, one per line, or a
+    comma-separated list); the test split keeps difficult objects."""
+    if not os.path.isdir(data_dir):
+        raise DatasetError('--data-dir {} is not a directory'.format(
+            data_dir))
+    names = read_label_names(label_names)
+    train = VOCFormatBboxDataset(data_dir, train_split, names,
+                                 read_image=read_image)
+    test = VOCFormatBboxDataset(data_dir, test_split, names,
+                                use_difficult=True, return_difficult=True,
+                                read_image=read_image)
+    return train, test, names

@@ -13,7 +13,8 @@ layout, ``--dataset imagenet``), with the same classes in both.
 Every image is decoded once when the dataset is made (its size and mean
 colour recorded), so a bad file stops the run with one line naming it
 before anything is written, and the input size and the mean subtracted
-can follow the data.
+can follow the data.  Images are decoded by ``read_image`` (default: PIL,
+:func:`example_data.files.read_image`).
 
 >>> train, val, names = load_class_folders('data/fashion')
 >>> img, label = train[0]     # float32 (3, H, W) in [0, 255]; int32
@@ -23,14 +24,14 @@ import os
 
 import numpy as np
 
-import chainer
-
-from example_common.errors import DatasetError
-from example_common.errors import DatasetNotFound
-from example_common import dataset_files
+from example_data._dataset import Dataset
+from example_data.errors import DatasetError
+from example_data.errors import DatasetNotFound
+from example_data import files
 
 __all__ = ['HOLD_OUT_EVERY', 'class_images', 'ClassFolderDataset',
-           'load_class_folders', 'load_split_folders']
+           'load_class_folders', 'load_split_folders', 'imagenet_dirs',
+           'load_imagenet', 'load_folders']
 
 HOLD_OUT_EVERY = 5
 
@@ -50,7 +51,7 @@ def class_images(root):
         paths = sorted(
             os.path.join(d, f)
             for d, _, fs in os.walk(os.path.join(root, name)) for f in fs
-            if f.lower().endswith(dataset_files.IMAGE_EXTENSIONS))
+            if f.lower().endswith(files.IMAGE_EXTENSIONS))
         if not paths:
             raise DatasetError('class folder {} has no images'.format(
                 os.path.join(root, name)))
@@ -60,12 +61,18 @@ def class_images(root):
 
 def _scan(sample):
     """Decodes an image: its ``(H, W)`` and mean RGB colour."""
-    return dataset_files.decode_image(sample[0], with_mean=True)
+    return files.decode_image(sample[0], with_mean=True)
 
 
-class ClassFolderDataset(chainer.dataset.DatasetMixin):
+class ClassFolderDataset(Dataset):
 
     """``(img, label)`` of checked images: float32 (3, H, W) RGB, int32.
+
+    Args:
+        samples (list of tuple): ``(path, label)`` of every image.
+        what (str): Names the set in the file check's progress line.
+        read_image (callable): Decodes a path to float32 ``(3, H, W)``;
+            ``None``: :func:`example_data.files.read_image` (PIL).
 
     Attributes:
         image_sizes (list of tuple): ``(H, W)`` of every image.
@@ -73,9 +80,10 @@ class ClassFolderDataset(chainer.dataset.DatasetMixin):
 
     """
 
-    def __init__(self, samples, what):
+    def __init__(self, samples, what, read_image=None):
         self.samples = list(samples)
-        scans = dataset_files.check_all(self.samples, _scan, what)
+        self.read_image = read_image or files.read_image
+        scans = files.check_all(self.samples, _scan, what)
         self.image_sizes = [size for size, _ in scans]
         self.mean = np.mean([m for _, m in scans], axis=0).astype(
             np.float32).reshape(3, 1, 1)
@@ -85,10 +93,15 @@ class ClassFolderDataset(chainer.dataset.DatasetMixin):
 
     def get_example(self, i):
         path, label = self.samples[i]
-        return dataset_files.read_image(path, color=True), np.int32(label)
+        return self.read_image(path), np.int32(label)
 
 
-def load_class_folders(root):
+def _datasets(train, val, names, read_image):
+    return (ClassFolderDataset(train, 'training images', read_image),
+            ClassFolderDataset(val, 'validation images', read_image), names)
+
+
+def load_class_folders(root, read_image=None):
     """``(train, val, label_names)``: class folders with every
     :data:`HOLD_OUT_EVERY`-th image of each class held out."""
     names, samples = class_images(root)
@@ -101,11 +114,10 @@ def load_class_folders(root):
     if not train:
         raise DatasetError('{}: every class has one image; nothing to '
                            'train on'.format(root))
-    return (ClassFolderDataset(train, 'training images'),
-            ClassFolderDataset(val, 'validation images'), names)
+    return _datasets(train, val, names, read_image)
 
 
-def load_split_folders(train_root, val_root):
+def load_split_folders(train_root, val_root, read_image=None):
     """``(train, val, label_names)`` of two class-folder trees with the
     same classes (ImageNet's ``train/`` and ``val/``)."""
     names, train = class_images(train_root)
@@ -114,5 +126,35 @@ def load_split_folders(train_root, val_root):
         different = sorted(set(names) ^ set(val_names))
         raise DatasetError('the classes of {} and {} differ: {}'.format(
             train_root, val_root, ', '.join(different[:5])))
-    return (ClassFolderDataset(train, 'training images'),
-            ClassFolderDataset(val, 'validation images'), names)
+    return _datasets(train, val, names, read_image)
+
+
+def imagenet_dirs(data_dir):
+    """(train_dir, val_dir); DatasetNotFound when either is absent."""
+    if data_dir is None:
+        raise DatasetNotFound('--dataset imagenet needs --data-dir (a '
+                              'directory with train/ and val/)')
+    dirs = os.path.join(data_dir, 'train'), os.path.join(data_dir, 'val')
+    for d in dirs:
+        if not os.path.isdir(d):
+            raise DatasetNotFound(
+                'ImageNet not found: {} is not a directory (expected one '
+                'sub-directory of images per class)'.format(d))
+    return dirs
+
+
+def load_imagenet(data_dir, read_image=None):
+    """``(train, val, label_names)`` of ImageNet's layout: class folders
+    under ``data_dir/train`` and ``data_dir/val``."""
+    return load_split_folders(*imagenet_dirs(data_dir),
+                              read_image=read_image)
+
+
+def load_folders(data_dir, read_image=None):
+    """Class folders under ``data_dir``, or under its train/ and val/."""
+    if data_dir is None:
+        raise DatasetNotFound('--dataset folders needs --data-dir')
+    if all(os.path.isdir(os.path.join(data_dir, d))
+           for d in ('train', 'val')):
+        return load_imagenet(data_dir, read_image)
+    return load_class_folders(data_dir, read_image)

@@ -22,6 +22,8 @@ name) is held out for evaluation.  A mask has the image's stem, is a PNG
 Every image and mask is decoded once when the dataset is made, with its
 pixel counts per class, so the class count and SegNet's class weights come
 from the data and a bad file stops the run before anything is written.
+Images are decoded by ``read_image`` (default: PIL,
+:func:`example_data.files.read_image`).
 
 >>> train, test, names = load_mask_folders('data/cells', 'train', 'val')
 >>> img, label = train[0]   # float32 (3, H, W) in [0, 255]; int32 (H, W)
@@ -31,12 +33,11 @@ import os
 
 import numpy as np
 
-import chainer
-
-from example_common.errors import DatasetError
-from example_common.errors import DatasetNotFound
-from example_common import dataset_files
-from example_common.voc_format import read_label_names
+from example_data._dataset import Dataset
+from example_data.errors import DatasetError
+from example_data.errors import DatasetNotFound
+from example_data import files
+from example_data.files import read_label_names
 
 __all__ = ['HOLD_OUT_EVERY', 'add_arguments', 'find_pairs',
            'MaskFolderDataset', 'load_mask_folders']
@@ -63,7 +64,7 @@ def add_arguments(parser):
 
 def _pair(image_dir, mask_dir, image_path):
     stem = os.path.splitext(os.path.basename(image_path))[0]
-    for ext in ('.png',) + dataset_files.IMAGE_EXTENSIONS:
+    for ext in ('.png',) + files.IMAGE_EXTENSIONS:
         mask = os.path.join(mask_dir, stem + ext)
         if os.path.isfile(mask):
             return image_path, mask
@@ -79,7 +80,7 @@ def _pairs_in(directory):
             raise DatasetNotFound('{} is not a directory (expected images/ '
                                   'and masks/ in {})'.format(d, directory))
     pairs = [_pair(image_dir, mask_dir, p)
-             for p in dataset_files.list_images(image_dir)]
+             for p in files.list_images(image_dir)]
     if not pairs:
         raise DatasetError('no images in {}'.format(image_dir))
     return pairs
@@ -117,7 +118,7 @@ def find_pairs(data_dir, train_split, test_split):
 def _scan(pair):
     """Decodes an image and its mask; ``(size, counts)`` of the mask's
     values (a bincount)."""
-    size, label = dataset_files.decode_image_and_mask(pair)
+    size, label = files.decode_image_and_mask(pair)
     return size, np.bincount(label.ravel())
 
 
@@ -155,7 +156,7 @@ def _lookup(values, label_names, ignore_label, where):
     return table, tuple(label_names)
 
 
-class MaskFolderDataset(chainer.dataset.DatasetMixin):
+class MaskFolderDataset(Dataset):
 
     """(image, label) pairs of a folder, labels mapped to classes.
 
@@ -166,14 +167,17 @@ class MaskFolderDataset(chainer.dataset.DatasetMixin):
         table (numpy.ndarray): Mask value to class (-1: ignored).
         sizes (list of tuple): ``(H, W)`` of each image.
         counts (list of numpy.ndarray): Bincount of each mask's values.
+        read_image (callable): Decodes a path to float32 ``(3, H, W)``;
+            ``None``: :func:`example_data.files.read_image` (PIL).
 
     Attributes:
         image_sizes (list of tuple): ``(H, W)`` of every image.
 
     """
 
-    def __init__(self, pairs, table, sizes, counts):
+    def __init__(self, pairs, table, sizes, counts, read_image=None):
         self.pairs = list(pairs)
+        self.read_image = read_image or files.read_image
         self.table = table
         self.image_sizes = list(sizes)
         self._counts = counts
@@ -184,7 +188,7 @@ class MaskFolderDataset(chainer.dataset.DatasetMixin):
     def class_pixel_counts(self, n_class):
         """``(class_pixels, image_pixels)``: each class's pixel count, and
         the pixel count of the images where it appears (SegNet's median
-        frequency balancing, :func:`embedded_datasets.class_weights`)."""
+        frequency balancing, :mod:`example_data.weights`)."""
         class_pixels = np.zeros(n_class, np.int64)
         image_pixels = np.zeros(n_class, np.int64)
         for counts, (h, w) in zip(self._counts, self.image_sizes):
@@ -197,12 +201,13 @@ class MaskFolderDataset(chainer.dataset.DatasetMixin):
 
     def get_example(self, i):
         image_path, mask_path = self.pairs[i]
-        img = dataset_files.read_image(image_path, color=True)
-        return img, self.table[dataset_files.read_label_map(mask_path)]
+        img = self.read_image(image_path)
+        return img, self.table[files.read_label_map(mask_path)]
 
 
 def load_mask_folders(data_dir, train_split='train', test_split='val',
-                      label_names=None, ignore_label=None, log=print):
+                      label_names=None, ignore_label=None, log=print,
+                      read_image=None):
     """``(train, test, label_names)`` of a folder (see the module's doc).
 
     Raises:
@@ -217,12 +222,13 @@ def load_mask_folders(data_dir, train_split='train', test_split='val',
         log(note)
     if label_names is not None:
         label_names = read_label_names(label_names)
-    scans = [dataset_files.check_all(pairs, _scan, '{} images and masks'.format(s))
+    scans = [files.check_all(pairs, _scan, '{} images and masks'.format(s))
              for pairs, s in ((train_pairs, 'training'),
                               (test_pairs, 'test'))]
     values = {int(v) for scan in scans for _, counts in scan
               for v in np.flatnonzero(counts)}
     table, names = _lookup(values, label_names, ignore_label, data_dir)
-    datasets = [MaskFolderDataset(pairs, table, *zip(*scan))
+    datasets = [MaskFolderDataset(pairs, table, *zip(*scan),
+                                  read_image=read_image)
                 for pairs, scan in zip((train_pairs, test_pairs), scans)]
     return datasets[0], datasets[1], names

@@ -1,19 +1,23 @@
-"""Generated shapes on noisy backgrounds, in ChainerCV's VOC detection format.
+"""Drawing the generated scenes: shapes on noisy backgrounds, with NumPy.
 
-The drawing primitives here (shape masks, backgrounds, scenes of
-non-overlapping shapes) and the :class:`GeneratedDataset` base class are
-shared by the segmentation and classification datasets of this package.
+The primitives of the embedded datasets (:mod:`example_data.embedded`):
+boolean masks of five shapes, textured backgrounds, boxes that do not
+touch, class colours, and whole scenes of labelled shapes with their tight
+boxes and masks.  Every function draws from the ``numpy.random.Generator``
+it is given, so a scene depends on that generator's seed alone.
+
+>>> rng = numpy.random.default_rng(0)
+>>> img, bbox, label, masks = generate_scene(rng, (96, 96), (1, 3),
+...                                          (0.15, 0.45))
+>>> img.shape, bbox.shape[1], masks.shape[1:]
+((3, 96, 96), 4, (96, 96))
 """
 
 import numpy
 
-import gradient_scaling  # NOQA: compat must precede chainer
-
-import chainer
-
 __all__ = ['shapes_label_names', 'shape_mask', 'noisy_background',
            'place_boxes', 'class_colour', 'generate_scene', 'mask_bbox',
-           'GeneratedDataset', 'ShapesDetectionDataset']
+           'erode', 'saturated_colour']
 
 
 shapes_label_names = ('rectangle', 'ellipse', 'triangle')
@@ -22,8 +26,6 @@ shapes_label_names = ('rectangle', 'ellipse', 'triangle')
 # but learns the class within a few CPU minutes.
 _class_colours = numpy.array(
     ((220, 50, 50), (50, 200, 60), (60, 90, 230)), dtype=numpy.float32)
-
-_splits = ('train', 'test')
 
 
 def shape_mask(shape, height, width):
@@ -148,91 +150,18 @@ def mask_bbox(mask):
     return ys[0], xs[0], ys[-1] + 1, xs[-1] + 1
 
 
-class GeneratedDataset(chainer.dataset.DatasetMixin):
-    """Base of the generated datasets: examples drawn from a seeded stream.
-
-    Example ``i`` is drawn from ``numpy.random.default_rng([seed, domain,
-    split, i])``: it depends on nothing else (not on the dataset size, the
-    access order or the process), and the three datasets (``domain``) and
-    two splits never share a stream.  Subclasses set ``_domain_key``,
-    ``_default_sizes`` and ``_default_image_size`` and implement
-    :meth:`get_example` with :meth:`rng`.
-
-    Args:
-        split ({'train', 'test'}): Which random stream to draw from.
-        size (int): Number of examples; ``None`` for the split's default.
-        image_size (tuple of int): ``(H, W)`` of the images; ``None`` for
-            the dataset's default.
-        seed (int): Seed; the same seed gives the same examples.
-    """
-
-    _domain_key = None
-    _default_sizes = None
-    _default_image_size = None
-
-    def __init__(self, split='train', size=None, image_size=None, seed=0):
-        if split not in _splits:
-            raise ValueError(
-                'split must be one of {}, got {!r}'.format(_splits, split))
-        self._split_key = _splits.index(split)
-        self.split = split
-        self.size = self._default_sizes[split] if size is None else size
-        self.image_size = tuple(self._default_image_size if image_size is None
-                                else image_size)
-        self.seed = seed
-
-    def __len__(self):
-        return self.size
-
-    def rng(self, i):
-        """The random generator of example ``i``."""
-        if not 0 <= i < self.size:
-            raise IndexError(
-                'index {} out of range [0, {})'.format(i, self.size))
-        return numpy.random.default_rng(
-            [self.seed, self._domain_key, self._split_key, i])
+def erode(mask, n_pixel):
+    """Erode a boolean mask by ``n_pixel`` with a 3x3 cross (no cv2)."""
+    for _ in range(n_pixel):
+        padded = numpy.pad(mask, 1)
+        mask = (padded[1:-1, 1:-1] & padded[:-2, 1:-1] & padded[2:, 1:-1] &
+                padded[1:-1, :-2] & padded[1:-1, 2:])
+    return mask
 
 
-class ShapesDetectionDataset(GeneratedDataset):
-    """Rectangles, ellipses and triangles to detect; a tiny PASCAL VOC.
-
-    Every image holds one to three non-overlapping shapes of
-    :data:`shapes_label_names` (each class has its own colour family,
-    jittered), 15% to 45% of the image side, over a noisy background.
-    Examples are generated on the fly from ``(seed, split, index)`` (see
-    :class:`GeneratedDataset`); a few hundred 96x96 images take well under
-    a second.
-
-    >>> dataset = ShapesDetectionDataset('train', size=300)
-    >>> img, bbox, label = dataset[0]
-    >>> img.shape, bbox.shape[1], label.dtype
-    ((3, 96, 96), 4, dtype('int32'))
-
-    The format is exactly :class:`chainercv.datasets.VOCBboxDataset`'s
-    (without difficult flags): ``img`` float32 (3, H, W) RGB in [0, 255],
-    ``bbox`` float32 (R, 4) ``(y_min, x_min, y_max, x_max)``, ``label``
-    int32 (R,) in ``[0, 3)``.
-
-    Arguments as :class:`GeneratedDataset`'s (``split``, ``size``,
-    ``image_size``, ``seed``); 500 training and 100 test images of 96x96
-    by default.
-    """
-
-    label_names = shapes_label_names
-    _domain_key = 0
-    _default_sizes = {'train': 500, 'test': 100}
-    _default_image_size = (96, 96)
-    _n_object_range = (1, 3)
-    _size_range = (0.15, 0.45)
-
-    def _scene(self, i):
-        return generate_scene(self.rng(i), self.image_size,
-                              self._n_object_range, self._size_range)
-
-    def get_example(self, i):
-        img, bbox, label, _ = self._scene(i)
-        return img, bbox, label
-
-    def get_masks(self, i):
-        """Boolean (R, H, W) masks of the shapes of example ``i``."""
-        return self._scene(i)[3]
+def saturated_colour(rng):
+    """A random saturated RGB colour, far from the grey background."""
+    high = rng.uniform(200, 255)
+    low = rng.uniform(0, 60)
+    middle = rng.uniform(0, 255)
+    return rng.permutation([high, low, middle]).astype(numpy.float32)

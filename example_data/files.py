@@ -1,21 +1,25 @@
 """A user's files, read safely, and checked once before training.
 
-Every dataset of the examples that reads files (VOC layout, CamVid, image
+Every dataset of the package that reads files (VOC layout, CamVid, image
 and mask folders, class folders) goes through this module, so that a bad
 file stops a run with one line naming it (a
-:class:`~example_common.errors.DatasetError`) before anything is written:
+:class:`~example_data.errors.DatasetError`) before anything is written:
 
 * :func:`image_size` reads an image's header only and refuses one larger
   than :data:`MAX_IMAGE_PIXELS` (a PNG header may claim 100000 x 100000:
   decoding it would take 30 GB) before anything is decoded;
 * :func:`decode_image` then decodes it fully (a truncated file or text
-  saved as ``.jpg`` fails here, not mid-training);
+  saved as ``.jpg`` fails here, not mid-training); :func:`read_image`
+  gives the pixels, decoded by PIL;
 * :func:`parse_xml` refuses a document type declaration, so entity
   expansion bombs ("billion laughs") and external entities never reach
   the parser's expansion, and files above :data:`MAX_XML_BYTES`;
 * :func:`check_all` runs a check over every file of a split, with a
   progress line on large sets (plain lines, no control codes, unless the
   output is a terminal).
+
+Only PIL and NumPy are needed (the Chainer examples decode the pixels
+with ChainerCV's reader instead: :func:`example_data.chainer.read_image`).
 
 >>> sizes = check_all(paths, decode_image, 'train images')
 """
@@ -30,16 +34,15 @@ from xml.parsers import expat
 import numpy as np
 from PIL import Image
 
-from chainercv.utils import read_image as chainercv_read_image
-
-from example_common.errors import DatasetError
+from example_data.errors import DatasetError
 
 __all__ = ['MAX_IMAGE_PIXELS', 'MAX_XML_BYTES', 'IMAGE_EXTENSIONS',
            'image_size', 'decode_image', 'read_image', 'read_label_map',
-           'decode_image_and_mask', 'parse_xml', 'check_all', 'list_images']
+           'decode_image_and_mask', 'parse_xml', 'check_all', 'list_images',
+           'read_label_names']
 
 # 2**26 pixels (8192 x 8192): 768 MB as a float32 RGB array, which is what
-# ChainerCV's read_image makes of it.  Tile larger images first.
+# every reader makes of it.  Tile larger images first.
 MAX_IMAGE_PIXELS = 2 ** 26
 # A VOC annotation is a few KB; 16 MB holds some 50,000 objects.
 MAX_XML_BYTES = 16 * 2 ** 20
@@ -94,13 +97,16 @@ def decode_image(path, with_mean=False):
     return (size, mean) if with_mean else size
 
 
-def read_image(path, color=True):
-    """ChainerCV's ``read_image`` (float32 CHW) after the header check."""
-    image_size(path)
-    try:
-        return chainercv_read_image(path, color=color)
-    except Exception as e:
-        raise DatasetError('cannot read image {}: {}'.format(path, e))
+def read_image(path):
+    """float32 ``(3, H, W)`` RGB in [0, 255], decoded by PIL after the
+    header check (grey images replicated, an alpha channel dropped; 16-bit
+    values clipped to 255 by PIL, where OpenCV would scale them)."""
+    with _open(path) as img:
+        try:
+            rgb = np.asarray(img.convert('RGB'), dtype=np.float32)
+        except Exception as e:
+            raise DatasetError('cannot read image {}: {}'.format(path, e))
+    return np.ascontiguousarray(rgb.transpose(2, 0, 1))
 
 
 def read_label_map(path):
@@ -230,3 +236,17 @@ def list_images(directory):
         os.path.join(directory, name) for name in os.listdir(directory)
         if name.lower().endswith(IMAGE_EXTENSIONS)
         and os.path.isfile(os.path.join(directory, name)))
+
+
+def read_label_names(spec):
+    """Label names from a file (one per line) or a comma-separated list."""
+    if os.path.isfile(spec):
+        with open(spec) as f:
+            names = [line.strip() for line in f if line.strip()]
+    else:
+        names = [name.strip() for name in spec.split(',') if name.strip()]
+    if not names:
+        raise DatasetError('no label names in {!r}'.format(spec))
+    if len(set(names)) != len(names):
+        raise DatasetError('duplicate label names in {!r}'.format(spec))
+    return tuple(names)

@@ -1,0 +1,45 @@
+"""Files read through ChainerCV's and gradient_scaling's readers.
+
+* :func:`read_image` decodes an image as ChainerCV's own datasets do
+  (``chainercv.utils.read_image``: OpenCV when it is installed, else PIL),
+  after the header check of :func:`example_data.files.image_size`.  The
+  Chainer examples pass it to the package's readers (``read_image=``), so
+  their pixels are those of ChainerCV's datasets, bit for bit;
+* :func:`load_class_weight` reads a ``.npy`` of class weights with
+  pickle disabled (:func:`gradient_scaling.chainer.files.load_array`) and
+  checks it against the classes.
+
+>>> train, val, names = load_class_folders(root, read_image=read_image)
+"""
+
+import gradient_scaling  # NOQA: restores what Chainer needs, first
+
+from chainercv.utils import read_image as chainercv_read_image
+
+from gradient_scaling.chainer import files as npy_files
+
+from example_data.errors import DatasetError
+from example_data.files import image_size
+from example_data.weights import check_class_weight
+
+__all__ = ['read_image', 'load_class_weight']
+
+
+def read_image(path):
+    """ChainerCV's ``read_image`` (float32 RGB CHW) after the header
+    check."""
+    image_size(path)
+    try:
+        return chainercv_read_image(path, color=True)
+    except Exception as e:
+        raise DatasetError('cannot read image {}: {}'.format(path, e))
+
+
+def load_class_weight(path, n_class):
+    """The ``n_class`` weights of the ``.npy`` file ``path`` (e.g. from
+    ChainerCV's calc_weight.py), read with pickle disabled."""
+    try:
+        weight = npy_files.load_array(path)
+    except npy_files.FileError as e:
+        raise DatasetError('--class-weight {}: {}'.format(path, e.why))
+    return check_class_weight(weight, n_class, path)
