@@ -14,6 +14,13 @@ What the autograd-graph hook needs that PyTorch's public API does not give:
   unsigned 64-bit numbers (-1 as 2**64 - 1).
 * ``Variable._execution_engine.queue_callback``: a function run at the end
   of the backward pass (every ``.grad`` set), where the pass is concluded.
+* ``torch._amp_foreach_non_finite_check_and_unscale_``: GradScaler's own
+  fused check and unscale of a list of float32/float16 tensors (one
+  kernel per device instead of an operation per tensor).
+* ``torch._foreach_copy_``: one call copies every buffer a skipped step
+  puts back.
+* ``Node._sequence_nr``: the order in which the engine runs ready nodes
+  (the later created first).
 * ``torch.autograd.backward`` and ``torch.autograd.grad``: while a hook is
   active (``with hook:``), the former is wrapped so that the hook attaches
   to the graph of ``loss.backward()`` and the latter refuses (its
@@ -24,7 +31,8 @@ What the autograd-graph hook needs that PyTorch's public API does not give:
 import torch
 
 __all__ = ['input_dtype', 'saved', 'queue_end_of_backward', 'install',
-           'uninstall', 'active_handler']
+           'uninstall', 'active_handler', 'check_and_unscale', 'copy_all',
+           'sequence_number']
 
 _original = {}
 _handler = None
@@ -57,6 +65,32 @@ def saved_int(node, name):
 
 def _signed(v):
     return v - 2 ** 64 if v >= 2 ** 63 else v
+
+
+def check_and_unscale(tensors, inv_scale):
+    """Multiplies ``tensors`` (float32 or float16, on one device) by
+    ``inv_scale`` in place; returns a one-element tensor on their device,
+    non-zero if any value was not finite (read it only if needed: a read
+    waits for the device)."""
+    found = torch.zeros(1, device=tensors[0].device)
+    inverse = torch.full((1,), inv_scale, device=tensors[0].device)
+    torch._amp_foreach_non_finite_check_and_unscale_(tensors, found,
+                                                     inverse)
+    return found
+
+
+def copy_all(destinations, sources):
+    """``d.copy_(s)`` for every pair, in one call."""
+    torch._foreach_copy_(destinations, sources)
+
+
+#: What ``F.linear`` dispatches to (a builtin with no public name), as a
+#: ``TorchFunctionMode`` sees it.
+LINEAR = torch._C._nn.linear
+
+
+def sequence_number(node):
+    return node._sequence_nr()
 
 
 def queue_end_of_backward(callback):

@@ -28,10 +28,12 @@ from gradient_scaling.core import arrays
 from gradient_scaling.core import formats
 from gradient_scaling.core.histogram import ExponentHistogram
 from gradient_scaling.core.statistics import TensorStatistics
+from gradient_scaling.torch import _internals as internals
 
 __all__ = ['TorchOps', 'TORCH_OPS']
 
 _LOW = (torch.float16, torch.bfloat16)
+_FUSED = (torch.float16, torch.float32)
 
 
 def _values(*tensors):
@@ -114,10 +116,17 @@ class TorchOps(arrays.ArrayOps):
     def finite_flags(self, tensors):
         if not tensors:
             return []
+        device = tensors[0].device
+        if all(t.dtype in _FUSED and t.device == device for t in tensors):
+            # GradScaler's fused check (unscaling by 1 leaves every value
+            # as it is): one kernel and one host read when all are finite.
+            if internals.check_and_unscale([t.detach() for t in tensors],
+                                           1.0).item() == 0:
+                return [True] * len(tensors)
+            return [bool(torch.isfinite(t).all()) for t in tensors]
         # A finite sum proves every element finite (inf and NaN propagate);
         # only a tensor whose sum is not (a non-finite element, or a sum
         # that overflows) is checked element by element. One transfer.
-        device = tensors[0].device
         sums = torch.stack([
             t.detach().sum(dtype=torch.float32 if t.dtype in _LOW
                            else None).to(device=device, dtype=torch.float64)

@@ -9,6 +9,8 @@ batch leaves no trace.
 
 import torch
 
+from gradient_scaling.torch import _internals as internals
+
 __all__ = ['ModuleState']
 
 
@@ -33,28 +35,26 @@ class ModuleState(object):
     def __init__(self, module):
         self.module = module
         self.captured = False
-        self._saved = {}
+        self._saved = []
 
     def capture(self):
         """Saves every buffer as it is now (into the same tensors as the
-        last capture, where the shapes agree)."""
+        last capture, when the buffers are the same: one fused copy)."""
+        buffers = list(self.module.buffers())
         with torch.no_grad():
-            for name, buffer in self.module.named_buffers():
-                saved = self._saved.get(name)
-                if saved is not None and saved.shape == buffer.shape and \
-                        saved.dtype == buffer.dtype and \
-                        saved.device == buffer.device:
-                    saved.copy_(buffer)
-                else:
-                    self._saved[name] = buffer.detach().clone()
+            if len(self._saved) == len(buffers) and all(
+                    s.shape == b.shape and s.dtype == b.dtype and
+                    s.device == b.device
+                    for s, b in zip(self._saved, buffers)):
+                if buffers:
+                    internals.copy_all(self._saved, buffers)
+            else:
+                self._saved = [b.detach().clone() for b in buffers]
         self.captured = True
 
     def restore(self):
         """Puts every captured buffer back, in place."""
-        if not self.captured:
+        if not self.captured or not self._saved:
             return
         with torch.no_grad():
-            for name, buffer in self.module.named_buffers():
-                saved = self._saved.get(name)
-                if saved is not None:
-                    buffer.copy_(saved)
+            internals.copy_all(list(self.module.buffers()), self._saved)

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from gradient_scaling.core import recipes
 from gradient_scaling.core import step as step_module
 from gradient_scaling.core.step import PassResult
+from gradient_scaling.torch import _internals as internals
 from gradient_scaling.torch import strategies
 from gradient_scaling.torch.module_state import ModuleState
 
@@ -137,20 +138,17 @@ class GradientScaler(object):
             raise RuntimeError('unscale_() is being called after step()')
         payloads, result = self._decide()
         if result.finite:
+            by_scale = {}
             for group in optimizer.param_groups:
                 for param in group['params']:
                     if param.grad is not None:
-                        self._unscale(param)
+                        _check_dtype(param)
+                        by_scale.setdefault(self.strategy.scale_of(param),
+                                            []).append(param.grad)
+            for scale, grads in by_scale.items():
+                if scale != 1.0:
+                    _unscale(grads, 1.0 / scale)
         self._stages[id(optimizer)] = 'unscaled'
-
-    def _unscale(self, param):
-        if param.grad.dtype in (torch.float16, torch.bfloat16):
-            raise ValueError('Attempting to unscale FP16 gradients: keep '
-                             'the parameters in FP32 (torch.autocast casts '
-                             'them where it computes in low precision)')
-        scale = self.strategy.scale_of(param)
-        if scale != 1.0:
-            param.grad.mul_(1.0 / scale)
 
     def step(self, optimizer, *args, **kwargs):
         """Takes ``optimizer``'s step if the backward was finite; returns
@@ -222,6 +220,28 @@ class GradientScaler(object):
             raise ValueError('a state of mode {!r}, this scaler is {!r}'
                              .format(state.get('mode'), self.recipe.mode))
         self.strategy.load_state_dict(state['state'])
+
+
+def _check_dtype(param):
+    if param.grad.dtype in (torch.float16, torch.bfloat16):
+        raise ValueError('Attempting to unscale FP16 gradients: keep the '
+                         'parameters in FP32 (torch.autocast casts them '
+                         'where it computes in low precision)')
+
+
+def _unscale(grads, inverse):
+    """Every gradient times ``inverse`` (a power of two), in place: one
+    fused call per device for float32 (GradScaler's), else one each."""
+    fused = [g for g in grads if g.dtype == torch.float32]
+    if fused:
+        devices = {}
+        for g in fused:
+            devices.setdefault(g.device, []).append(g)
+        for same in devices.values():
+            internals.check_and_unscale(same, inverse)
+    for g in grads:
+        if g.dtype != torch.float32:
+            g.mul_(inverse)
 
 
 def _average_gradients(model, strategy, group):

@@ -35,6 +35,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from gradient_scaling.core import formats
+from gradient_scaling.torch import _internals as internals
 from gradient_scaling.torch import graph
 
 __all__ = ['LowPrecisionSimulation', 'UnderflowCount', 'round_to']
@@ -43,7 +44,7 @@ _DTYPES = {'float16': torch.float16, 'bfloat16': torch.bfloat16,
            'float8_e5m2': torch.float8_e5m2,
            'float8_e4m3': torch.float8_e4m3fn}
 # name -> (the function, the keyword arguments of its convolution)
-_GEMMS = {torch._C._nn.linear: 'linear',
+_GEMMS = {internals.LINEAR: 'linear',
           torch.conv1d: 'conv', torch.conv2d: 'conv', torch.conv3d: 'conv',
           torch.conv_transpose1d: 'deconv', torch.conv_transpose2d: 'deconv',
           torch.conv_transpose3d: 'deconv'}
