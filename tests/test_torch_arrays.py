@@ -92,3 +92,47 @@ def test_scaled_is_exact_wherever_the_result_is_representable(dtype,
 def test_ops_for_finds_the_torch_ops():
     assert arrays.ops_for(torch.ones(1)) is TORCH_OPS
     assert arrays.ops_for(np.ones(1)) is arrays.NUMPY_OPS
+
+
+def large_tensors():
+    rng = np.random.default_rng(1)
+    n = 2 ** 18 + 77  # above the sample size, not a multiple of a run
+    normal = rng.standard_normal(n).astype(np.float32)
+    return {
+        'gradient-like': normal * 1e-3,
+        'tiny (squares below float32)': normal * 1e-30,
+        'huge (squares above float32)': normal * 1e30,
+        'offset 1e4 spreads': normal + 1e4,
+        'relu zeros': np.maximum(normal, 0),
+        'heavy tails': normal ** 3,
+        'float16': (normal * 1e-3).astype(np.float16),
+    }
+
+
+@pytest.mark.parametrize('name', sorted(large_tensors()))
+def test_large_tensors_spread_within_1e_5_of_float64(name):
+    """The one-read float32 path (sum and sdot) against the exact float64
+    spread, whole and on the core's sample, and the exact maximum."""
+    x = large_tensors()[name]
+    t = torch.from_numpy(x)
+    wide = x.astype(np.float64)
+    std, largest = TORCH_OPS.spread_and_max(t, sample=False)
+    assert largest == float(np.abs(wide).max())
+    assert std == pytest.approx(wide.std(), rel=1e-5)
+    sampled = statistics.spread_sample(wide)
+    std, largest = TORCH_OPS.spread_and_max(t)
+    assert largest == float(np.abs(wide).max())
+    assert std == pytest.approx(sampled.std(), rel=1e-12)
+    # The core (NumPy) reads the same sample: the same spread.
+    assert std == pytest.approx(statistics.spread_and_max(x)[0], rel=1e-4)
+    assert TORCH_OPS.spread_and_max_bounds(t) == (std, largest, largest)
+
+
+def test_large_constant_and_non_finite_tensors():
+    c = torch.full((2 ** 17,), 3.5)
+    assert TORCH_OPS.spread_and_max(c, sample=False) == (0.0, 3.5)
+    c[5] = math.inf
+    std, largest = TORCH_OPS.spread_and_max(c, sample=False)
+    assert math.isnan(std) and largest == math.inf
+    c[5] = math.nan
+    assert math.isnan(TORCH_OPS.spread_and_max(c)[1])

@@ -214,7 +214,7 @@ def spread_and_max(x, sample=True):
         return math.nan, largest
     # The tensor's exact maximum bounds the sample's: it decides how the
     # sample is scaled, and the sample is not swept for its own.
-    return _numpy_spread_and_max(_sample(flat), largest)[0], largest
+    return _numpy_spread_and_max(spread_sample(flat), largest)[0], largest
 
 
 def spread_and_max_bounds(x):
@@ -264,12 +264,13 @@ def spread_and_max_bounds(x):
     return std, low, high
 
 
-def _sample(flat):
-    """Runs of 64 elements (four cache lines; a gather of single elements
-    would miss the cache on each) spread evenly over a large tensor, so
-    that every output channel of a weight is in the sample."""
+def spread_sample(flat):
+    """The elements of a large 1-d tensor (NumPy, CuPy or PyTorch) whose
+    spread stands for its own: runs of 64 (four cache lines; a gather of
+    single elements would miss the cache on each) spread evenly over it,
+    so that every output channel of a weight is in the sample."""
     runs = SPREAD_SAMPLE // _SPREAD_RUN
-    stride = flat.size // runs
+    stride = flat.shape[0] // runs
     return flat[:runs * stride].reshape(runs, stride)[:, :_SPREAD_RUN]\
         .reshape(-1)
 

@@ -26,6 +26,7 @@ import torch
 
 from gradient_scaling.core import arrays
 from gradient_scaling.core import formats
+from gradient_scaling.core import statistics
 from gradient_scaling.core.histogram import ExponentHistogram
 from gradient_scaling.core.statistics import TensorStatistics
 from gradient_scaling.torch import _internals as internals
@@ -34,11 +35,38 @@ __all__ = ['TorchOps', 'TORCH_OPS']
 
 _LOW = (torch.float16, torch.bfloat16)
 _FUSED = (torch.float16, torch.float32)
+_WIDE = (torch.float32, torch.float64)
+# Squares of values within 2**+-40 of 1 stay normal float32 numbers.
+_UNSCALED_EXPONENT = 40
 
 
 def _values(*tensors):
     """Python numbers of 0-d tensors, with one host transfer."""
     return torch.stack([t.to(torch.float64) for t in tensors]).tolist()
+
+
+def _spread(flat, largest):
+    """The standard deviation of ``flat`` (float32 or float64, finite,
+    ``max|flat| == largest > 0``) from one read for its sum and one for
+    its sum of squares (``dot``), scaled by a power of two first where
+    squares could leave the normal range, and centred by its mean where
+    the two sums would cancel. A small tensor is summed in float64
+    (exact to float64 rounding); a large float32 one in float32 (BLAS
+    ``sdot``: relative error about 1e-6 on 2**21 gradient-like values,
+    measured)."""
+    n = flat.numel()
+    if n <= statistics.SPREAD_SAMPLE:
+        flat = flat.to(torch.float64)
+    exponent = math.frexp(largest)[1]
+    scale = 1.0 if abs(exponent) <= _UNSCALED_EXPONENT \
+        else math.ldexp(1.0, -exponent)
+    y = flat if scale == 1.0 else flat * scale
+    total, squares = _values(y.sum(), torch.dot(y, y))
+    if total * total > 0.5 * n * squares:  # mean >> spread: centre first
+        d = y - total / n
+        total, squares = _values(d.sum(), torch.dot(d, d))
+    mean = total / n
+    return math.sqrt(max(squares / n - mean * mean, 0.0)) / scale
 
 
 class TorchOps(arrays.ArrayOps):
@@ -56,14 +84,22 @@ class TorchOps(arrays.ArrayOps):
         x = x.detach()
         if x.numel() == 0:
             return 0.0, 0.0
-        wide = x.to(torch.float64)
-        var, _ = torch.var_mean(wide, correction=0)
-        largest, var = _values(wide.abs().max(), var)
+        flat = x.reshape(-1)
+        if flat.dtype not in _WIDE:
+            flat = flat.float()  # float16 and bfloat16 widen exactly
+        low, high = _values(*torch.aminmax(flat))
+        largest = max(-low, high)
         if not math.isfinite(largest):
             return math.nan, largest
-        return math.sqrt(max(var, 0.0)), largest
+        if largest == 0:
+            return 0.0, 0.0
+        if sample and flat.numel() > statistics.SPREAD_SAMPLE:
+            flat = statistics.spread_sample(flat)
+        return _spread(flat, largest), largest
 
     def spread_and_max_bounds(self, x):
+        # aminmax reads a tensor about as fast as a sum of squares: the
+        # exact maximum costs no more than bounds.
         std, largest = self.spread_and_max(x)
         return std, largest, largest
 

@@ -9,13 +9,17 @@ from the open step's :class:`~gradient_scaling.core.step_scales.StepScales`
 moving tensors:
 
 * a GEMM node's pre-hook scales its incoming gradient by the data path's
-  ``beta`` (Theorem 1); its post-hook multiplies the weight and bias
-  gradients by ``gamma / beta``, exact in FP32 and wider, so that they keep
-  the incoming scale (Algorithm 1, lines 6-7). Where the GEMM computes in
-  FP16 or BF16 (autocast), both gradients come out of one scaled input and
-  the weight path keeps ``beta`` (dividing in the low format would lose
-  what the scale saved); a weight-path backoff then lowers both. The
-  simulation's GEMMs scale their own paths (``node.gradient_scales``).
+  ``beta`` (Theorem 1). PyTorch's GEMM backward computes the weight and
+  bias gradients from that same scaled input, and they keep its scale:
+  exact in FP32 and wider, and, where the GEMM computes in FP16 or BF16
+  (autocast), what the scale saved. (The paper's weight path keeps the
+  incoming scale, lines 6-7, because its weight gradient's GEMM reads the
+  unscaled gradient; the simulation's GEMMs do that, and scale their own
+  paths: ``node.gradient_scales``.) A weight path that overflowed carries
+  a backoff: its gradients are scaled down after the node, or, where one
+  low-precision input makes both paths, the data path is lowered too. A
+  post-hook is registered only where there is such work, or a refresh's
+  telemetry to record; a cached pass has none.
 * a cast site's pre-hook (an up-cast feeding a softmax) scales by Theorem 2;
   in an FP32 model the logits' GEMM does it on entry;
 * the engine sums the contributions to a slot with several consumers
@@ -68,6 +72,7 @@ class BackwardPass(object):
         self.edge_scales = {}
         self.node_scales = {}
         self.sites = {}  # GEMM node -> what its pre-hook chose
+        self.posts = set()  # GEMM nodes with a post-hook
         self.stashes = {slot: _Stash(len(edges))
                         for slot, edges in self.plan.branches.items()}
         self.handles = []
@@ -111,9 +116,19 @@ class BackwardPass(object):
 
     def parameter_scales(self):
         """``{parameter: scale}`` of the gradients this pass gave them."""
-        return {p: self.node_scales.get(a) or self.slot_scale(a, 0)
-                for a, p in self.plan.accumulators.items()
-                if self.plan.used_slots.get(a)}
+        scales, plan = {}, self.plan
+        for node, param in plan.accumulators.items():
+            if node not in plan.used_slots:
+                continue
+            scale = self.node_scales.get(node)
+            if scale is None:
+                edges = plan.consumers[node, 0]
+                # A GEMM's parameter: the edge scale its pre-hook set.
+                scale = self.edge_scales.get(edges[0]) if len(edges) == 1 \
+                    else None
+            scales[param] = scale if scale is not None else \
+                self.slot_scale(node, 0)
+        return scales
 
     # -- registration -------------------------------------------------------
 
@@ -123,9 +138,14 @@ class BackwardPass(object):
             on(root.register_prehook(self._started))
         for node in plan.casts:
             on(node.register_prehook(self._cast(node)))
+        backoff = self.hook.controller.backoff.scales
         for node, site in plan.gemms.items():
             on(node.register_prehook(self._gemm_in(node, site)))
-            on(node.register_hook(self._gemm_out(node, site)))
+            if self.step.refresh or backoff and any(
+                    self.hook.parameter_name(p) in backoff
+                    for p in site.parameters.values()):
+                self.posts.add(node)
+                on(node.register_hook(self._gemm_out(node, site)))
         for node in plan.multi_output:
             on(node.register_prehook(self._unify_outputs(node)))
         consumers = collections.defaultdict(list)
@@ -182,8 +202,11 @@ class BackwardPass(object):
                 # logits' GEMM, which is the cast site.
                 g, alpha = self._cast_site(g, alpha)
             chosen = self._gemm_scales(site, g, alpha)
-            self.sites[node] = chosen
             beta, gammas = chosen[1], chosen[2]
+            for i in range(len(node.next_functions)):
+                self.edge_scales[node, i] = alpha * gammas.get(i, beta)
+            if node in self.posts:
+                self.sites[node] = chosen
             if site.scales_itself:
                 node.gradient_scales = (beta, gammas)
             elif beta != 1.0:
@@ -201,16 +224,21 @@ class BackwardPass(object):
         if site.data is not None or shares:
             beta, record, incoming_finite = step.gemm(
                 step.gemm_key(self.hook.site_name(site.weight)), g,
-                site.weight, site.accumulation_length, alpha,
+                site.weight, lambda: site.accumulation_length, alpha,
                 lambda: site.data_gradient(g))
         named = step.refresh or self.hook.controller.backoff.scales
         names = {edge: self.hook.parameter_name(param) if named else None
                  for edge, param in site.parameters.items()}
-        gammas = {edge: step.weight_path(name, alpha, beta, shares or coupled)
-                  for edge, name in names.items()}
+        # A PyTorch GEMM computes its weight gradients from the scaled
+        # input: they keep its scale (exact, unscaled by the scaler), a
+        # backoff below it where their path overflowed. The simulation's
+        # GEMMs apply the recipe's own weight-path scale.
+        gammas = {edge: step.weight_path(
+            name, alpha, beta, shares or not site.scales_itself)
+            for edge, name in names.items()}
         if coupled and gammas:
-            # One scaled input makes both paths: a weight-path backoff
-            # lowers the data path too.
+            # One scaled low-precision input makes both paths: a
+            # weight-path backoff lowers the data path too.
             beta = min([beta] + list(gammas.values()))
             gammas = dict.fromkeys(gammas, beta)
         operands = None
@@ -222,16 +250,20 @@ class BackwardPass(object):
         return alpha, beta, gammas, record, incoming_finite, operands, names
 
     def _gemm_out(self, node, site):
+        """On a refresh, or where a weight path is backed off: the weight
+        gradients brought to their own scale, the data gradient's
+        underflow measured, what a failure's cause needs recorded."""
         def post(grad_inputs, grad_outputs):
+            chosen = self.sites.pop(node, None)
+            if chosen is None:
+                return None
             (alpha, beta, gammas, record, incoming_finite, operands,
-             names) = self.sites.pop(node)
+             names) = chosen
             gi, changed = list(grad_inputs), False
-            for i in range(len(gi)):
-                gamma = gammas.get(i, beta)
+            for i, gamma in gammas.items():
                 if gi[i] is not None and gamma != beta and \
                         not site.scales_itself:
                     gi[i], changed = _times(gi[i], gamma / beta), True
-                self.edge_scales[node, i] = alpha * gamma
             if site.data is not None and gi[site.data] is not None:
                 self.step.measure(record, gi[site.data])
             if operands is not None:

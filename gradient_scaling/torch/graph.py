@@ -18,7 +18,6 @@ forward, i.e. entry ``i`` of its ``next_functions`` and of the gradients
 its backward returns.
 """
 
-import collections
 import math
 
 import torch
@@ -70,7 +69,8 @@ class GemmSite(object):
             out_features; convolution: out_channels / groups * prod(kernel);
             transposed convolution: out_channels / groups * prod(kernel) of
             the forward, ``W.shape[1] * prod(kernel)``), as the Chainer
-            adapter counts it.
+            adapter counts it; given as a function, it is read from the
+            node when first asked (only a refresh needs it).
         scales_itself (bool): The node applies the data and weight scales
             it is given (``node.gradient_scales``; the simulation's GEMMs),
             instead of the hook scaling its input and output.
@@ -83,9 +83,15 @@ class GemmSite(object):
         self.weight = weight
         self.data = data
         self.parameters = parameters
-        self.accumulation_length = accumulation_length
+        self._length = accumulation_length
         self.scales_itself = scales_itself
         self.weight_edge = weight_edge
+
+    @property
+    def accumulation_length(self):
+        if callable(self._length):  # read from the node when first asked
+            self._length = self._length()
+        return self._length
 
     def operands(self):
         """The forward's (input, weight), for telling a data fault from an
@@ -154,31 +160,52 @@ class Plan(object):
         self.gemms = {}
         self.casts = set()
         self.softmax_gemms = set()
-        self.consumers = collections.defaultdict(list)
+        self.consumers = {}
         self.branches = {}
         self.multi_output = set()
         self.accumulators = {}
-        self.used_slots = collections.defaultdict(list)
+        self.used_slots = {}
 
 
 _EXTRA_GEMMS = []  # (predicate, site factory)
+# Node class -> what the walk does with its nodes (asked once per class).
+_ROLES = {}
+_PLAIN, _GEMM, _EXTRA, _CAST, _SOFTMAX, _ACCUMULATE_ROLE = (
+    'plain', 'gemm', 'extra gemm', 'cast', 'softmax', 'accumulate')
 
 
 def register_gemm_kind(predicate, site):
     """Makes nodes that ``predicate(node)`` accepts GEMM sites, read by
-    ``site(node) -> GemmSite`` (the simulation's GEMMs)."""
+    ``site(node) -> GemmSite`` (the simulation's GEMMs). The predicate is
+    asked of the first node of each class; its answer holds for the class
+    (a backward node's class is its forward function)."""
     _EXTRA_GEMMS.append((predicate, site))
+    _ROLES.clear()
 
 
-def _extra_gemm(node):
-    for predicate, site in _EXTRA_GEMMS:
-        if predicate(node):
-            return site(node)
-    return None
+def _role(node):
+    cls = type(node)
+    role = _ROLES.get(cls)
+    if role is None:
+        name = cls.__name__
+        role = _ACCUMULATE_ROLE if name == _ACCUMULATE else \
+            _CAST if name == _CAST_NODE else \
+            _GEMM if name in GEMM_NODES else \
+            _SOFTMAX if name in SOFTMAX_NODES else _PLAIN
+        if role == _PLAIN:
+            for predicate, site in _EXTRA_GEMMS:
+                if predicate(node):
+                    role = (_EXTRA, site)
+                    break
+        _ROLES[cls] = role
+    return role
 
 
 def walk(roots, cast_rule='softmax'):
     """The :class:`Plan` of the graph below ``roots`` (backward nodes).
+
+    One visit per node (the graph's edges are read once); the softmax
+    gradients are then followed from the softmax nodes only.
 
     Args:
         roots (list): ``grad_fn`` of the tensors backward starts from.
@@ -187,52 +214,70 @@ def walk(roots, cast_rule='softmax'):
     """
     plan = Plan()
     plan.roots = [r for r in roots if r is not None]
-    order, seen = [], set()
-    todo = list(plan.roots)
+    consumers, used, branches = plan.consumers, plan.used_slots, \
+        plan.branches
+    casts, gemms, softmax_nodes = [], [], []
+    seen, todo = set(plan.roots), list(plan.roots)
     while todo:
         node = todo.pop()
-        if node in seen:
+        role = _role(node)
+        if role != _PLAIN:
+            if role == _ACCUMULATE_ROLE:
+                plan.accumulators[node] = node.variable
+            elif role == _CAST:
+                casts.append(node)
+            elif role == _SOFTMAX:
+                softmax_nodes.append(node)
+            else:
+                gemms.append((node, role))
+        for i, slot in enumerate(node.next_functions):
+            producer = slot[0]
+            if producer is None:
+                continue
+            edges = consumers.get(slot)
+            if edges is None:
+                consumers[slot] = [(node, i)]
+                slots = used.get(producer)
+                if slots is None:
+                    used[producer] = [slot[1]]
+                else:
+                    slots.append(slot[1])
+                    plan.multi_output.add(producer)
+            else:
+                edges.append((node, i))
+                branches[slot] = edges
+            if producer not in seen:
+                seen.add(producer)
+                todo.append(producer)
+    softmax = _softmax_gradients(softmax_nodes, plan) \
+        if cast_rule != 'none' else ()
+    if cast_rule != 'none':
+        plan.casts.update(c for c in casts if _is_up_cast(c) and (
+            cast_rule == 'all' or c in softmax))
+    for node, role in gemms:
+        site = _native_gemm(node, type(node).__name__) if role == _GEMM \
+            else role[1](node)
+        if site is None:
             continue
-        seen.add(node)
-        order.append(node)
-        for i, (producer, k) in enumerate(node.next_functions):
-            if producer is not None:
-                plan.consumers[producer, k].append((node, i))
-                if producer not in seen:
-                    todo.append(producer)
-    for slot, edges in plan.consumers.items():
-        plan.used_slots[slot[0]].append(slot[1])
-        if len(edges) > 1:
-            plan.branches[slot] = edges
-    softmax = _softmax_gradients(order, plan)
-    for node in order:
-        name = type(node).__name__
-        if len(plan.used_slots[node]) > 1:
-            plan.multi_output.add(node)
-        if name == _ACCUMULATE:
-            plan.accumulators[node] = node.variable
-            continue
-        if name == _CAST_NODE:
-            if cast_rule != 'none' and _is_up_cast(node) and (
-                    cast_rule == 'all' or node in softmax):
-                plan.casts.add(node)
-            continue
-        site = _native_gemm(node, name) if name in GEMM_NODES else (
-            _extra_gemm(node) if _EXTRA_GEMMS else None)
-        if site is not None:
-            plan.gemms[node] = site
-            if cast_rule != 'none' and node in softmax and \
-                    internals.input_dtype(node, 0).itemsize > 2:
-                plan.softmax_gemms.add(node)
+        plan.gemms[node] = site
+        if cast_rule != 'none' and node in softmax and \
+                internals.input_dtype(node, 0).itemsize > 2:
+            plan.softmax_gemms.add(node)
     return plan
 
 
-def _softmax_gradients(order, plan):
+def _softmax_gradients(softmax_nodes, plan):
     """Nodes whose incoming gradient is a softmax gradient: every edge
     into them comes from a softmax node, or from a shape-only node whose
-    own incoming gradient is one (order: consumers before producers)."""
+    own incoming gradient is one. Followed from the softmax nodes; a node
+    is looked at again whenever one of its consumers joins the set."""
     softmax = set()
-    for node in order:
+    todo = [p for s in softmax_nodes for p, _ in s.next_functions
+            if p is not None]
+    while todo:
+        node = todo.pop()
+        if node in softmax:
+            continue
         edges = [e for k in plan.used_slots.get(node, ())
                  for e in plan.consumers[node, k]]
         if edges and all(
@@ -240,6 +285,9 @@ def _softmax_gradients(order, plan):
                 (type(c).__name__ in SHAPE_ONLY_NODES and c in softmax)
                 for c, _ in edges):
             softmax.add(node)
+            if type(node).__name__ in SHAPE_ONLY_NODES:
+                todo.extend(p for p, _ in node.next_functions
+                            if p is not None)
     return softmax
 
 
@@ -289,7 +337,8 @@ def _native_gemm(node, name):
     if node.next_functions[data][0] is None:
         data = None
     return GemmSite(node, weight, data, parameters,
-                    _accumulation_length(node, name, weight_edge, weight),
+                    lambda: _accumulation_length(node, name, weight_edge,
+                                                 weight),
                     weight_edge=weight_edge)
 
 

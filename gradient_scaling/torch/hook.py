@@ -19,6 +19,7 @@ from gradient_scaling.core import step as step_module
 from gradient_scaling.core.controller import ScaleController
 from gradient_scaling.torch import _internals as internals
 from gradient_scaling.torch import arrays as torch_arrays  # NOQA: registers
+from gradient_scaling.torch import unscaling
 from gradient_scaling.torch.backward_rules import BackwardPass
 
 __all__ = ['GradientScaling']
@@ -88,6 +89,11 @@ class GradientScaling(object):
             p: name for name, p in model.named_parameters()}
         #: Scale of each parameter's ``.grad`` as the last pass left it.
         self.param_scales = {}
+        #: Set by :class:`~gradient_scaling.torch.GradientScaler`: each pass
+        #: ends with its gradients divided by their scales in place and
+        #: checked in the same read (GradScaler's fused unscale), so that a
+        #: step reads every gradient once.
+        self.unscale_each_pass = False
         self._pass = None
 
     schedule = property(lambda self: self.controller.schedule)
@@ -195,6 +201,25 @@ class GradientScaling(object):
         self.param_scales.update(current.parameter_scales())
         grads = [(p, p.grad) for p in current.plan.accumulators.values()
                  if p.grad is not None]
+        if self.unscale_each_pass and self._unscaled_and_finite(current,
+                                                                grads):
+            result = step_module.PassResult()
+        else:
+            result = self._result(current, grads)
+        if self.controller.end_pass(result):
+            self.controller.conclude([self.controller.payload()])
+
+    def _unscaled_and_finite(self, current, grads):
+        """Divides the pass's gradients by their scales (they then carry
+        1) and tells whether they and the losses are finite: one read."""
+        finite = unscaling.unscale(
+            [(g, self.scale_of(p)) for p, g in grads], current.losses,
+            check=True)
+        self.param_scales.update((p, 1.0) for p, _ in grads)
+        return finite
+
+    def _result(self, current, grads):
+        """The pass's :class:`~gradient_scaling.core.step.PassResult`."""
         step = self.controller.step
 
         def traces_of(names):
@@ -205,11 +230,9 @@ class GradientScaling(object):
             by_name = {self.parameter_name(p): p for p, _ in grads}
             return {n: [step_module.GemmTrace(None, (by_name[n],))]
                     for n in names if n in by_name}
-        result = step_module.pass_result(
+        return step_module.pass_result(
             current.losses, grads, self.parameter_name, traces_of,
             step.sites.nonfinite_sites)
-        if self.controller.end_pass(result):
-            self.controller.conclude([self.controller.payload()])
 
     def step_payload(self):
         self.finish_pass()

@@ -28,7 +28,8 @@ class ModuleState(object):
         True
 
     Args:
-        module (torch.nn.Module): The model (every child is included).
+        module (torch.nn.Module): The model (every child it has now is
+            included; a submodule added later is not).
 
     """
 
@@ -36,11 +37,21 @@ class ModuleState(object):
         self.module = module
         self.captured = False
         self._saved = []
+        self._captured = []  # the buffers saved into _saved
+        # Where the buffers are, found once (walking the module tree costs
+        # more than the copies); read by name at every capture, so that a
+        # buffer replaced by another tensor is the one saved.
+        self._places = [(m, name) for m in module.modules()
+                        for name, _ in m.named_buffers(recurse=False)]
+
+    def _buffers(self):
+        return [b for b in (getattr(m, name) for m, name in self._places)
+                if b is not None]
 
     def capture(self):
         """Saves every buffer as it is now (into the same tensors as the
         last capture, when the buffers are the same: one fused copy)."""
-        buffers = list(self.module.buffers())
+        buffers = self._buffers()
         with torch.no_grad():
             if len(self._saved) == len(buffers) and all(
                     s.shape == b.shape and s.dtype == b.dtype and
@@ -50,6 +61,7 @@ class ModuleState(object):
                     internals.copy_all(self._saved, buffers)
             else:
                 self._saved = [b.detach().clone() for b in buffers]
+        self._captured = buffers
         self.captured = True
 
     def restore(self):
@@ -57,4 +69,4 @@ class ModuleState(object):
         if not self.captured or not self._saved:
             return
         with torch.no_grad():
-            internals.copy_all(list(self.module.buffers()), self._saved)
+            internals.copy_all(self._captured, self._saved)

@@ -45,8 +45,8 @@ import torch.distributed as dist
 from gradient_scaling.core import recipes
 from gradient_scaling.core import step as step_module
 from gradient_scaling.core.step import PassResult
-from gradient_scaling.torch import _internals as internals
 from gradient_scaling.torch import strategies
+from gradient_scaling.torch import unscaling
 from gradient_scaling.torch.module_state import ModuleState
 
 __all__ = ['GradientScaler', 'MODES']
@@ -104,6 +104,7 @@ class GradientScaler(object):
         self._stages = {}
         self._decided = None  # (payloads, result) of the step
         self._capture = model.register_forward_pre_hook(self._forward)
+        self._model_params = set(model.parameters())
 
     @property
     def guard(self):
@@ -128,26 +129,25 @@ class GradientScaler(object):
         return self.strategy.scale(outputs)
 
     def unscale_(self, optimizer):
-        """Divides each gradient ``optimizer`` updates by its scale, in
-        place (in FP32 for FP32 parameters), after the step is decided."""
+        """Decides the step, which leaves every gradient of the model
+        divided by its scale (in FP32 for FP32 parameters); divides those
+        of ``optimizer``'s other parameters by theirs."""
         stage = self._stages.get(id(optimizer), 'ready')
         if stage == 'unscaled':
             raise RuntimeError('unscale_() has already been called on this '
                                'optimizer since the last update()')
         if stage == 'stepped':
             raise RuntimeError('unscale_() is being called after step()')
+        for group in optimizer.param_groups:
+            for param in group['params']:
+                if param.grad is not None:
+                    _check_dtype(param)
         payloads, result = self._decide()
         if result.finite:
-            by_scale = {}
-            for group in optimizer.param_groups:
-                for param in group['params']:
-                    if param.grad is not None:
-                        _check_dtype(param)
-                        by_scale.setdefault(self.strategy.scale_of(param),
-                                            []).append(param.grad)
-            for scale, grads in by_scale.items():
-                if scale != 1.0:
-                    _unscale(grads, 1.0 / scale)
+            unscaling.unscale(
+                (p.grad, self.strategy.scale_of(p))
+                for group in optimizer.param_groups for p in group['params']
+                if p.grad is not None and p not in self._model_params)
         self._stages[id(optimizer)] = 'unscaled'
 
     def step(self, optimizer, *args, **kwargs):
@@ -199,7 +199,7 @@ class GradientScaler(object):
                 dist.all_gather_object(payloads, payload, group=group)
             result = PassResult.combine(p.result for p in payloads)
             if result.finite and group is not None:
-                _average_gradients(self.model, self.strategy, group)
+                _average_gradients(self.model, group)
             self._decided = (payloads, result)
         return self._decided
 
@@ -229,35 +229,10 @@ def _check_dtype(param):
                          'where it computes in low precision)')
 
 
-def _unscale(grads, inverse):
-    """Every gradient times ``inverse`` (a power of two), in place: one
-    fused call per device for float32 (GradScaler's), else one each."""
-    fused = [g for g in grads if g.dtype == torch.float32]
-    if fused:
-        devices = {}
-        for g in fused:
-            devices.setdefault(g.device, []).append(g)
-        for same in devices.values():
-            internals.check_and_unscale(same, inverse)
-    for g in grads:
-        if g.dtype != torch.float32:
-            g.mul_(inverse)
-
-
-def _average_gradients(model, strategy, group):
-    """Gives each parameter the smallest of its scales over the ranks (no
-    rank's gradient can overflow by being scaled down), rescales the local
-    gradients to it and averages them: one all-reduce of the scales, one
+def _average_gradients(model, group):
+    """Averages the (unscaled) gradients over the ranks: one all-reduce
     of the gradients of each dtype."""
     params = [p for p in model.parameters() if p.grad is not None]
-    scales = torch.tensor([strategy.scale_of(p) for p in params],
-                          dtype=torch.float64)
-    common = scales.clone()
-    dist.all_reduce(common, op=dist.ReduceOp.MIN, group=group)
-    for p, mine, target in zip(params, scales.tolist(), common.tolist()):
-        if mine != target:
-            p.grad.mul_(target / mine)  # a power of two: exact
-            strategy.set_scale(p, target)
     world = dist.get_world_size(group)
     by_dtype = {}
     for p in params:

@@ -4,7 +4,9 @@ One class per kind of recipe (:mod:`gradient_scaling.core.recipes`); the
 :class:`~gradient_scaling.torch.scaler.GradientScaler` holds one and never
 asks which: each says how the loss is scaled, which scale a parameter's
 gradient carries, what a step contributes to the decision and how its
-state moves when the step is decided.
+state moves when the step is decided. Every strategy's payload leaves the
+model's gradients unscaled, read once (:mod:`~gradient_scaling.torch.
+unscaling`: the check of a checked mode is the same read).
 
 =========================  =====================================================
 recipe                     strategy
@@ -22,6 +24,7 @@ import torch
 from gradient_scaling.core import recipes
 from gradient_scaling.core import step as step_module
 from gradient_scaling.core.step import PassResult
+from gradient_scaling.torch import unscaling
 from gradient_scaling.torch.hook import GradientScaling
 
 __all__ = ['Unscaled', 'FixedScale', 'DynamicScale', 'PerTensor', 'make']
@@ -46,6 +49,7 @@ class Unscaled(object):
                                                getattr(recipe, 'patience',
                                                        10))
         self._losses = []
+        self._params = list(model.named_parameters())
 
     loss_scale = 1.0
 
@@ -55,15 +59,19 @@ class Unscaled(object):
             outputs, self.loss_scale)
 
     def scale_of(self, param):
+        """The scale of a gradient the payload did not unscale (of a
+        parameter outside the model)."""
         return self.loss_scale
 
-    def set_scale(self, param, scale):
-        """Records that ``param.grad`` now carries ``scale`` (one loss
-        scale is the same on every rank: nothing to record)."""
-
     def payload(self, model):
+        """Unscales the model's gradients (unchecked)."""
         self._losses = []
+        unscaling.unscale(self._grads())
         return _Payload(PassResult())
+
+    def _grads(self):
+        return [(p.grad, self.loss_scale) for _, p in self._params
+                if p.grad is not None]
 
     def transition(self, payloads, result):
         return False
@@ -110,10 +118,12 @@ class DynamicScale(Unscaled):
         self.clean_steps = 0
 
     def payload(self, model):
-        losses, self._losses = self._losses, []
+        """Unscales and checks the model's gradients in one read."""
+        losses, self._losses = [t.detach() for t in self._losses], []
+        if unscaling.unscale(self._grads(), losses, check=True):
+            return _Payload(PassResult())
         return _Payload(step_module.pass_result(
-            [t.detach() for t in losses],
-            [(n, p.grad) for n, p in model.named_parameters()]))
+            losses, [(n, p.grad) for n, p in self._params]))
 
     def transition(self, payloads, result):
         recipe = self.recipe
@@ -157,6 +167,7 @@ class PerTensor(object):
     def __init__(self, recipe, model):
         self.recipe = recipe
         self.hook = GradientScaling(model, recipe=recipe)
+        self.hook.unscale_each_pass = True
         self.guard = self.hook.guard
 
     def scale(self, outputs):
@@ -166,9 +177,6 @@ class PerTensor(object):
 
     def scale_of(self, param):
         return self.hook.scale_of(param)
-
-    def set_scale(self, param, scale):
-        self.hook.param_scales[param] = scale
 
     def payload(self, model):
         return self.hook.step_payload()
