@@ -45,6 +45,8 @@ import gradient_scaling  # NOQA: restores what Chainer 7.8.1 needs
 
 import argparse
 import dataclasses
+import importlib
+import importlib.util
 import sys
 import time
 
@@ -53,7 +55,15 @@ from benchmarking import harness
 from benchmarking import report
 from benchmarking import rows
 
-ADAPTERS = {'chainer': chainer_variants}
+# Each framework's variants (imported when asked for: the PyTorch adapter
+# needs torch).
+ADAPTERS = {'chainer': 'benchmarking.chainer_variants',
+            'torch': 'benchmarking.torch_variants'}
+# The precisions each framework has (mixed16: Chainer's real FP16;
+# autocast-*: PyTorch's torch.autocast).
+FRAMEWORK_PRECISIONS = {
+    'chainer': ('fp32', 'sim-fp16', 'mixed16'),
+    'torch': ('fp32', 'sim-fp16', 'autocast-fp16', 'autocast-bf16')}
 MODELS = ('small_cnn', 'resnet18', 'resnet50', 'resnet101', 'ssd300',
           'segnet')
 MODES = ('full', 'framework', 'targets', 'simulation')
@@ -96,9 +106,24 @@ def shape_text(shape):
         tuple(size) if isinstance(size, tuple) else (size,)))
 
 
+def case_name(adapter, model):
+    """The model as the tables name it: PyTorch's with ``(torch)``."""
+    return model if framework_of(adapter) == 'chainer' else \
+        '{} (torch)'.format(model)
+
+
+def shapes_of(args, adapter, mode):
+    """The mode's (batch, size) per model, with the adapter's own where
+    its models need them (``SHAPES``), unless --quick."""
+    shapes = dict(args.shapes[mode])
+    if not args.quick or mode == 'targets':
+        shapes.update(getattr(adapter, 'SHAPES', {}).get(mode, {}))
+    return shapes
+
+
 def run_iterations(args, adapter, device, mode, model, precision, results,
                    log):
-    shape = args.shapes[mode][model]
+    shape = shapes_of(args, adapter, mode)[model]
     variants = adapter.training_variants(model, shape, precision, device)
     nodes, elements = adapter.backward_nodes(variants[0])
     samples = harness.time_alternately(variants, args.repeat, args.budget,
@@ -106,10 +131,11 @@ def run_iterations(args, adapter, device, mode, model, precision, results,
     peaks = harness.peak_memory(variants, adapter.memory_tracker(device),
                                 args.memory_repeat)
     skips = {v.label: getattr(v, 'skips', 0) for v in variants}
+    name = case_name(adapter, model)
     results.iterations += rows.iteration_rows(
-        model, '{} {}'.format(mode, shape_text(shape)), precision, samples,
+        name, '{} {}'.format(mode, shape_text(shape)), precision, samples,
         peaks, skips, args.intervals)
-    results.nodes.append(rows.node_cost_row(mode, model, precision, samples,
+    results.nodes.append(rows.node_cost_row(mode, name, precision, samples,
                                             nodes, elements))
     if args.attribute:
         # After the timed rounds: the timers stay on these hooks.
@@ -120,51 +146,77 @@ def run_iterations(args, adapter, device, mode, model, precision, results,
         for label, kind in ATTRIBUTED.items():
             if label in timers:
                 results.attribution.append(rows.attribution_row(
-                    '{} {}'.format(mode, model), precision, kind,
+                    '{} {}'.format(mode, name), precision, kind,
                     samples[label], samples[rows.NONE], timers[label],
                     args.passes))
 
 
 def run_targets(args, adapter, device, model, results, log):
-    shape = args.shapes['targets'][model]
+    shape = shapes_of(args, adapter, 'targets')[model]
     variants = adapter.target_variants(model, shape, device)
     samples = harness.time_alternately(variants, args.target_rounds, log=log)
+    baseline = getattr(adapter, 'TARGET_BASELINE', rows.PLAIN_CHECK)
+    if 'gs-cached' in samples:  # GS@100 amortised from refresh and cached
+        samples['gs@100'] = harness.amortised(samples['gs@1'],
+                                              samples['gs-cached'], 100)
     results.targets += rows.target_rows(
-        model, shape_text(shape), 'fp32', samples,
-        'cpu' if device is None else 'wall')
+        case_name(adapter, model), shape_text(shape), 'fp32', samples,
+        'cpu' if _on_cpu(device) else 'wall', baseline,
+        getattr(adapter, 'TARGETS', None))
+
+
+def _on_cpu(device):
+    return device is None or getattr(device, 'type', None) == 'cpu'
 
 
 def run_simulation(args, adapter, device, model, results, log):
-    shape = args.shapes['simulation'][model]
-    variants = adapter.simulation_variants(model, shape, args.simulations,
-                                           device)
+    shape = shapes_of(args, adapter, 'simulation')[model]
+    simulations = [s for s in args.simulations if s in adapter.SIMULATIONS]
+    variants = adapter.simulation_variants(model, shape, simulations, device)
     samples = harness.time_alternately(variants, args.repeat, args.budget,
                                        log=log)
-    results.simulation += rows.ratio_rows(model, shape_text(shape), samples,
-                                          'fp32')
+    results.simulation += rows.ratio_rows(case_name(adapter, model),
+                                          shape_text(shape), samples, 'fp32')
 
 
-def run(args, adapter, device, log):
-    results = Results()
+def run(args, adapter, device, log, results=None):
+    """Every mode's tables for one framework's ``adapter``, added to
+    ``results``."""
+    results = Results() if results is None else results
+    framework = framework_of(adapter)
+    cases = _cases(adapter)
     for mode in args.modes:
         models = DEFAULT_MODELS[mode] if mode == 'targets' else (
             args.models or DEFAULT_MODELS[mode])
+        shapes = shapes_of(args, adapter, mode)
         for model in models:
-            if model not in args.shapes[mode]:
-                log('{}: no {} mode'.format(model, mode))
+            if model not in shapes or model not in cases:
+                log('{} {}: no {} mode'.format(framework, model, mode))
                 continue
-            log('{} {} (batch, size) = {}'.format(
-                mode, model, args.shapes[mode][model]))
+            log('{} {} {} (batch, size) = {}'.format(
+                framework, mode, model, shapes[model]))
             if mode == 'targets':
                 run_targets(args, adapter, device, model, results, log)
             elif mode == 'simulation':
                 run_simulation(args, adapter, device, model, results, log)
             else:
                 for precision in args.precisions:
+                    if precision not in FRAMEWORK_PRECISIONS[framework]:
+                        continue
                     log('  ' + precision)
                     run_iterations(args, adapter, device, mode, model,
                                    precision, results, log)
     return results
+
+
+def _cases(adapter):
+    from benchmarking import cases, torch_cases
+    return cases.CASES if framework_of(adapter) == 'chainer' \
+        else torch_cases.CASES
+
+
+def framework_of(adapter):
+    return adapter.__name__.rsplit('.', 1)[-1].split('_')[0]
 
 
 def build_report(argv, machine, results, gpu_times=None):
@@ -235,9 +287,12 @@ def parse_args(argv):
         help="override a model's batch and input size in the full mode, "
         "e.g. resnet50=32x224")
     add('--precisions', nargs='+', default=None,
-        choices=('fp32', 'sim-fp16', 'mixed16'),
-        help='full and framework modes; default: fp32 sim-fp16 (CPU), fp32 '
-        'mixed16 (--gpu)')
+        choices=sorted({p for ps in FRAMEWORK_PRECISIONS.values()
+                        for p in ps}),
+        help='full and framework modes, each framework those it has ({}); '
+        'default: fp32 sim-fp16 (CPU), fp32 mixed16 autocast-fp16 (--gpu)'
+        .format('; '.join('{}: {}'.format(f, ' '.join(p)) for f, p in
+                          FRAMEWORK_PRECISIONS.items())))
     add('--intervals', type=int, nargs='+', default=list(INTERVALS),
         help='GS update intervals to report')
     add('--repeat', type=int, default=None,
@@ -253,7 +308,8 @@ def parse_args(argv):
     add('--simulations', nargs='+', default=['sim-fp16', 'sim-fp8-e5m2',
                                              's2fp8'],
         choices=chainer_variants.SIMULATIONS,
-        help='the simulation mode\'s precisions (default: %(default)s)')
+        help='the simulation mode\'s precisions, each framework those it '
+        'has (default: %(default)s)')
     add('--attribute', action='store_true',
         help='also time GS\'s own work by section inside the hook')
     add('--passes', type=int, default=None,
@@ -263,7 +319,8 @@ def parse_args(argv):
         help='Dyn-LS iteration times measured on a device: the report '
         'predicts GS@1 and GS@100 there from the per-node cost measured '
         'here')
-    add('--framework', default='chainer', choices=sorted(ADAPTERS))
+    add('--framework', nargs='+', default=None, choices=sorted(ADAPTERS),
+        help='default: chainer, and torch where PyTorch is installed')
     add('--quick', action='store_true',
         help='smoke test: tiny inputs, few rounds')
     add('--gpu', type=int, default=None, metavar='ID',
@@ -282,8 +339,15 @@ def parse_args(argv):
         elif getattr(args, name) < 1:
             parser.error('--{} must be >= 1'.format(name.replace('_', '-')))
     if args.precisions is None:
-        args.precisions = ['fp32', 'mixed16' if args.gpu is not None
-                           else 'sim-fp16']
+        args.precisions = ['fp32'] + (['mixed16', 'autocast-fp16']
+                                      if args.gpu is not None
+                                      else ['sim-fp16'])
+    if args.framework is None:
+        args.framework = ['chainer'] + (
+            ['torch'] if importlib.util.find_spec('torch') else [])
+    elif 'torch' in args.framework and not importlib.util.find_spec('torch'):
+        parser.error('--framework torch needs PyTorch, which is not '
+                     'installed')
     if min(args.intervals) < 1:
         parser.error('--intervals must be >= 1')
     args.shapes = {mode: {m: QUICK[m] for m in SHAPES[mode]} if args.quick
@@ -315,15 +379,19 @@ def main(argv=None):
             print(message, file=sys.stderr, flush=True)
 
     start = time.perf_counter()
-    adapter = ADAPTERS[args.framework]
-    device, gpu_name = adapter.use_device(args.gpu)
-    machine = report.machine_description((('Chainer', 'chainer'),
-                                          ('ChainerCV', 'chainercv')))
-    if gpu_name:
-        machine.append(('GPU', gpu_name))
+    libraries = [('Chainer', 'chainer'), ('ChainerCV', 'chainercv')]
+    if 'torch' in args.framework:
+        libraries.append(('PyTorch', 'torch'))
+    machine = report.machine_description(libraries)
+    results = Results()
     with harness.BlasThreads(args.blas_threads) as blas:
         machine.append(('BLAS threads', blas.description))
-        results = run(args, adapter, device, log)
+        for framework in args.framework:
+            adapter = importlib.import_module(ADAPTERS[framework])
+            device, gpu_name = adapter.use_device(args.gpu)
+            if gpu_name and ('GPU', gpu_name) not in machine:
+                machine.append(('GPU', gpu_name))
+            run(args, adapter, device, log, results)
     machine.append(('load average at end', report.load_average()))
     text = build_report(['scripts/benchmark.py'] + argv_list, machine,
                         results, args.gpu_times).write(

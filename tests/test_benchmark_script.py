@@ -61,7 +61,20 @@ def report(tmp_path_factory):
     result = _run('benchmark.py', '--quick', '--models', 'small_cnn',
                   '--modes', 'framework', 'targets', 'simulation',
                   '--attribute', '--blas-threads', '0', '--quiet', '--out',
-                  str(out), '--gpu-iteration-ms', 'small_cnn=0.5')
+                  str(out), '--gpu-iteration-ms', 'small_cnn=0.5',
+                  '--framework', 'chainer')
+    assert result.returncode == 0, result.stderr
+    return out.read_text()
+
+
+@pytest.fixture(scope='module')
+def torch_report(tmp_path_factory):
+    pytest.importorskip('torch')
+    out = tmp_path_factory.mktemp('benchmark') / 'benchmark.md'
+    result = _run('benchmark.py', '--quick', '--framework', 'torch',
+                  '--models', 'small_cnn', '--modes', 'framework', 'targets',
+                  'simulation', '--precisions', 'fp32', 'sim-fp16',
+                  'autocast-bf16', '--quiet', '--out', str(out))
     assert result.returncode == 0, result.stderr
     return out.read_text()
 
@@ -254,11 +267,17 @@ def test_blas_limit_is_lifted_again():
     # Tests after this one in the same process compare examples bit for
     # bit with subprocesses: they need the default thread count back.
     before = _blas_threads()
+    torch = sys.modules.get('torch')
+    torch_before = torch.get_num_threads() if torch else None
     with harness.BlasThreads(1) as limit:
         if before is not None:
-            assert limit.description == '1 (threadpoolctl)'
+            assert limit.description.startswith('1 (threadpoolctl')
             assert all(n == 1 for _, n in _blas_threads())
+        if torch:
+            assert torch.get_num_threads() == 1
     assert _blas_threads() == before
+    if torch:
+        assert torch.get_num_threads() == torch_before
 
 
 def test_quick_kernels_table_compares_with_a_copy(tmp_path):
@@ -284,3 +303,35 @@ def test_gpu_without_cupy_is_a_clear_error(script):
     result = _run(script, '--gpu', '0', '--quick')
     assert result.returncode == 2
     assert '--gpu needs CuPy' in result.stderr
+
+
+def test_quick_torch_tables_against_pytorchs_own_baselines(torch_report):
+    """The PyTorch rows: every variant of each precision PyTorch has, GS
+    against torch.amp.GradScaler in the targets (GS@100 amortised), the
+    simulations PyTorch has."""
+    assert '* PyTorch: ' in torch_report
+    table = _table(torch_report, '## Training iteration')
+    precisions = ('fp32', 'sim-fp16', 'autocast-bf16')
+    assert [(r[0], r[1], r[2], r[3]) for r in table] == [
+        ('small_cnn (torch)', 'framework 4x16', p, v)
+        for p in precisions for v in VARIANTS]
+    for row in table:
+        _positive(row[4:9])
+        assert int(row[11]) == 0 or row[3] == 'dynamic', row
+        if row[3] == 'none':
+            assert float(row[6]) == float(row[7]) == 1.0
+    targets = _table(torch_report, '## Framework-bound targets')
+    assert [(r[0], r[1], r[3]) for r in targets] == [
+        ('resnet50 (torch)', '2x32', v) for v in (
+            'GradScaler', 'GradScaler (A/A)', 'gs-cached', 'gs@1',
+            'gs@100')]
+    assert [float(c) for c in targets[0][7:11]] == [1.0] * 4
+    met = {r[3]: (r[11], r[12]) for r in targets}
+    assert met['gs-cached'][0] == '<= 1.05' and met['gs@100'][0] == '<= 1.02'
+    rows_by = {r[3]: r for r in targets}
+    # GS@100 is (refresh + 99 cached) / 100 of the timed passes.
+    assert float(rows_by['gs-cached'][6]) <= float(rows_by['gs@100'][6]) \
+        <= float(rows_by['gs@1'][6])
+    simulation = _table(torch_report, '## Simulation cost')
+    assert [r[2] for r in simulation] == [
+        'fp32', 'fp32 (again)', 'sim-fp16', 'sim-fp8-e5m2']

@@ -70,10 +70,9 @@ class GradientScaler(object):
             ``init_scale``, ``growth_interval``, ...).
         process_group: A ``torch.distributed`` group; by default the
             world, when ``torch.distributed`` is initialized with several
-            ranks. Every rank then takes the same decision, gives every
-            parameter the same scale (the smallest) and averages the
-            gradients itself, after the backward: do not wrap the model in
-            ``DistributedDataParallel``.
+            ranks. Every rank then takes the same decision and the scaler
+            averages the (unscaled) gradients itself, after the backward:
+            do not wrap the model in ``DistributedDataParallel``.
 
     """
 
@@ -94,8 +93,8 @@ class GradientScaler(object):
             raise ValueError('pass a recipe or settings, not both')
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             raise ValueError('GradientScaler averages the gradients itself, '
-                             'at one scale per parameter: pass the module, '
-                             'not a DistributedDataParallel wrapper')
+                             'once they are unscaled: pass the module, not a '
+                             'DistributedDataParallel wrapper')
         self.model = model
         self.recipe = recipe
         self.strategy = strategies.make(recipe, model)
@@ -187,8 +186,8 @@ class GradientScaler(object):
 
     def _decide(self):
         """Every rank's payload and the combined result, once per step;
-        with several ranks, the gradients are given one scale per
-        parameter and averaged."""
+        with several ranks, the (unscaled) gradients are averaged.
+        """
         if self._decided is None:
             payload = self.strategy.payload(self.model)
             group = self._world()

@@ -20,11 +20,13 @@ and ``skips`` (steps skipped so far). Chainer's variants are in
 
 import collections
 import dataclasses
+import importlib.util
 import statistics
 import time
 import tracemalloc
 
 __all__ = ['Sample', 'time_alternately', 'peak_memory', 'HostPeak',
+           'ResidentPeak', 'TorchCudaPeak',
            'CupyPeak', 'SectionTimes', 'ratios', 'amortised', 'quartiles',
            'BlasThreads', 'MAX_ROUNDS']
 
@@ -130,6 +132,62 @@ class HostPeak(object):
         return tracemalloc.get_traced_memory()[1]
 
 
+class ResidentPeak(object):
+
+    """Peak resident memory (Linux: ``VmHWM``, reset through
+    ``/proc/self/clear_refs``) above what was resident before the step:
+    what PyTorch's CPU allocator took from the system (large tensors are
+    mapped and unmapped whole, so this is their peak; small ones may be
+    served by memory the C library kept)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *args):
+        pass
+
+    @staticmethod
+    def _status(field):
+        with open('/proc/self/status') as f:
+            for line in f:
+                if line.startswith(field + ':'):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError('no {} in /proc/self/status'.format(field))
+
+    def reset(self):
+        with open('/proc/self/clear_refs', 'w') as f:
+            f.write('5')
+        return self._status('VmRSS')
+
+    def peak(self):
+        return self._status('VmHWM')
+
+
+class TorchCudaPeak(object):
+
+    """Peak bytes PyTorch's CUDA allocator handed out between
+    :meth:`reset` and :meth:`peak`."""
+
+    def __init__(self, device):
+        import torch
+        self.torch, self.device = torch, device
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *args):
+        pass
+
+    def reset(self):
+        self.torch.cuda.synchronize(self.device)
+        self.torch.cuda.reset_peak_memory_stats(self.device)
+        return self.torch.cuda.memory_allocated(self.device)
+
+    def peak(self):
+        self.torch.cuda.synchronize(self.device)
+        return self.torch.cuda.max_memory_allocated(self.device)
+
+
 class CupyPeak(object):
 
     """Peak bytes held from CuPy's memory pool (its allocations, not the
@@ -215,8 +273,10 @@ def quartiles(values):
 
 class BlasThreads(object):
 
-    """Limits BLAS to ``n`` threads (threadpoolctl) inside a ``with``;
-    ``n`` 0 leaves the library default. :attr:`description` says which.
+    """Limits BLAS to ``n`` threads (threadpoolctl) inside a ``with``, and
+    PyTorch's own thread pool (``torch.set_num_threads``) where PyTorch is
+    installed; ``n`` 0 leaves the library default. :attr:`description`
+    says which.
 
     Restored on exit: a caller that goes on in the same process (a test)
     must get its thread count back, since it changes float results.
@@ -225,9 +285,14 @@ class BlasThreads(object):
     def __init__(self, n):
         self.n = n
         self.limiter = None
+        self.torch_threads = None
         self.description = 'library default'
 
     def __enter__(self):
+        if self.n and importlib.util.find_spec('torch') is not None:
+            import torch
+            self.torch_threads = torch.get_num_threads()
+            torch.set_num_threads(self.n)
         if self.n:
             try:
                 import threadpoolctl
@@ -237,10 +302,15 @@ class BlasThreads(object):
                 return self
             self.limiter = threadpoolctl.threadpool_limits(
                 limits=self.n, user_api='blas')
-            self.description = '{} (threadpoolctl)'.format(self.n)
+            self.description = '{} (threadpoolctl{})'.format(
+                self.n, '; PyTorch\'s too' if self.torch_threads else '')
         return self
 
     def __exit__(self, *args):
+        if self.torch_threads is not None:
+            import torch
+            torch.set_num_threads(self.torch_threads)
+            self.torch_threads = None
         if self.limiter is not None:
             self.limiter.restore_original_limits()
             self.limiter = None

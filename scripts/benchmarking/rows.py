@@ -57,7 +57,10 @@ class IterationRow(object):
     the noise floor of that case. `gs@k` is amortised from timed refresh and
     cached passes, `(t_refresh + (k - 1) t_cached) / k`. Peak: what an
     iteration allocates on top of the model and optimizer state
-    (tracemalloc, or CuPy's pool with --gpu)."""
+    (tracemalloc, or CuPy's pool with --gpu; PyTorch's rows: the growth of
+    resident memory, Linux's VmHWM, or the CUDA allocator's peak). In
+    PyTorch's rows `none+check` is `torch.amp.GradScaler` at scale 1 that
+    never grows, `dynamic` is `torch.amp.GradScaler` itself."""
 
     model: str = column('model')
     input: str = column('input (mode, batch x size)')
@@ -178,7 +181,13 @@ class TargetRow(object):
     minimum over the rounds over the plain step's; "median ratio": the
     median of the per-round ratios. `met` compares the CPU min ratio (wall
     with --gpu) with the target. GS@100's timed rounds are cached passes
-    (its refresh falls in the warm-up round)."""
+    (its refresh falls in the warm-up round). PyTorch's rows (`(torch)`):
+    against `torch.amp.GradScaler` (twice: the A/A pair) with GS's
+    `GradientScaler` in its place, each variant on its own copy of the
+    model (a GradientScaler's forward pre-hook, which saves the buffers a
+    skipped step puts back, would run in every variant of one copy), and
+    GS@100 amortised from the GS@1 and cached rounds,
+    `(t_1 + 99 t_cached) / 100`; targets: cached <= 1.05, GS@100 <= 1.02."""
 
     model: str = column('model')
     input: str = column('input (batch x size)')
@@ -307,18 +316,21 @@ def ratio_rows(model, shape, samples, baseline):
     return rows
 
 
-def target_rows(model, shape, precision, samples, clock):
+def target_rows(model, shape, precision, samples, clock,
+                baseline=PLAIN_CHECK, targets=None):
     """The targets' rows: each variant's minimum over the rounds against
-    :data:`PLAIN_CHECK`'s, and the median of the per-round ratios;
-    ``met`` compares the ratio of minima on ``clock`` with the target."""
-    base = samples[PLAIN_CHECK]
+    the ``baseline``'s, and the median of the per-round ratios; ``met``
+    compares the ratio of minima on ``clock`` with the target (``targets``:
+    label -> ratio, default :data:`TARGETS`)."""
+    targets = TARGETS if targets is None else targets
+    base = samples[baseline]
     rows = []
     for label, runs in samples.items():
         def minimum(series, c):
             return min(getattr(t, c) for t in series)
         min_ratio = {c: minimum(runs, c) / minimum(base, c)
                      for c in ('cpu', 'wall')}
-        target = TARGETS.get(label)
+        target = targets.get(label)
         rows.append(TargetRow(
             model, shape, precision, label, len(runs),
             minimum(runs, 'wall'), minimum(runs, 'cpu'), min_ratio['cpu'],
