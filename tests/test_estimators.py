@@ -16,6 +16,7 @@ from gradient_scaling.chainer import serialization
 from gradient_scaling.core import estimators
 from gradient_scaling.core import recipes
 from gradient_scaling.core import formats
+from gradient_scaling.core import histogram
 from gradient_scaling import GradientScaling
 from gradient_scaling.core import scale_state
 from gradient_scaling.core import statistics
@@ -287,3 +288,51 @@ def test_model_gemm_scale_equals_the_exact_caps_where_the_bound_binds_or_not(
     # almost always.
     assert binds >= 1 and (free >= 5 or fmt == 'float8_e4m3'), (binds,
                                                                  free)
+
+
+def _exact_gemm_scale(name, g, w, n, output):
+    """The scale from the exact maxima (the reference)."""
+    g_std, g_max = statistics.spread_and_max(g, sample=False)
+    w_std, w_max = statistics.spread_and_max(w)
+    model = underflow.gemm_scale_from_stats(g_std, g_max, w_std, w_max, n,
+                                            RATE, FP16)
+    if name == 'model':
+        return model
+    cap = underflow.gemm_cap(g_max, w_max, n, FP16)
+    measured = estimators.scale_from_histogram(
+        histogram.exponent_histogram(output), RATE, FP16, cap)
+    return measured if name == 'measured' else min(max(measured, model), cap)
+
+
+@pytest.mark.parametrize('gradient', [1e-6, 1e3])
+@pytest.mark.parametrize('name', ['model', 'measured', 'hybrid'])
+def test_a_refresh_reads_each_operand_once_and_scales_as_the_exact_maxima(
+        name, gradient, monkeypatch):
+    """The gradient is read once (its spread and exact maximum), the weight
+    once (spread and bounds of its maximum), the data gradient once (the
+    closed loop's histogram); the weight's exact maximum only where the
+    cap binds (large gradients). The scale is what the exact maxima
+    give."""
+    rng = np.random.default_rng(5)
+    w = (rng.standard_normal((512, 256)) * 0.05).astype(np.float32)
+    g = (rng.standard_normal((16, 512)) * gradient).astype(np.float32)
+    n, output = 512, g @ w
+    reads = []
+    ops = type(estimators.arrays.ops_for(g))
+    for method in ('spread_and_max', 'spread_and_max_bounds', 'max_abs',
+                   'exponent_histogram'):
+        def counted(self, x, *a, _original=getattr(ops, method),
+                    _method=method, **k):
+            reads.append((_method, x.shape))
+            return _original(self, x, *a, **k)
+        monkeypatch.setattr(ops, method, counted)
+    beta, _, _ = estimator(name).gemm(g, w, n, 1.0, 'site',
+                                      scale_state.StagedScales(),
+                                      lambda: output)
+    monkeypatch.undo()
+    assert beta == _exact_gemm_scale(name, g, w, n, output)
+    once = [('spread_and_max', g.shape), ('spread_and_max_bounds', w.shape)]
+    if name != 'model':
+        once.append(('exponent_histogram', output.shape))
+    exact = [('max_abs', w.shape)] if gradient > 1 else []
+    assert sorted(reads) == sorted(once + exact)

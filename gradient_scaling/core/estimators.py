@@ -46,10 +46,54 @@ from gradient_scaling.core import formats
 from gradient_scaling.core import underflow
 
 __all__ = ['ESTIMATORS', 'make_estimator', 'scale_from_histogram',
-           'ModelEstimator', 'MeasuredEstimator', 'HybridEstimator',
+           'GemmReads', 'ModelEstimator', 'MeasuredEstimator', 'HybridEstimator',
            'AmaxEstimator']
 
 ESTIMATORS = ('model', 'measured', 'hybrid', 'amax-current', 'amax-delayed')
+
+
+class GemmReads(object):
+
+    """A GEMM's operands as a refresh reads them, each once: the incoming
+    gradient's spread and exact maximum; the weight's spread and bounds of
+    its maximum, ``low <= max|W| <= high``
+    (:func:`~gradient_scaling.core.statistics.spread_and_max_bounds`).
+
+    A rule that depends on ``max|W|`` asks :meth:`weight_max`: if the rule
+    gives the same answer at both bounds, it gives it at the exact maximum
+    too (the rules are monotone in it), and ``high`` is returned; only in
+    between is the exact maximum read.
+
+    Raises:
+        ~gradient_scaling.core.underflow.NonFiniteStatisticsError: Where a
+            value read is not finite.
+
+    """
+
+    def __init__(self, grad, weight):
+        self.g_std, self.g_max = arrays.ops_for(grad).spread_and_max(
+            grad, sample=False)
+        if not math.isfinite(self.g_max):
+            raise underflow.NonFiniteStatisticsError('non-finite gradient')
+        self.weight = weight
+        self.w_std, self.low, self.high = arrays.ops_for(
+            weight).spread_and_max_bounds(weight)
+        if not (math.isfinite(self.low) and math.isfinite(self.high)):
+            raise underflow.NonFiniteStatisticsError('non-finite weights')
+        self._exact = None
+
+    def weight_max(self, rule):
+        """A ``max|W|`` for which ``rule`` answers as at the exact one."""
+        if self.low == self.high or rule(self.low) == rule(self.high):
+            return self.high
+        return self.exact_weight_max()
+
+    def exact_weight_max(self):
+        if self.low == self.high:
+            return self.high
+        if self._exact is None:
+            self._exact = arrays.ops_for(self.weight).max_abs(self.weight)
+        return self._exact
 
 
 class ModelEstimator(object):
@@ -79,41 +123,17 @@ class ModelEstimator(object):
                 ``grad`` computed in FP32 (read by the closed loop only).
 
         """
-        g_std, g_max = arrays.ops_for(grad).spread_and_max(grad, sample=False)
-        if not math.isfinite(g_max):
-            raise underflow.NonFiniteStatisticsError('non-finite gradient')
-        w_std, w_max = self._weight_spread_and_cap_maximum(
-            weight, g_std, g_max, n)
-        if not math.isfinite(w_max):
-            raise underflow.NonFiniteStatisticsError('non-finite weights')
-        beta = underflow.gemm_scale_from_stats(
-            g_std, g_max, w_std, w_max, n, self.underflow_rate, self.fmt)
-        sigma = math.sqrt(n) * g_std * w_std
-        return (beta, underflow.gemm_underflow_rate(sigma, beta, self.fmt),
-                underflow.gemm_underflow_rate(sigma, 1.0, self.fmt))
+        return self._model_gemm(GemmReads(grad, weight), n)
 
-    def _weight_spread_and_cap_maximum(self, weight, g_std, g_max, n):
-        """``(std(W), m)``: ``m`` gives the scale the exact ``max|W|``
-        gives, with a large weight read once in the common case.
-
-        The weight's bounds ``low <= max|W| <= high`` come from one read
-        (:func:`~gradient_scaling.core.statistics.spread_and_max_bounds`).
-        If the cap binds even at ``low``, it binds at the exact maximum
-        too, which is then read; if it does not bind at ``high``, it does
-        not bind at the exact maximum either (a larger cap): the scale is
-        the uncapped one. Only in between is the exact maximum read.
-        """
-        ops = arrays.ops_for(weight)
-        w_std, low, high = ops.spread_and_max_bounds(weight)
-        if low == high or not (math.isfinite(low) and math.isfinite(high)):
-            return w_std, high if math.isfinite(low) else low
-
+    def _model_gemm(self, reads, n):
         def scale(w_max):
             return underflow.gemm_scale_from_stats(
-                g_std, g_max, w_std, w_max, n, self.underflow_rate, self.fmt)
-        if scale(low) == scale(high):  # the same at both ends: uncapped
-            return w_std, high
-        return w_std, ops.max_abs(weight)
+                reads.g_std, reads.g_max, reads.w_std, w_max, n,
+                self.underflow_rate, self.fmt)
+        beta = scale(reads.weight_max(scale))
+        sigma = math.sqrt(n) * reads.g_std * reads.w_std
+        return (beta, underflow.gemm_underflow_rate(sigma, beta, self.fmt),
+                underflow.gemm_underflow_rate(sigma, 1.0, self.fmt))
 
     def cast(self, grad, alpha, key, staged):
         """The same for the gradient reaching a softmax cast."""
@@ -144,13 +164,18 @@ class MeasuredEstimator(ModelEstimator):
     name = 'measured'
 
     def gemm(self, grad, weight, n, alpha, key, staged, data_gradient):
-        cap = underflow.gemm_cap(_finite_max(grad), _finite_max(weight), n,
-                                 self.fmt)
+        reads = GemmReads(grad, weight)  # the model reads them no more
         output = data_gradient()
-        return self._choose(arrays.ops_for(output).exponent_histogram(output),
-                            cap, lambda: ModelEstimator.gemm(
-                                self, grad, weight, n, alpha, key, staged,
-                                data_gradient))
+        h = arrays.ops_for(output).exponent_histogram(output)
+
+        def choose(w_max):
+            cap = underflow.gemm_cap(reads.g_max, w_max, n, self.fmt)
+            chosen = self._choose(h, cap, lambda: self._model_gemm(reads, n))
+            return chosen, chosen[0] < cap
+        # The weight's upper bound gives the lower cap: a choice below it
+        # is the choice under the exact maximum's cap too.
+        chosen, below = choose(reads.high)
+        return chosen if below else choose(reads.exact_weight_max())[0]
 
     def cast(self, grad, alpha, key, staged):
         h = arrays.ops_for(grad).exponent_histogram(grad)
