@@ -16,13 +16,13 @@ import chainer
 from gradient_scaling import GradientScaling
 from gradient_scaling.chainer import _internals as internals
 from gradient_scaling.chainer import backward_rules
-from gradient_scaling.chainer import hook as hook_module
+from gradient_scaling.chainer import timing as timing_module
 from gradient_scaling.chainer import training
 
 from hook_nets import EveryConstructNet  # NOQA
 from hook_nets import every_construct_batch  # NOQA
 
-SECTIONS = set(hook_module.TIMED_SECTIONS)
+SECTIONS = set(timing_module.TIMED_SECTIONS)
 
 
 class Timer(object):
@@ -132,7 +132,7 @@ def test_each_call_counts_its_own_time_once():
     # A clock that advances by one per read: the outer call reads 0 and 5,
     # the inner timed call 1 and 2, the untimed one 3 and 4.
     timer = Timer(clock=itertools.count().__next__)
-    timing = hook_module._Timing(timer)
+    timing = timing_module.Timing(timer)
     inner = timing.wrap('rescaling', lambda: None)
     untimed = timing.wrap(None, lambda: None)
 

@@ -12,9 +12,6 @@ Chainer touch is in :mod:`gradient_scaling.chainer._internals`
 
 import gradient_scaling.compat  # NOQA
 
-import time
-import types
-
 import chainer
 from chainer.functions.array import cast
 
@@ -22,6 +19,7 @@ from gradient_scaling.chainer import _internals as internals
 from gradient_scaling.chainer import backward_rules
 from gradient_scaling.chainer import serialization
 from gradient_scaling.chainer import sites
+from gradient_scaling.chainer import timing
 from gradient_scaling.core import formats
 from gradient_scaling.core import recipes
 from gradient_scaling.core import step as step_module
@@ -36,12 +34,7 @@ __all__ = ['GradientScaling', 'GradientOverflowError', 'SiteRecord',
            'TIMED_SECTIONS']
 
 CAST_RULES = recipes.CAST_RULES
-#: The sections a timer given to :meth:`GradientScaling.time_with` receives.
-TIMED_SECTIONS = ('dispatch', 'scale choice', 'rescaling', 'branches',
-                  'traces', 'measurement', 'finiteness check')
-_STEP_SECTIONS = {'gemm': 'scale choice', 'cast': 'scale choice',
-                  'weight_path': 'scale choice', 'branch': 'branches',
-                  'trace': 'traces', 'measure': 'measurement'}
+TIMED_SECTIONS = timing.TIMED_SECTIONS
 
 # Rule kinds, by function class (the plain wrapper's kinds are named in
 # backward_rules).
@@ -309,16 +302,7 @@ class GradientScaling(chainer.FunctionHook):
 
     def time_with(self, timer):
         """Times this hook's work with ``timer`` (*Timing points*)."""
-        timing = _Timing(timer)
-        for name in ('backward_preprocess', 'hold_step', 'begin_backward',
-                     'end_backward', 'step_payload', 'conclude'):
-            setattr(self, name, timing.wrap('dispatch', getattr(self, name)))
-        self._pass_result = timing.wrap('finiteness check', self._pass_result)
-        controller = self.controller
-        controller.transition = timing.wrap('dispatch', controller.transition)
-        begin_pass = controller.begin_pass
-        controller.begin_pass = lambda: timing.time_step(begin_pass())
-        timing.time_rules(self.rules)
+        timing.time_hook(self, timer)
         return self
 
     # -- reporting and state ----------------------------------------------
@@ -353,56 +337,3 @@ class GradientScaling(chainer.FunctionHook):
                           'scales by object id; they cannot be restored '
                           'in another process', RuntimeWarning)
         serialization.serialize_state(serializer, self.controller)
-
-
-class _Timing(object):
-
-    """Wraps callables: each call adds its own seconds to a timer's section."""
-
-    def __init__(self, timer):
-        self.add, self.clock = timer.add, getattr(timer, 'clock',
-                                                  time.perf_counter)
-        self.inner = [0.0]  # per open timed call: its timed calls' seconds
-        self.step = None
-
-    def wrap(self, section, fn):
-        """``fn`` timed (``section`` None: its time is only subtracted)."""
-        add, clock, inner = self.add, self.clock, self.inner
-
-        def timed(*args, **kwargs):
-            inner.append(0.0)
-            start = clock()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                seconds = clock() - start
-                own = seconds - inner.pop()
-                inner[-1] += seconds
-                if section is not None:
-                    add(section, own)
-        return timed
-
-    def time_step(self, step):
-        """The open step with its rules timed (a new StepScales a step)."""
-        if step is not self.step:
-            self.step = step
-            for name, section in _STEP_SECTIONS.items():
-                setattr(step, name, self.wrap(section, getattr(step, name)))
-        return step
-
-    def time_rules(self, rules):
-        """Times the backward wrappers (not the function's own backward, their
-        first argument) and ``rescale``: the methods calling it are rebound,
-        on ``rules`` alone, to copies that see a timed one."""
-        scope = dict(vars(backward_rules), rescale=self.wrap(
-            'rescaling', backward_rules.rescale))
-        for name, fn in vars(type(rules)).items():
-            if isinstance(fn, types.FunctionType) and \
-                    'rescale' in fn.__code__.co_names:
-                copy = types.FunctionType(fn.__code__, scope, name,
-                                          fn.__defaults__, fn.__closure__)
-                setattr(rules, name, types.MethodType(copy, rules))
-        for name in ('gemm', 'cast', 'plain'):
-            rule = getattr(rules, name)
-            setattr(rules, name, self.wrap('dispatch', lambda backward, *a,
-                    rule=rule: rule(self.wrap(None, backward), *a)))

@@ -18,7 +18,7 @@ import numpy
 
 import chainer
 
-from gradient_scaling.chainer import hook as hook_module
+from gradient_scaling.chainer import timing
 from gradient_scaling.chainer import link_state
 from gradient_scaling.chainer import scalers
 from gradient_scaling.chainer import sites
@@ -42,7 +42,7 @@ NEVER = 10 ** 9
 #: rounding).
 SIMULATIONS = ('sim-fp16', 'sim-bf16', 'sim-fp8-e5m2', 'sim-fp8-e4m3',
                's2fp8', 'sim-fp16-sr')
-assert rows.SECTIONS == hook_module.TIMED_SECTIONS
+assert rows.SECTIONS == timing.TIMED_SECTIONS
 
 
 def use_device(gpu):
