@@ -7,11 +7,13 @@ import json
 import numpy as np
 import pytest
 
+from gradient_scaling.core import recipes
 from gradient_scaling.core import scale_state
 from gradient_scaling.core.scale_state import RefreshSchedule
 from gradient_scaling.core.scale_state import ScaleTable
 from gradient_scaling.core.scale_state import StagedScales
 from gradient_scaling.core.scale_state import WeightPathBackoff
+from gradient_scaling.core.step import PassResult
 
 
 def round_trip(obj, fresh, tmp_path=None):
@@ -140,3 +142,29 @@ def test_refresh_interval_validation():
         RefreshSchedule(True)
     assert RefreshSchedule(np.int64(5)).interval == 5
     assert scale_state.RefreshSchedule(1).due()
+
+
+def test_dynamic_loss_scale_table_row_by_row():
+    """GradScaler's transitions with a floor and a ceiling: growth after
+    growth_interval clean steps (capped), backoff on an overflow (floored),
+    nothing on a data fault; the state round-trips."""
+    recipe = recipes.for_mode('dynamic-gradscaler', init_scale=4.0,
+                              growth_interval=2, max_scale=8.0,
+                              min_scale=1.0)
+    d = scale_state.DynamicLossScale(recipe)
+    finite = PassResult()
+    overflow = PassResult(finite=False, cause='scale')
+    data = PassResult(finite=False, cause='data')
+    rows = [(finite, False, 4.0, 1), (finite, False, 8.0, 0),
+            (finite, False, 8.0, 1), (finite, False, 8.0, 0),  # ceiling
+            (data, False, 8.0, 0), (overflow, True, 4.0, 0),
+            (finite, False, 4.0, 1), (data, False, 4.0, 1),
+            (overflow, True, 2.0, 0), (overflow, True, 1.0, 0),
+            (overflow, False, 1.0, 0)]  # the floor: nothing lowered
+    for result, backed_off, scale, clean in rows:
+        assert d.transition(result) is backed_off
+        assert (d.loss_scale, d.clean_steps) == (scale, clean)
+    again = scale_state.DynamicLossScale(recipe)
+    again.load_state_dict(d.state_dict())
+    assert again.state_dict() == d.state_dict() == {'loss_scale': 1.0,
+                                                     'clean_steps': 0}

@@ -24,6 +24,7 @@ from gradient_scaling.core import formats
 from gradient_scaling.core import recipes
 from gradient_scaling.core import step as step_module
 from gradient_scaling.core.arrays import measured_underflow_rate
+from gradient_scaling.core.controller import ControllerViews
 from gradient_scaling.core.controller import ScaleController
 from gradient_scaling.core.controller import StepPayload
 from gradient_scaling.core.step import GradientOverflowError
@@ -57,7 +58,7 @@ class _Pass(object):
         self.leaves = {}  # id -> leaf Variable, each once
 
 
-class GradientScaling(chainer.FunctionHook):
+class GradientScaling(ControllerViews, chainer.FunctionHook):
 
     """Per-tensor gradient scaling during backprop (Zhao et al., IJCAI 2020).
 
@@ -154,22 +155,6 @@ class GradientScaling(chainer.FunctionHook):
         self._kinds = {}  # function class -> rule kind
         if timer is not None:
             self.time_with(timer)
-
-    # The controller's state, read where the hook used to keep it.
-    schedule = property(lambda self: self.controller.schedule)
-    table = property(lambda self: self.controller.table)
-    backoff = property(lambda self: self.controller.backoff)
-    guard = property(lambda self: self.controller.guard)
-    estimator = property(lambda self: self.controller.estimator)
-    iteration = property(lambda self: self.controller.iteration)
-    last_result = property(lambda self: self.controller.last_result)
-    update_interval = property(lambda self: self.recipe.update_interval)
-    underflow_rate = property(lambda self: self.recipe.underflow_rate)
-
-    @property
-    def skipped(self):
-        """Whether the last concluded step was skipped."""
-        return self.last_result is not None and not self.last_result.finite
 
     # -- FunctionHook interface ------------------------------------------
 

@@ -47,6 +47,7 @@ from gradient_scaling.chainer import serialization
 from gradient_scaling.chainer.hook import GradientScaling
 from gradient_scaling.chainer.update import apply_update
 from gradient_scaling.core import recipes
+from gradient_scaling.core import scale_state
 from gradient_scaling.core import statistics
 from gradient_scaling.core import step as step_module
 from gradient_scaling.core.step import PassResult
@@ -275,19 +276,10 @@ class GradScalerLossScaling(_CheckedLossScaling):
 
     """Dynamic loss scaling with GradScaler semantics, a floor and a ceiling.
 
-    Transition table:
-
-    ===========================  ============================  ==============
-    step                         scale                         clean steps
-    ===========================  ============================  ==============
-    taken                        x ``growth_factor`` (up to    + 1 (0 after
-                                 ``max_scale``) when clean     growing)
-                                 steps reach
-                                 ``growth_interval``
-    skipped, cause ``'scale'``   x ``backoff_factor`` (down    0
-                                 to ``min_scale``)
-    skipped, cause ``'data'``    unchanged                     unchanged
-    ===========================  ============================  ==============
+    The transitions are the core's
+    :class:`~gradient_scaling.core.scale_state.DynamicLossScale` (growth
+    after ``growth_interval`` clean steps, backoff on an overflow, none on
+    a data fault, within ``[min_scale, max_scale]``).
 
     ``patience`` skips in a row at ``min_scale`` (or data faults) raise
     :class:`~gradient_scaling.core.step.GradientOverflowError`. Without a
@@ -308,30 +300,19 @@ class GradScalerLossScaling(_CheckedLossScaling):
     def __init__(self, recipe=None, **settings):
         super().__init__(recipe or recipes.for_mode('dynamic-gradscaler',
                                                     **settings))
-        self.loss_scale = self.recipe.init_scale
-        self.clean_steps = 0
+        self.dynamic = scale_state.DynamicLossScale(self.recipe)
+
+    loss_scale = property(lambda self: self.dynamic.loss_scale)
+    clean_steps = property(lambda self: self.dynamic.clean_steps)
 
     def transition(self, payloads, result):
-        recipe = self.recipe
-        if result.finite:
-            self.clean_steps += 1
-            if self.clean_steps >= recipe.growth_interval:
-                self.loss_scale = min(self.loss_scale * recipe.growth_factor,
-                                      recipe.max_scale)
-                self.clean_steps = 0
-            return False
-        if result.cause == 'data':
-            return False
-        before = self.loss_scale
-        self.loss_scale = max(self.loss_scale * recipe.backoff_factor,
-                              recipe.min_scale)
-        self.clean_steps = 0
-        return self.loss_scale < before
+        return self.dynamic.transition(result)
 
     def serialize(self, serializer):
         super().serialize(serializer)
-        self.loss_scale = float(serializer('loss_scale', self.loss_scale))
-        self.clean_steps = int(serializer('clean_steps', self.clean_steps))
+        self.dynamic.load_state_dict({
+            key: serializer(key, value)
+            for key, value in self.dynamic.state_dict().items()})
 
 
 class GradientScalingScaler(Scaler):

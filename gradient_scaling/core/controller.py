@@ -45,7 +45,7 @@ from gradient_scaling.core import telemetry
 from gradient_scaling.core.step import PassResult
 from gradient_scaling.core.step_scales import StepScales
 
-__all__ = ['ScaleController', 'StepPayload']
+__all__ = ['ScaleController', 'StepPayload', 'ControllerViews']
 
 
 @dataclasses.dataclass
@@ -220,3 +220,25 @@ class ScaleController(object):
         return (('schedule', self.schedule), ('table', self.table),
                 ('backoff', self.backoff), ('guard', self.guard),
                 ('estimator', self.estimator), ('records', self.records))
+
+
+class ControllerViews(object):
+
+    """What a hook shows of its :class:`ScaleController` (``controller``)
+    and recipe (``recipe``): the adapters' hooks inherit it."""
+
+    schedule = property(lambda self: self.controller.schedule)
+    table = property(lambda self: self.controller.table)
+    backoff = property(lambda self: self.controller.backoff)
+    guard = property(lambda self: self.controller.guard)
+    estimator = property(lambda self: self.controller.estimator)
+    iteration = property(lambda self: self.controller.iteration)
+    last_result = property(lambda self: self.controller.last_result)
+    update_interval = property(lambda self: self.recipe.update_interval)
+    underflow_rate = property(lambda self: self.recipe.underflow_rate)
+
+    @property
+    def skipped(self):
+        """Whether the last concluded step was skipped."""
+        return self.last_result is not None and not self.last_result.finite
+

@@ -16,6 +16,7 @@ from gradient_scaling.core import arrays
 from gradient_scaling.core import formats
 from gradient_scaling.core import recipes
 from gradient_scaling.core import step as step_module
+from gradient_scaling.core.controller import ControllerViews
 from gradient_scaling.core.controller import ScaleController
 from gradient_scaling.torch import _internals as internals
 from gradient_scaling.torch import arrays as torch_arrays  # NOQA: registers
@@ -25,7 +26,7 @@ from gradient_scaling.torch.backward_rules import BackwardPass
 __all__ = ['GradientScaling']
 
 
-class GradientScaling(object):
+class GradientScaling(ControllerViews):
 
     """Per-tensor gradient scaling during backprop (Zhao et al., IJCAI 2020).
 
@@ -95,19 +96,6 @@ class GradientScaling(object):
         #: step reads every gradient once.
         self.unscale_each_pass = False
         self._pass = None
-
-    schedule = property(lambda self: self.controller.schedule)
-    table = property(lambda self: self.controller.table)
-    backoff = property(lambda self: self.controller.backoff)
-    guard = property(lambda self: self.controller.guard)
-    estimator = property(lambda self: self.controller.estimator)
-    iteration = property(lambda self: self.controller.iteration)
-    last_result = property(lambda self: self.controller.last_result)
-
-    @property
-    def skipped(self):
-        """Whether the last concluded step was skipped."""
-        return self.last_result is not None and not self.last_result.finite
 
     # -- names -----------------------------------------------------------
 

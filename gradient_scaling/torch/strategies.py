@@ -22,6 +22,7 @@ gs, amax-*                 :class:`PerTensor`: the gradient-scaling hook
 import torch
 
 from gradient_scaling.core import recipes
+from gradient_scaling.core import scale_state
 from gradient_scaling.core import step as step_module
 from gradient_scaling.core.step import PassResult
 from gradient_scaling.torch import unscaling
@@ -114,8 +115,9 @@ class DynamicScale(Unscaled):
 
     def __init__(self, recipe, model):
         super().__init__(recipe, model)
-        self.loss_scale = recipe.init_scale
-        self.clean_steps = 0
+        self.dynamic = scale_state.DynamicLossScale(recipe)
+
+    loss_scale = property(lambda self: self.dynamic.loss_scale)
 
     def payload(self, model):
         """Unscales and checks the model's gradients in one read."""
@@ -126,31 +128,17 @@ class DynamicScale(Unscaled):
             losses, [(n, p.grad) for n, p in self._params]))
 
     def transition(self, payloads, result):
-        recipe = self.recipe
-        if result.finite:
-            self.clean_steps += 1
-            if self.clean_steps >= recipe.growth_interval:
-                self.loss_scale = min(self.loss_scale * recipe.growth_factor,
-                                      recipe.max_scale)
-                self.clean_steps = 0
-            return False
-        if result.cause == 'data':
-            return False
-        before = self.loss_scale
-        self.loss_scale = max(self.loss_scale * recipe.backoff_factor,
-                              recipe.min_scale)
-        self.clean_steps = 0
-        return self.loss_scale < before
+        return self.dynamic.transition(result)
 
     def state_dict(self):
-        return dict({'scale': self.loss_scale,
-                     'clean_steps': self.clean_steps},
+        return dict({'scale': self.dynamic.loss_scale,
+                     'clean_steps': self.dynamic.clean_steps},
                     **{'guard/' + k: v
                        for k, v in self.guard.state_dict().items()})
 
     def load_state_dict(self, state):
-        self.loss_scale = float(state['scale'])
-        self.clean_steps = int(state['clean_steps'])
+        self.dynamic.load_state_dict({'loss_scale': state['scale'],
+                                      'clean_steps': state['clean_steps']})
         self.guard.load_state_dict({k[len('guard/'):]: v
                                     for k, v in state.items()
                                     if k.startswith('guard/')})
