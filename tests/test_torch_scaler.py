@@ -214,3 +214,44 @@ def test_get_scale_per_site_and_state_dict_is_plain_data():
     assert state['mode'] == 'gs'
     assert math.isfinite(sum(v for v in state['state'].values()
                              if isinstance(v, (int, float))))
+
+
+@pytest.mark.parametrize('loss_kind, reads', [('mse', 1),
+                                               ('cross_entropy', 2)])
+def test_a_cached_step_reads_the_device_once_and_the_cast_cap_once_more(
+        loss_kind, reads, monkeypatch):
+    """A cached step's host reads: the finiteness decision (one read for
+    every gradient and the loss, the fused unscale), and, where the model
+    has a softmax cast, the per-pass re-check of its cached scale's cap
+    (docs/DESIGN.md, 6). A refresh reads more (the statistics)."""
+    import collections
+    import torch.nn as nn
+    import torch.nn.functional as F
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8),
+                          nn.ReLU(), nn.Flatten(), nn.Linear(512, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradientScaler(model, update_interval=10 ** 9)
+    x, t = torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))
+
+    def loss_of(y):
+        if loss_kind == 'mse':
+            return F.mse_loss(y, F.one_hot(t, 10).float())
+        return F.cross_entropy(y, t)
+    counts = collections.Counter()
+    for name in ('item', 'tolist', '__float__', '__bool__', '__int__'):
+        def counted(self, *a, _original=getattr(torch.Tensor, name),
+                    _name=name, **k):
+            counts[_name] += 1
+            return _original(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    per_step = []
+    for _ in range(3):
+        counts.clear()
+        optimizer.zero_grad()
+        scaler.scale(loss_of(model(x))).backward()
+        assert scaler.step(optimizer)
+        scaler.update()
+        per_step.append(sum(counts.values()))
+    assert per_step[0] > reads  # the refresh
+    assert per_step[1:] == [reads, reads]
