@@ -15,6 +15,8 @@ from gradient_scaling import GradientOverflowError
 from gradient_scaling import GradientScaling
 from gradient_scaling import measured_underflow_rate
 from gradient_scaling.chainer import _internals as internals
+from gradient_scaling.chainer.simulation import LowPrecisionSimulation
+from gradient_scaling.core import rules
 
 from hook_nets import EveryConstructNet  # NOQA
 from hook_nets import every_construct_batch  # NOQA
@@ -311,3 +313,90 @@ def test_two_active_hooks_refused():
             with other:
                 pass
         assert 'OtherScaling' not in chainer.get_function_hooks()
+
+
+class _DeepMLP(chainer.Chain):
+    """Twelve 8-wide linear layers, a loss scaled down by ``factor``: the
+    gradients shrink by orders of magnitude and every GEMM scales up."""
+
+    def __init__(self, factor):
+        super().__init__()
+        self.factor = factor
+        with self.init_scope():
+            self.layers = chainer.ChainList(*[L.Linear(8, 8)
+                                              for _ in range(12)])
+
+    def forward(self, x):
+        h = x
+        for layer in self.layers:
+            h = F.tanh(layer(h))
+        return F.sum(h * h) * self.factor
+
+
+@pytest.mark.parametrize('scale_range', [None, (2.0 ** -20, 2.0 ** 20)])
+def test_every_accumulated_scale_stays_in_the_scale_range(scale_range):
+    """Default [2**-64, 2**64] (or a narrower one): every site's output
+    scale and every parameter's gradient scale stay inside, the clamp
+    binds (wider, they would not), and the unscaled gradients stay exact."""
+    with chainer.using_config('dtype', np.float64):
+        model = _DeepMLP(factor=1e-40)
+    x = np.random.default_rng(0).standard_normal((4, 8))
+    low, high = scale_range or (2.0 ** -64, 2.0 ** 64)
+
+    def loss():
+        return model(x)
+    expected = plain_grads(model, loss)
+    settings = {} if scale_range is None else {'scale_range': scale_range}
+    hook = GradientScaling(target=model, **settings)
+    assert_same_grads(expected, scaled_grads(model, loss, hook))
+    scales = [internals.param_loss_scale(p) for p in model.params()]
+    outputs = [r.output_scale for r in hook.report()]
+    assert all(low <= s <= high for s in scales + outputs)
+    assert max(scales + outputs) == high  # the clamp binds
+    wide = GradientScaling(target=model,
+                           scale_range=(2.0 ** -126, 2.0 ** 126))
+    scaled_grads(model, loss, wide)
+    assert max(internals.param_loss_scale(p) for p in model.params()) > high
+
+
+class _Classifier(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.fc = L.Linear(6, 5)
+
+    def forward(self, x, t):
+        return F.softmax_cross_entropy(self.fc(x), t)
+
+
+@pytest.mark.parametrize('recheck', [True, False])
+def test_a_cached_cast_scale_is_capped_again_at_every_pass(recheck,
+                                                           monkeypatch):
+    """The cast scale cached from a confident batch (its cap: lambda_max /
+    max|g| of that batch) would overflow FP16 on an unconfident one; the
+    per-pass re-check lowers it to this pass's cap and the simulated FP16
+    pass stays finite (without the re-check it does not: the test can
+    fail)."""
+    if not recheck:
+        monkeypatch.setattr(rules, 'cached_cast_scale',
+                            lambda beta, largest, fmt: beta)
+    model = _Classifier()
+    rng = np.random.default_rng(0)
+    t = np.arange(8, dtype=np.int32) % 5
+    confident = np.zeros((8, 6), np.float32)
+    model.fc.W.array[...] = 0
+    model.fc.b.array[...] = 0
+    model.fc.W.array[np.arange(5), np.arange(5)] = 40.0  # logits 40 apart
+    confident[np.arange(8), t] = 1.0
+    unconfident = (rng.standard_normal((8, 6)) * 1e-3).astype(np.float32)
+    hook = GradientScaling(target=model, update_interval=10 ** 9)
+    sim = LowPrecisionSimulation('float16')
+    results = []
+    for x in (confident, unconfident):
+        model.cleargrads()
+        with sim, hook:
+            model(x, t).backward()
+        results.append(hook.last_result.finite)
+    cast = [r for r in hook.report() if r.kind == 'cast']
+    assert cast and cast[0].local_scale > 2 ** 10  # the cap of the refresh
+    assert results == [True, recheck]
