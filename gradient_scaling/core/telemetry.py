@@ -21,7 +21,7 @@ import dataclasses
 import io
 import math
 
-__all__ = ['SiteRecord', 'SiteRecords']
+__all__ = ['SiteRecord', 'SiteRecords', 'write_csv']
 
 
 @dataclasses.dataclass
@@ -99,19 +99,7 @@ class SiteRecords(object):
 
     def to_csv(self, file=None):
         """Writes :meth:`report` as CSV to a path or file; returns the text."""
-        out = io.StringIO()
-        writer = csv.DictWriter(out, fieldnames=[f.name for f in _FIELDS],
-                                lineterminator='\n')
-        writer.writeheader()
-        for record in self._records.values():
-            writer.writerow(dataclasses.asdict(record))
-        text = out.getvalue()
-        if isinstance(file, str):
-            with open(file, 'w', newline='') as f:
-                f.write(text)
-        elif file is not None:
-            file.write(text)
-        return text
+        return write_csv(self._records.values(), file)
 
     def state_dict(self):
         """One list per field (a column), in record order."""
@@ -132,3 +120,21 @@ class SiteRecords(object):
                          int(v) if f.type is int else float(v))
                 for f, v in zip(_FIELDS, values)})
             self._records[record.name] = record
+
+
+def write_csv(records, file=None):
+    """Writes :class:`SiteRecord` s as CSV (one row each, every field) to
+    a path or a file object; returns the text."""
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=[f.name for f in _FIELDS],
+                            lineterminator='\n')
+    writer.writeheader()
+    for record in records:
+        writer.writerow(dataclasses.asdict(record))
+    text = out.getvalue()
+    if isinstance(file, str):
+        with open(file, 'w', newline='') as f:
+            f.write(text)
+    elif file is not None:
+        file.write(text)
+    return text

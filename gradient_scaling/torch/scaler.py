@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from gradient_scaling.core import recipes
 from gradient_scaling.core import step as step_module
+from gradient_scaling.core import telemetry
 from gradient_scaling.core.step import PassResult
 from gradient_scaling.torch import strategies
 from gradient_scaling.torch import unscaling
@@ -203,6 +204,16 @@ class GradientScaler(object):
         return self._decided
 
     # -- state ---------------------------------------------------------------
+
+    def report(self):
+        """Gradient scaling's telemetry, one record per site as of its
+        last refresh (empty for a loss-scaling mode)."""
+        return self.strategy.report()
+
+    def to_csv(self, file=None):
+        """Writes :meth:`report` as CSV to a path or file; returns the
+        text."""
+        return telemetry.write_csv(self.report(), file)
 
     def get_scale(self):
         """The loss scale (a float), or, for gradient scaling, the

@@ -87,6 +87,9 @@ class Unscaled(object):
     def get_scale(self):
         return self.loss_scale
 
+    def report(self):
+        return []
+
     def state_dict(self):
         return {}
 
@@ -177,6 +180,9 @@ class PerTensor(object):
 
     def scale_text(self):
         return self.hook.controller.scale_text()
+
+    def report(self):
+        return self.hook.report()
 
     def get_scale(self):
         """The committed local scale of every site."""
