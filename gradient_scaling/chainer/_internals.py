@@ -59,12 +59,10 @@ from chainer import _backprop_utils
 from chainer.dataset import convert
 from chainer import variable as variable_module
 
+from gradient_scaling.core import patches
+
 SCALE_ATTRIBUTE = '_gradient_scale'
 SOFTMAX_ATTRIBUTE = '_gradient_from_softmax'
-
-_original = {}
-_handler = None
-
 
 def gradient_scale(grad_var, default=1.0):
     """Accumulated scale a gradient ``Variable`` carries."""
@@ -127,12 +125,13 @@ def _reduce(grad_list):
     if not grad_list:
         return None
     if len(grad_list) >= 2:
-        _handler.combine(grad_list)
+        _patches.handler.combine(grad_list)
     return grad_list[0]
 
 
 def _grad_var_from_alive_node(node):
-    gv = _original['_grad_var_from_alive_node'](node)
+    gv = _patches.original(_backprop_utils, '_grad_var_from_alive_node')(
+        node)
     if gv is not None:
         var = node.get_variable_or_none()
         if var is not None:
@@ -143,10 +142,12 @@ def _grad_var_from_alive_node(node):
 
 
 def _set_grad_var_without_check(self, gv):
-    _original['_set_grad_var_without_check'](self, gv)
+    _patches.original(variable_module.Variable,
+                      '_set_grad_var_without_check')(self, gv)
     # Chainer clears a leaf's gradient (None) before it sets the sum.
-    if gv is not None and _handler is not None and _handler.in_backward:
-        _handler.leaf_received(self)
+    handler = _patches.handler
+    if gv is not None and handler is not None and handler.in_backward:
+        handler.leaf_received(self)
 
 
 def _backprop_to_all(outputs, retain_grad, loss_scale):
@@ -155,13 +156,15 @@ def _backprop_to_all(outputs, retain_grad, loss_scale):
             'GradientScaling does not support double backpropagation '
             '(enable_double_backprop=True): the scaled gradients would '
             'become part of the graph.')
-    _handler.begin_backward(outputs, loss_scale)
+    handler = _patches.handler
+    handler.begin_backward(outputs, loss_scale)
     try:
-        _original['_backprop_to_all'](outputs, retain_grad, loss_scale)
+        _patches.original(_backprop, '_backprop_to_all')(
+            outputs, retain_grad, loss_scale)
     except BaseException:
-        _handler.abort_backward()
+        handler.abort_backward()
         raise
-    _handler.end_backward()
+    handler.end_backward()
 
 
 def _variable_backward(self, *args, **kwargs):
@@ -169,51 +172,21 @@ def _variable_backward(self, *args, **kwargs):
         raise RuntimeError(
             'GradientScaling does not support ChainerX arrays; use NumPy or '
             'CuPy arrays (chainer.backend.CpuDevice / GpuDevice).')
-    return _original['Variable.backward'](self, *args, **kwargs)
+    return _patches.original(variable_module.Variable, 'backward')(
+        self, *args, **kwargs)
 
 
 def install(handler):
     """Routes Chainer's backprop internals to ``handler`` until uninstall."""
-    global _handler
-    if _handler is not None:
-        if _handler is handler:
-            return
-        raise RuntimeError(
-            'another GradientScaling hook is already active; only one can '
-            'scale a backward pass at a time')
-    _handler = handler
-    _original['_reduce'] = _backprop_utils._reduce
-    _original['_grad_var_from_alive_node'] = \
-        _backprop_utils._grad_var_from_alive_node
-    _original['_backprop_to_all'] = _backprop._backprop_to_all
-    _original['_set_grad_var_without_check'] = \
-        variable_module.Variable._set_grad_var_without_check
-    _original['Variable.backward'] = variable_module.Variable.backward
-    _backprop_utils._reduce = _reduce
-    _backprop_utils._grad_var_from_alive_node = _grad_var_from_alive_node
-    _backprop._backprop_to_all = _backprop_to_all
-    variable_module.Variable._set_grad_var_without_check = \
-        _set_grad_var_without_check
-    variable_module.Variable.backward = _variable_backward
+    _patches.install(handler)
 
 
 def uninstall(handler):
-    global _handler
-    if _handler is not handler:
-        return
-    _backprop_utils._reduce = _original['_reduce']
-    _backprop_utils._grad_var_from_alive_node = \
-        _original['_grad_var_from_alive_node']
-    _backprop._backprop_to_all = _original['_backprop_to_all']
-    variable_module.Variable._set_grad_var_without_check = \
-        _original['_set_grad_var_without_check']
-    variable_module.Variable.backward = _original['Variable.backward']
-    _original.clear()
-    _handler = None
+    _patches.uninstall(handler)
 
 
 def active_handler():
-    return _handler
+    return _patches.handler
 
 
 def original_reduce(grad_list):
@@ -365,7 +338,7 @@ def curand_state(bit_generator):
 def chainer_backprop_restored():
     """Whether Chainer's backprop functions are its own again (no hook
     installed)."""
-    return (_handler is None
+    return (_patches.handler is None
             and _backprop_utils._reduce.__module__ == 'chainer._backprop_utils'
             and _backprop._backprop_to_all.__module__ == 'chainer._backprop')
 
@@ -373,3 +346,12 @@ def chainer_backprop_restored():
 def default_boxes(coder):
     """The default boxes ``(y, x, h, w)`` of ChainerCV's ``MultiboxCoder``."""
     return coder._default_bbox
+
+
+_patches = patches.Patches([
+    (_backprop_utils, '_reduce', _reduce),
+    (_backprop_utils, '_grad_var_from_alive_node', _grad_var_from_alive_node),
+    (_backprop, '_backprop_to_all', _backprop_to_all),
+    (variable_module.Variable, '_set_grad_var_without_check',
+     _set_grad_var_without_check),
+    (variable_module.Variable, 'backward', _variable_backward)])

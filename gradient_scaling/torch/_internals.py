@@ -30,12 +30,12 @@ What the autograd-graph hook needs that PyTorch's public API does not give:
 
 import torch
 
+from gradient_scaling.core import patches
+
 __all__ = ['input_dtype', 'saved', 'queue_end_of_backward', 'install',
            'uninstall', 'active_handler', 'check_and_unscale', 'copy_all',
            'sequence_number']
 
-_original = {}
-_handler = None
 
 
 def input_dtype(node, slot):
@@ -99,7 +99,8 @@ def queue_end_of_backward(callback):
 
 
 def _backward(*args, **kwargs):
-    return _handler.backward(_original['backward'], *args, **kwargs)
+    return _patches.handler.backward(
+        _patches.original(torch.autograd, 'backward'), *args, **kwargs)
 
 
 def _grad(*args, **kwargs):
@@ -111,29 +112,16 @@ def _grad(*args, **kwargs):
 
 def install(handler):
     """Routes ``torch.autograd.backward`` to ``handler`` until uninstall."""
-    global _handler
-    if _handler is not None:
-        if _handler is handler:
-            return
-        raise RuntimeError(
-            'another GradientScaling hook is already active; only one can '
-            'scale a backward pass at a time')
-    _handler = handler
-    _original['backward'] = torch.autograd.backward
-    _original['grad'] = torch.autograd.grad
-    torch.autograd.backward = _backward
-    torch.autograd.grad = _grad
+    _patches.install(handler)
 
 
 def uninstall(handler):
-    global _handler
-    if _handler is not handler:
-        return
-    torch.autograd.backward = _original['backward']
-    torch.autograd.grad = _original['grad']
-    _original.clear()
-    _handler = None
+    _patches.uninstall(handler)
 
 
 def active_handler():
-    return _handler
+    return _patches.handler
+
+
+_patches = patches.Patches([(torch.autograd, 'backward', _backward),
+                            (torch.autograd, 'grad', _grad)])

@@ -1,0 +1,69 @@
+"""Attributes of a framework replaced while one hook is active.
+
+Both adapters route a few of their framework's functions to the active
+hook (Chainer's backprop internals, ``torch.autograd.backward``): a
+:class:`Patches` holds those replacements, installs them for one handler
+at a time (a graph's gradients can carry one set of scales) and puts the
+originals back. The adapters' ``_internals`` modules declare what they
+replace; nothing here knows a framework.
+
+.. admonition:: Example
+
+    >>> import types
+    >>> owner = types.SimpleNamespace(f=lambda: 'original')
+    >>> patches = Patches([(owner, 'f', lambda: 'replaced')])
+    >>> handler = object()
+    >>> patches.install(handler); owner.f(), patches.original(owner, 'f')()
+    ('replaced', 'original')
+    >>> patches.uninstall(handler); owner.f(), patches.handler
+    ('original', None)
+
+"""
+
+__all__ = ['Patches']
+
+
+class Patches(object):
+
+    """``(owner, name, replacement)`` triples, installed for one handler.
+
+    Attributes:
+        handler: The active handler, or None.
+
+    """
+
+    def __init__(self, replacements):
+        self.replacements = list(replacements)
+        self.handler = None
+        self._originals = {}
+
+    def install(self, handler):
+        """Makes ``handler`` the active one (again: nothing to do).
+
+        Raises:
+            RuntimeError: If another handler is active.
+
+        """
+        if self.handler is not None:
+            if self.handler is handler:
+                return
+            raise RuntimeError(
+                'another GradientScaling hook is already active; only one '
+                'can scale a backward pass at a time')
+        self.handler = handler
+        for owner, name, replacement in self.replacements:
+            self._originals[id(owner), name] = getattr(owner, name)
+            setattr(owner, name, replacement)
+
+    def uninstall(self, handler):
+        """Puts the originals back, if ``handler`` is the active one."""
+        if self.handler is not handler:
+            return
+        for owner, name, _ in self.replacements:
+            setattr(owner, name, self._originals[id(owner), name])
+        self._originals.clear()
+        self.handler = None
+
+    def original(self, owner, name):
+        """What ``owner.name`` was before :meth:`install`."""
+        return self._originals[id(owner), name]
