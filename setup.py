@@ -48,7 +48,8 @@ setup(
     packages=find_packages(include=['gradient_scaling', 'gradient_scaling.*',
                                     'chainer_links', 'chainer_links.*',
                                     'example_data', 'example_data.*',
-                                    'example_common', 'example_common.*']),
+                                    'example_common', 'example_common.*',
+                                    'torch_models', 'torch_models.*']),
     install_requires=install_requires,
     extras_require=extras_require,
 )
