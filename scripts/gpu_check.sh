@@ -12,10 +12,17 @@
 # unless chainer is importable already. Nothing is downloaded.
 #
 # Steps, each timed, each run whatever happened before, within a total
-# budget of GPU_CHECK_BUDGET seconds (default 450, under 8 minutes):
+# budget of GPU_CHECK_BUDGET seconds (default 570, under 10 minutes):
 #   install, info          the wheels; versions, device, CUDA/cuDNN as Chainer sees them
 #   gpu-tests              pytest -m gpu
 #   kernels, smoke-train   scripts/gpu_smoke.py kernels / train
+#   torch_*                the PyTorch adapter (scripts/gpu_torch.py, at most 2
+#                          minutes): the device; the statistics on it against
+#                          NumPy; GS against torch.amp.GradScaler under CUDA
+#                          autocast float16; 20 iterations of
+#                          examples/torch/train.py (SegNet, autocast-fp16, GS).
+#                          Skipped (not run, counted as not ok) when this
+#                          PyTorch has no CUDA
 #   statistics-bandwidth   scripts/benchmark_kernels.py --gpu 0 (64 MB float32)
 #   benchmark              scripts/benchmark.py --gpu 0, small_cnn resnet50 ssd300, fp32 + mixed16,
 #                          and the framework-bound targets (ResNet-50 32x32, one model copy)
@@ -28,7 +35,7 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 GPU=${GPU:-0}
-BUDGET=${GPU_CHECK_BUDGET:-450}
+BUDGET=${GPU_CHECK_BUDGET:-570}
 LOGDIR=${OUT:-results/gpu/$(date -u +%Y%m%d-%H%M%S)}
 mkdir -p "$LOGDIR"
 LOGDIR=$(cd "$LOGDIR" && pwd)
@@ -38,11 +45,14 @@ export PYTHONUNBUFFERED=1 MPLBACKEND=Agg
 START=$SECONDS
 STEPS=()
 FAILED=0
+# A step's exit status for "cannot run here" (scripts/gpu_torch.py).
+SKIPPED=77
 
 # step NAME CAP_SECONDS COMMAND...: runs COMMAND (under `timeout`, at most
 # CAP_SECONDS and what is left of the budget), logs to $LOGDIR/NAME.log,
-# records status (FAIL too when check_NAME LOG fails), seconds and a note
-# (the log's last line, or what note_NAME LOG prints).
+# records status (skipped when COMMAND exits $SKIPPED; FAIL too when
+# check_NAME LOG fails), seconds and a note (the log's last line, or what
+# note_NAME LOG prints).
 step() {
     local name=$1 cap=$2
     shift 2
@@ -63,6 +73,8 @@ step() {
     rc=$?
     if ((rc == 0)); then
         status=ok
+    elif ((rc == SKIPPED)); then
+        status=skipped
     elif ((rc == 124 || rc == 137)); then
         status="timeout"
     else
@@ -132,6 +144,31 @@ note_example_ssd300() { example_note "$1" "$LOGDIR/ssd300"; }
 note_example_segnet() { example_note "$1" "$LOGDIR/segnet"; }
 note_example_resnet50() { example_note "$1" "$LOGDIR/resnet50"; }
 note_example_cifar() { example_note "$1" "$LOGDIR/cifar"; }
+note_torch_compare() { grep -E 'ms/iter|^final' "$1" | tr '\n' ';'; }
+note_torch_example() { example_note "$1" "$LOGDIR/torch_segnet"; }
+
+# The PyTorch steps after torch_info; all skipped when it was not ok (no
+# CUDA in this PyTorch), each with the reason.
+torch_steps() {
+    local last=${STEPS[-1]}
+    if [[ $last != "torch_info|ok|"* ]]; then
+        local why=${last##*|}
+        for name in torch_statistics torch_compare torch_example; do
+            STEPS+=("$name|skipped|0|torch_info not ok: ${why:0:100}")
+            FAILED=$((FAILED + 1))
+            echo "=== $name: skipped, torch_info was not ok"
+        done
+        return
+    fi
+    step torch_statistics 20 "$PYTHON" scripts/gpu_torch.py statistics --gpu "$GPU"
+    step torch_compare 40 "$PYTHON" scripts/gpu_torch.py compare --gpu "$GPU"
+    # SegNetBasic at 352x480 (CamVid's 360x480, to a multiple of 16).
+    step torch_example 40 "$PYTHON" examples/torch/train.py --task segmentation \
+        --gpu "$GPU" --precision autocast-fp16 --scaling gs --iteration 20 \
+        --update-interval 10 --log-interval 10 --no-plot --batchsize 4 \
+        --embedded-size 40 8 --embedded-image-size 352 480 \
+        --out "$LOGDIR/torch_segnet"
+}
 
 step install 60 install_wheels
 if [[ -d $LOGDIR/site ]]; then
@@ -141,6 +178,8 @@ step info 60 "$PYTHON" scripts/gpu_smoke.py info --gpu "$GPU"
 step gpu_tests 150 "$PYTHON" -m pytest -q -m gpu tests -p no:cacheprovider
 step kernels 60 "$PYTHON" scripts/gpu_smoke.py kernels --gpu "$GPU"
 step smoke_train 60 "$PYTHON" scripts/gpu_smoke.py train --gpu "$GPU"
+step torch_info 20 "$PYTHON" scripts/gpu_torch.py info --gpu "$GPU"
+torch_steps
 step statistics_bandwidth 60 "$PYTHON" scripts/benchmark_kernels.py \
     --gpu "$GPU" --size $((2 ** 24)) --dtypes float32 --repeat 5 \
     --out "$LOGDIR/benchmark_kernels.md"

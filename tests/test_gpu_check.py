@@ -15,9 +15,11 @@ import sys
 import pytest
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
-STEPS = ['install', 'info', 'gpu_tests', 'kernels', 'smoke_train',
-         'statistics_bandwidth', 'benchmark', 'example_ssd300',
-         'example_segnet', 'example_resnet50', 'example_cifar']
+TORCH_STEPS = ['torch_info', 'torch_statistics', 'torch_compare',
+               'torch_example']
+STEPS = ['install', 'info', 'gpu_tests', 'kernels', 'smoke_train'] + \
+    TORCH_STEPS + ['statistics_bandwidth', 'benchmark', 'example_ssd300',
+                   'example_segnet', 'example_resnet50', 'example_cifar']
 
 pytestmark = pytest.mark.skipif(
     shutil.which('bash') is None or shutil.which('timeout') is None,
@@ -53,13 +55,78 @@ def test_continues_after_failures_and_summarises(tmp_path):
     assert rows['install'][0] == 'ok'
     assert 'already installed: chainer 7.8.1' in rows['install'][2]
     for name in STEPS[1:]:
+        if name in TORCH_STEPS:
+            continue
         assert rows[name][0].startswith('FAIL'), (name, rows[name])
         assert (tmp_path / 'gpu' / (name + '.log')).exists()
+    check_torch_steps_skipped(rows)
     # pytest -m gpu skips everything here: that is not a pass.
     assert rows['gpu_tests'][0] == 'FAIL (check)'
     assert 'cupy' in rows['info'][2].lower()
     assert result.returncode == len(STEPS) - 1
     assert summary in result.stdout  # printed as well as written
+
+
+def check_torch_steps_skipped(rows):
+    """Without CUDA in PyTorch, torch_info says so and the other PyTorch
+    steps are skipped at once, naming why (without PyTorch it fails)."""
+    try:
+        import torch
+        cuda = torch.cuda.is_available()
+    except ImportError:
+        torch = None
+    if torch is not None and cuda:
+        pytest.skip('PyTorch has CUDA here')
+    status, seconds, note = rows['torch_info']
+    if torch is None:
+        assert status.startswith('FAIL')
+    else:
+        assert status == 'skipped' and 'this PyTorch has no CUDA' in note
+    for name in TORCH_STEPS[1:]:
+        assert rows[name][0] == 'skipped' and rows[name][1] == 0, name
+        assert 'torch_info not ok' in rows[name][2]
+
+
+def test_the_torch_part_fits_two_minutes():
+    # The caps of the PyTorch steps, read from the script, and the budget
+    # raised by as much over the 450 s of the steps before them.
+    with open(os.path.join(ROOT, 'scripts', 'gpu_check.sh')) as f:
+        source = f.read()
+    caps = dict(re.findall(r'^\s*step (torch_\w+) (\d+) ', source,
+                           re.MULTILINE))
+    assert sorted(caps) == sorted(TORCH_STEPS)
+    assert sum(int(c) for c in caps.values()) <= 120
+    assert 'BUDGET=${GPU_CHECK_BUDGET:-570}' in source
+    # They run before the benchmark, which may use up the budget.
+    assert source.index('step torch_info') < source.index('step benchmark')
+
+
+def test_gpu_torch_checks_run_on_the_cpu():
+    # scripts/gpu_torch.py's checks, on the CPU (bfloat16 autocast: CPU
+    # float16 convolutions are too slow); on a CUDA-less PyTorch its
+    # commands exit 77, which gpu_check.sh reports as skipped.
+    torch = pytest.importorskip('torch')
+    script = os.path.join(ROOT, 'scripts', 'gpu_torch.py')
+    env = dict(os.environ, OMP_NUM_THREADS='1',
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get('PYTHONPATH',
+                                                             ''))
+
+    def run(*options):
+        return subprocess.run([sys.executable, script] + list(options),
+                              capture_output=True, text=True, env=env,
+                              timeout=300)
+    if not torch.cuda.is_available():
+        info = run('info')
+        assert info.returncode == 77, info.stderr[-2000:]
+        assert 'skipped: this PyTorch has no CUDA' in info.stdout
+    stats = run('statistics', '--cpu')
+    assert stats.returncode == 0, stats.stderr[-2000:]
+    assert re.search(r'\(\d+ subnormal float32\)', stats.stdout)
+    compare = run('compare', '--cpu', '--dtype', 'bfloat16', '--steps',
+                  '24', '--batch', '8')
+    assert compare.returncode == 0, compare.stderr[-2000:]
+    assert 'torch.amp.GradScaler: loss' in compare.stdout
+    assert re.search(r'gs: .* scale\(s\) \d+ sites, log2', compare.stdout)
 
 
 def test_budget_skips_the_remaining_steps(tmp_path):
