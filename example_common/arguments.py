@@ -11,9 +11,11 @@ and a file option (``--resume``, ``--pretrained-model``,
 ``--class-weight``) naming a file that is missing, damaged or would need
 pickle to load -- before any work, nothing written.
 
-Schedule options left at ``None`` take the defaults of the data actually
-used, which is known only once the data are loaded
-(:func:`example_data.real_or_embedded`): :func:`apply_defaults`.
+Schedule options left at ``None`` take the defaults of the dataset that
+``--dataset`` names (a real one that is absent stops the run: only
+``--dataset embedded`` trains on generated data), some of them fitted to
+the data once they are loaded (:mod:`example_data.fitting`):
+:func:`apply_defaults`.
 
 >>> parser = arguments.make_parser(__doc__)
 >>> arguments.add_dataset(parser, [('camvid', 'CamVid')])
@@ -36,6 +38,7 @@ from gradient_scaling.chainer import files
 from gradient_scaling.chainer import training as gs_training
 
 from example_common.errors import InputError
+from example_common import snapshots
 
 __all__ = ['make_parser', 'add_dataset', 'add_embedded_size',
            'add_run_options', 'check_options', 'check_inputs', 'check_out',
@@ -99,7 +102,8 @@ def add_run_options(parser, out, snapshot_interval=True,
         parser (argparse.ArgumentParser): Gets the options.
         out (str): Default of ``--out``.
         snapshot_interval (bool): Add ``--snapshot-interval`` (default:
-            :func:`example_common.snapshots.snapshot_interval`).
+            :func:`example_common.snapshots.snapshot_interval`) and
+            ``--snapshot-keep``.
         gpu_help (str): Help of ``--gpu``, if it says more than the id.
 
     """
@@ -118,6 +122,12 @@ def add_run_options(parser, out, snapshot_interval=True,
                             'iterations (default: every quarter of a run '
                             'of 200 iterations or more, none in a shorter '
                             'one; 0: none)')
+        parser.add_argument('--snapshot-keep', type=int,
+                            default=snapshots.DEFAULT_KEEP, metavar='K',
+                            help='keep the K newest trainer snapshots in '
+                            '--out, deleting an older one only once a '
+                            'newer one is complete (default: %(default)s; '
+                            '0: keep all)')
     parser.add_argument('--seed', type=int, default=0)
     parser.add_argument('--no-plot', action='store_true')
     gs_training.add_arguments(parser)
@@ -127,8 +137,9 @@ def check_options(parser, args):
     """Exits through ``parser.error`` on an out-of-range shared option.
 
     Counts (batch size, lengths, intervals) must be >= 1, ``--lr`` > 0,
-    ``--snapshot-interval`` >= 0 and both ``--embedded-size`` numbers
-    >= 1; options the parser does not have are not checked.
+    ``--snapshot-interval`` and ``--snapshot-keep`` >= 0 and both
+    ``--embedded-size`` numbers >= 1; options the parser does not have
+    are not checked.
     """
     for name in _COUNTS:
         value = getattr(args, name, None)
@@ -137,10 +148,12 @@ def check_options(parser, args):
                 name.replace('_', '-'), value))
     if getattr(args, 'lr', None) is not None and not args.lr > 0:
         parser.error('--lr must be > 0, got {}'.format(args.lr))
-    interval = getattr(args, 'snapshot_interval', None)
-    if interval is not None and interval < 0:
-        parser.error('--snapshot-interval must be >= 0, got {}'.format(
-            interval))
+    for name, meaning in (('snapshot_interval', 'none'),
+                          ('snapshot_keep', 'keep all')):
+        value = getattr(args, name, None)
+        if value is not None and value < 0:
+            parser.error('--{} must be >= 0 (0: {}), got {}'.format(
+                name.replace('_', '-'), meaning, value))
     sizes = getattr(args, 'embedded_size', None)
     if sizes is not None and min(sizes) < 1:
         parser.error('--embedded-size needs two numbers >= 1, got {}'.format(

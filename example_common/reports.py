@@ -15,7 +15,8 @@ added (snapshots and resuming: :mod:`example_common.snapshots`)::
 The printed table has the iteration, the learning rate, the training
 values, how many steps were skipped and the largest scale (from
 :class:`~gradient_scaling.training.ScalingUpdater`), then the validation
-values, every ``--log-interval`` iterations and at the last one; a GS run
+values, every ``--log-interval`` iterations, at every evaluation and at
+the last iteration; a GS run
 also records every site's scale
 (:class:`~gradient_scaling.extensions.ScaleHistory`).  The progress bar is
 shown on a terminal only (no control codes in a redirected log; never
@@ -106,22 +107,25 @@ class _PlainText(object):
         self._stream.flush()
 
 
-class _EveryAndLast(object):
+class _EveryAndAt(object):
 
-    """Fires every ``interval`` iterations and at iteration ``last``.
+    """Fires every ``interval`` iterations and at each of ``points`` (the
+    evaluations, the last iteration among them).
 
     The log of a run shorter than its log interval, or not a multiple of
-    it, still ends with the last iteration (and its final evaluation).
-    Serialized as the ``IntervalTrigger`` it wraps.
+    it, still ends with the last iteration (and its final evaluation); and
+    a log entry holds one evaluation, never the mean of several that fell
+    into one log interval.  Serialized as the ``IntervalTrigger`` it
+    wraps.
     """
 
-    def __init__(self, interval, last):
+    def __init__(self, interval, points):
         self._interval = triggers.IntervalTrigger(interval, 'iteration')
-        self.last = last
+        self.points = frozenset(points)
 
     def __call__(self, trainer):
         fired = self._interval(trainer)
-        return fired or trainer.updater.iteration == self.last
+        return fired or trainer.updater.iteration in self.points
 
     def serialize(self, serializer):
         self._interval.serialize(serializer)
@@ -155,9 +159,9 @@ def extend_reports(trainer, args, scaler, config, train_keys,
     """
     log_interval = args.log_interval, 'iteration'
     trainer.extend(extensions.LogReport(
-        trigger=_EveryAndLast(args.log_interval, points[-1])))
+        trigger=_EveryAndAt(args.log_interval, points)))
     trainer.extend(extensions.observe_lr(),
-                   trigger=_EveryAndLast(args.log_interval, points[-1]))
+                   trigger=_EveryAndAt(args.log_interval, points))
     # Both print to sys.stdout as it is now (their default is the one of
     # when Chainer was imported), so that a redirection catches them too.
     # MPI launchers hand their ranks a pseudo-terminal even when their own
@@ -167,7 +171,7 @@ def extend_reports(trainer, args, scaler, config, train_keys,
         ['epoch', 'iteration', 'lr'] + train_keys + SCALING_KEYS
         + validation_keys + ['elapsed_time'],
         out=sys.stdout if terminal else _PlainText(sys.stdout)),
-        trigger=_EveryAndLast(args.log_interval, points[-1]))
+        trigger=_EveryAndAt(args.log_interval, points))
     if terminal:
         trainer.extend(extensions.ProgressBar(
             update_interval=log_interval[0], out=sys.stdout))

@@ -91,6 +91,11 @@ class ClassFolderDataset(Dataset):
     def __len__(self):
         return len(self.samples)
 
+    @property
+    def labels(self):
+        """The label of every image (int32), without decoding one."""
+        return np.array([label for _, label in self.samples], np.int32)
+
     def get_example(self, i):
         path, label = self.samples[i]
         return self.read_image(path), np.int32(label)

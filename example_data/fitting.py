@@ -11,8 +11,14 @@ and return a dict of option defaults plus a sentence for the log:
   about :data:`TARGET_BOX_SIDE` pixels; the small SSD's default boxes
   follow the input size), batch size and a schedule that fits a time
   budget;
-* :func:`segmentation_crop_size`: the training crop of SegNet;
-* :func:`classification_input_size`: the classifier's input size.
+* :func:`segmentation_defaults`: SegNet's crop, batch size, lr and
+  schedule for a folder of masks;
+* :func:`classification_defaults`: the classifier's input size, batch
+  size, lr and schedule for a folder of class folders.
+
+The learning rates follow one rule (:func:`sqrt_scaled_lr`): the lr of a
+run known to train (ChainerCV's CamVid SegNet, the embedded ResNet-18),
+scaled by the square root of what a batch averages, pixels or images.
 
 >>> defaults, notes, data = fitting.detection_defaults(train, gpu=-1)
 >>> print(fitting.describe(defaults, notes, data, ['model', 'iteration']))
@@ -24,7 +30,9 @@ import numpy as np
 
 __all__ = ['TARGET_BOX_SIDE', 'CPU_BUDGET_S', 'box_statistics',
            'input_size_for_boxes', 'detection_defaults', 'describe',
-           'segmentation_crop_size', 'classification_input_size']
+           'segmentation_crop_size', 'classification_input_size',
+           'sqrt_scaled_lr', 'segmentation_defaults',
+           'classification_defaults']
 
 # SSD matches a box to a default box at IoU >= 0.5; a square default box of
 # side s on a grid of step d covers every position only if s >= ~2.7 d.
@@ -43,6 +51,27 @@ CPU_STEP_S_AT_64 = 0.45
 # A CPU run of the defaults aims at about this many seconds of training.
 CPU_BUDGET_S = 15 * 60
 CPU_ITERATIONS = (200, 2000)
+# The reference SegNet's lr is fitted from: ChainerCV's CamVid run, lr 0.1
+# for batches of 12 images of 360x480 pixels.
+CAMVID_LR = 0.1
+CAMVID_BATCH_PIXELS = 12 * 360 * 480
+# SegNetBasic on two CPU cores: ~1.6 s per step of 4 crops of 64x64
+# (simulated FP16 with GS); the time follows the pixels of a batch.
+SEGNET_CPU_STEP_S = 1.6
+SEGMENTATION_ITERATIONS = (100, 2000)
+# The classifier's reference: ResNet-18 on the embedded shapes, lr 0.1 for
+# batches of 32.  On two CPU cores a step of 32 images of 32x32 takes
+# ~1.9 s (Fashion-MNIST, 450 steps in 14 min), of which ~40% does not
+# grow with the pixels (measured under load: 2.4 s at 32x32, 5.5 s at
+# 64x64).
+RESNET_LR = 0.1
+RESNET_BATCH = 32
+RESNET18_CPU_STEP_S = 1.9
+RESNET18_FIXED_SHARE = 0.4
+CLASSIFICATION_ITERATIONS = (100, 2000)
+# A CPU run passes over the training data at most this many times: more
+# would repeat a small folder long after it is learnt.
+MAX_EPOCHS = 50
 
 
 def _multiple_of_8(value):
@@ -173,3 +202,122 @@ def classification_input_size(image_sizes, device):
     short = float(np.median(np.min(np.asarray(image_sizes), axis=1)))
     cap = 64 if device == 'cpu' else 224
     return int(min(cap, max(32, _multiple_of_8(short))))
+
+
+def sqrt_scaled_lr(reference_lr, samples, reference_samples):
+    """``reference_lr`` times the square root of ``samples`` over
+    ``reference_samples``, at most ``reference_lr``, two significant
+    digits: the standard deviation of a mean gradient falls as the square
+    root of what it averages, so the noise of a step stays that of the
+    reference (Krizhevsky 2014; Hoffer et al. 2017)."""
+    lr = reference_lr * min(1.0, math.sqrt(samples / reference_samples))
+    return float('{:.2g}'.format(lr))
+
+
+def _budget_iterations(step_s, epoch_length, bounds, max_epochs):
+    """As many iterations as fit :data:`CPU_BUDGET_S` at ``step_s`` per
+    step, at most ``max_epochs`` epochs of ``epoch_length`` iterations,
+    within ``bounds``."""
+    low, high = bounds
+    fit = min(CPU_BUDGET_S / step_s, max_epochs * epoch_length)
+    return int(min(high, max(low, fit)))
+
+
+def segmentation_defaults(train, n_class, gpu, crop_size=None,
+                          batchsize=None):
+    """Defaults of SegNet for a folder of masks (``--dataset folders``).
+
+    The crop of :func:`segmentation_crop_size` (or ``crop_size``); batch
+    4 on a CPU, CamVid's 12 on a GPU (or ``batchsize``); the lr of
+    ChainerCV's CamVid run (0.1 for 12 images of 360x480) scaled to the
+    pixels of a batch (:func:`sqrt_scaled_lr`: 4 crops of 64x64 get
+    0.0089); on a CPU as many iterations as fit :data:`CPU_BUDGET_S`
+    (within :data:`SEGMENTATION_ITERATIONS`, at most
+    :data:`MAX_EPOCHS` passes over the training pixels), on a GPU 50
+    passes within CamVid's 16000 iterations.
+
+    Returns:
+        tuple: ``(defaults, notes, data)`` as :func:`detection_defaults`
+        (``crop_size``, ``batchsize``, ``lr``, ``iteration``,
+        ``eval_interval``).
+    """
+    device = 'gpu' if gpu >= 0 else 'cpu'
+    crop = crop_size or segmentation_crop_size(train.image_sizes, device)
+    batch = batchsize or (4 if device == 'cpu' else 12)
+    batch_pixels = batch * crop * crop
+    lr = sqrt_scaled_lr(CAMVID_LR, batch_pixels, CAMVID_BATCH_PIXELS)
+    pixels = sum(h * w for h, w in train.image_sizes)
+    epoch = max(1, math.ceil(pixels / batch_pixels))
+    if device == 'cpu':
+        step_s = SEGNET_CPU_STEP_S * batch_pixels / (4 * 64 * 64)
+        iteration = _budget_iterations(step_s, epoch, SEGMENTATION_ITERATIONS,
+                                       MAX_EPOCHS)
+        when = 'about {:.0f} min on this CPU'.format(
+            iteration * step_s / 60)
+    else:
+        iteration = int(min(16000, max(2000, 50 * epoch)))
+        when = '50 passes over the pixels, within [2000, 16000]'
+    defaults = {'crop_size': crop, 'batchsize': batch, 'lr': lr,
+                'iteration': iteration,
+                'eval_interval': max(1, iteration // 4)}
+    notes = {'lr': '{} px a batch'.format(batch_pixels), 'iteration': when}
+    return defaults, notes, _segmentation_data(train, n_class)
+
+
+def _segmentation_data(train, n_class):
+    """The folder in words: images, their side, the class shares."""
+    class_pixels, _ = train.class_pixel_counts(n_class)
+    labelled = max(1, int(class_pixels.sum()))
+    pixels = sum(h * w for h, w in train.image_sizes)
+    shares = ', '.join('{:.0%}'.format(c / labelled) for c in class_pixels)
+    return ('{} training images of median side {:.0f} px, {} classes '
+            '({} of the labelled pixels), {:.0%} ignored'.format(
+                len(train), _median(train.image_sizes), n_class, shares,
+                1 - labelled / pixels))
+
+
+def classification_defaults(train, n_class, gpu, insize=None,
+                            batchsize=None):
+    """Defaults of the classifier for a folder of class folders.
+
+    The input size of :func:`classification_input_size` (or ``insize``);
+    batch 32, or a power of two no larger than a quarter of the training
+    images (at least 8), or ``batchsize``; the lr the embedded data train
+    with (0.1 for 32 images) scaled to the batch (:func:`sqrt_scaled_lr`);
+    on a CPU as many iterations as fit :data:`CPU_BUDGET_S` (within
+    :data:`CLASSIFICATION_ITERATIONS`, at most :data:`MAX_EPOCHS` epochs),
+    on a GPU 90 epochs (Goyal et al.), at least 1000 iterations.
+
+    Returns:
+        tuple: ``(defaults, notes, data)`` as :func:`detection_defaults`
+        (``insize``, ``batchsize``, ``lr``, ``iteration``,
+        ``eval_interval``).
+    """
+    device = 'gpu' if gpu >= 0 else 'cpu'
+    insize = insize or classification_input_size(train.image_sizes, device)
+    batch = batchsize or int(max(8, min(32, 2 ** math.floor(
+        math.log2(max(1, len(train) // 4))))))
+    lr = sqrt_scaled_lr(RESNET_LR, batch, RESNET_BATCH)
+    epoch = max(1, math.ceil(len(train) / batch))
+    if device == 'cpu':
+        step_s = RESNET18_CPU_STEP_S * batch / RESNET_BATCH * (
+            RESNET18_FIXED_SHARE + (1 - RESNET18_FIXED_SHARE) *
+            (insize / 32) ** 2)
+        iteration = _budget_iterations(step_s, epoch,
+                                       CLASSIFICATION_ITERATIONS, MAX_EPOCHS)
+        when = 'about {:.0f} min on this CPU, {:.0f} epochs'.format(
+            iteration * step_s / 60, iteration / epoch)
+    else:
+        iteration = max(1000, 90 * epoch)
+        when = '90 epochs, at least 1000 iterations'
+    defaults = {'insize': insize, 'batchsize': batch, 'lr': lr,
+                'iteration': iteration,
+                'eval_interval': max(1, iteration // 3)}
+    notes = {'insize': 'median short side {:.0f} px'.format(_median(
+        np.min(np.asarray(train.image_sizes), axis=1))), 'iteration': when}
+    counts = np.bincount(train.labels, minlength=n_class)
+    spread = ('{}' if counts.min() == counts.max() else '{} to {}').format(
+        counts.min(), counts.max())
+    data = '{} training images in {} classes ({} a class)'.format(
+        len(train), n_class, spread)
+    return defaults, notes, data

@@ -23,6 +23,7 @@ from PIL import Image
 import pytest
 
 from example_common.errors import DatasetError
+from example_common import schedules
 from example_data import FashionMNISTDataset
 from example_data import ShapesDetectionDataset
 from example_data import ShapesSegmentationDataset
@@ -177,7 +178,8 @@ OPTIONS = {
             ('iteration', None), ('step', None), ('lr', None),
             ('eval_interval', None), ('log_interval', 10), ('gpu', -1),
             ('loaderjob', 0), ('out', 'result/ssd'), ('resume', None),
-            ('snapshot_interval', None), ('seed', 0), ('no_plot', False)],
+            ('snapshot_interval', None), ('snapshot_keep', 3), ('seed', 0),
+            ('no_plot', False)],
     'segnet': [('dataset', 'embedded'), ('data_dir', None),
                ('train_split', 'train'), ('test_split', 'test'),
                ('label_names', None), ('ignore_label', None),
@@ -187,22 +189,23 @@ OPTIONS = {
                ('loss_pixels', None),
                ('eval_interval', None), ('log_interval', 10), ('gpu', -1),
                ('loaderjob', 0), ('out', 'result/segnet'), ('resume', None),
-               ('snapshot_interval', None), ('seed', 0), ('no_plot', False)],
+               ('snapshot_interval', None), ('snapshot_keep', 3),
+               ('seed', 0), ('no_plot', False)],
     'cifar': [('dataset', 'embedded'), ('data_dir', None),
               ('arch', 'resnet20'), ('embedded_size', None),
               ('batchsize', None), ('iteration', None), ('epoch', None),
               ('lr', None), ('eval_interval', None), ('log_interval', 10),
               ('gpu', -1), ('loaderjob', 0), ('out', 'result/cifar'),
-              ('resume', None), ('snapshot_interval', None), ('seed', 0),
-              ('no_plot', False)],
+              ('resume', None), ('snapshot_interval', None),
+              ('snapshot_keep', 3), ('seed', 0), ('no_plot', False)],
     'classification': [
         ('dataset', 'embedded'), ('data_dir', None), ('arch', 'resnet18'),
         ('communicator', 'naive'), ('embedded_size', None),
         ('batchsize', None), ('iteration', None), ('epoch', None),
         ('lr', None), ('eval_interval', None), ('log_interval', 10),
         ('gpu', -1), ('loaderjob', 0), ('out', 'result/classification'),
-        ('resume', None), ('snapshot_interval', None), ('seed', 0),
-        ('no_plot', False)],
+        ('resume', None), ('snapshot_interval', None),
+        ('snapshot_keep', 3), ('seed', 0), ('no_plot', False)],
 }
 
 
@@ -271,11 +274,36 @@ def test_classification_snapshot(tmp_path):
     assert len(files.check(str(out / 'snapshot_iter_1'))) > 100
 
 
-def test_warmup_step_schedule():
-    schedule = load_example(SMOKE['classification'][0]).WarmupStepSchedule(
-        0.4, 0.1, warmup=10, steps=(60, 80))
+def test_step_schedule():
+    schedule = schedules.StepSchedule(0.4, warmup=10, warmup_lr=0.1,
+                                      steps=(60, 80))
     lrs = [schedule.lr_at(t) for t in (0, 5, 10, 59, 60, 80, 100)]
     assert lrs == pytest.approx([0.1, 0.25, 0.4, 0.4, 0.04, 0.004, 0.004])
+    goyal = load_example(SMOKE['classification'][0]).goyal_schedule(
+        0.4, total_batch=1024, iteration=900)
+    assert (goyal.warmup, goyal.warmup_lr, goyal.steps) == (
+        50, 0.1, (300, 600, 800))
+    # The lrs of Chainer's ExponentialShift, bit for bit (0.1 * 0.1 ** 2
+    # is not 0.001).
+    plain = schedules.StepSchedule(0.1, steps=(7, 10))
+    assert [plain.lr_at(t) for t in (6, 7, 10)] == [0.1, 0.1 * 0.1,
+                                                    0.1 * 0.1 ** 2]
+
+
+def test_cifar_resumed_after_its_last_lr_step(tmp_path):
+    """Resumed after the last lr step, a run goes on at the stepped lr
+    (Chainer's ExponentialShift went back to the initial 0.1 there)."""
+    cifar = load_example('cifar/train.py')
+    argv = ['--iteration', '14', '--snapshot-interval', '10', '--no-plot',
+            '--batchsize', '2', '--embedded-size', '4', '2',
+            '--log-interval', '1']
+    cifar.main(argv + ['--out', str(tmp_path / 'a')])
+    cifar.main(argv + ['--out', str(tmp_path / 'b'), '--resume',
+                       str(tmp_path / 'a' / 'snapshot_iter_10')])
+    straight, resumed = (read_log(tmp_path / name) for name in 'ab')
+    assert [e['iteration'] for e in resumed] == list(range(1, 15))
+    assert [e['lr'] for e in resumed] == [e['lr'] for e in straight]
+    assert resumed[-1]['lr'] == pytest.approx(0.001)
 
 
 # --- data layouts and bad input -------------------------------------------

@@ -4,6 +4,10 @@ Each case runs the script's ``main`` through ``errors.run_main`` (what its
 ``__main__`` block does) in this process, and checks the exit status, the
 one line (its text names the value and what was expected) and that
 nothing was created in ``--out``; one case runs the script as a program.
+The cases: every ``--resume`` file that cannot be used, an ``--out`` that
+cannot be written, a ``--gpu`` that is not there, pickles wherever a file
+is read, broken dataset files and named datasets that are absent (a
+snapshot that cannot be written during training: tests/test_snapshots.py).
 The files handed in include real pickle payloads named ``.npz``: they run
 no code (their marker file never appears).  Then the library's argument
 checks: NumPy scalars are numbers, booleans are not counts.
@@ -17,6 +21,7 @@ import sys
 
 import chainer
 import numpy as np
+from PIL import Image
 import pytest
 
 from example_common import errors
@@ -28,6 +33,11 @@ from helpers import EXAMPLES
 from helpers import load_example
 from test_files import object_array_npz
 from test_files import pickle_named_npz
+from test_own_data import EXTERNAL_ENTITY
+from test_own_data import huge_png
+from test_own_data import write_class_folders
+from test_own_data import write_mask_folders
+from test_own_data import write_small_objects_voc
 
 SCRIPTS = {'ssd': 'ssd/train.py', 'segnet': 'segnet/train.py',
            'cifar': 'cifar/train.py',
@@ -120,6 +130,20 @@ def test_resume_of_another_run_names_the_key(tmp_path, capsys, snapshots):
     assert line == ("error: --resume {}: has no array '{}': it was not "
                     'written for this model and run {}'.format(
                         tmp_path / 'no_scales.npz', key, expected))
+    # An array of another shape (a model with other classes, say).
+    with np.load(str(snapshots['ssd'])) as npz:
+        arrays = {k: npz[k] for k in npz.files}
+    key = 'updater/model:main/model/multibox/conf/0/W'
+    shape = arrays[key].shape
+    arrays[key] = np.zeros((shape[0] + 4,) + shape[1:], arrays[key].dtype)
+    np.savez(str(tmp_path / 'other_classes.npz'), **arrays)
+    line = fails('ssd', TINY['ssd'] + ['--out', str(out), '--resume',
+                                       str(tmp_path / 'other_classes.npz')],
+                 capsys)
+    assert line == ("error: --resume {}: array '{}' has shape {}, this "
+                    'model has {}: it was written for another model '
+                    '{}'.format(tmp_path / 'other_classes.npz', key,
+                                arrays[key].shape, shape, expected))
     assert_nothing_in(out)
 
 
@@ -231,6 +255,74 @@ def test_a_pickle_is_refused_wherever_data_is_read(tmp_path, capsys,
                  capsys)
     assert line == 'error: {}: {}'.format(cache / 'cifar-10.npz', PICKLE)
     assert not marker.exists()
+    assert_nothing_in(out)
+
+
+# --- a broken dataset file ---------------------------------------------------
+
+def text_as_jpeg(root):
+    ids = write_small_objects_voc(root, n_train=3, n_val=1)
+    bad = root / 'JPEGImages' / (ids[3] + '.jpg')
+    bad.write_text('this is not a JPEG\n')
+    return 'ssd', VOC_ARGV, bad, 'cannot identify image file'
+
+
+def doctype_annotation(root):
+    ids = write_small_objects_voc(root, n_train=3, n_val=1)
+    bad = root / 'Annotations' / (ids[0] + '.xml')
+    bad.write_text(EXTERNAL_ENTITY)
+    return 'ssd', VOC_ARGV, bad, 'document type declaration'
+
+
+def truncated_png(root):
+    write_class_folders(root, n_per_class=3)
+    bad = root / 'bright' / '01.png'
+    bad.write_bytes(b'\x89PNG\r\n\x1a\n' + b'truncated')
+    return ('classification', ['--dataset', 'folders'], bad,
+            'cannot read image')
+
+
+def mask_of_another_size(root):
+    write_mask_folders(root, splits=(('train', 3), ('val', 2)))
+    bad = root / 'val' / 'masks' / '001.png'
+    Image.fromarray(np.zeros((20, 30), np.uint8)).save(str(bad))
+    return 'segnet', ['--dataset', 'folders'], bad, 'is 30x20, its image'
+
+
+def oversized_image(root):
+    write_mask_folders(root, splits=(('train', 3), ('val', 2)))
+    bad = root / 'train' / 'images' / '001.png'
+    os.remove(str(root / 'train' / 'images' / '001.jpg'))
+    huge_png(str(bad))
+    return 'segnet', ['--dataset', 'folders'], bad, 'pixels'
+
+
+VOC_ARGV = ['--dataset', 'voc-format', '--label-names', 'tree,bush,rock',
+            '--train-split', 'train', '--test-split', 'val']
+
+
+@pytest.mark.parametrize('damage', [text_as_jpeg, doctype_annotation,
+                                    truncated_png, mask_of_another_size,
+                                    oversized_image])
+def test_a_broken_dataset_file(damage, tmp_path, capsys):
+    """The README's bad files, each one line naming it, exit status 2,
+    before anything is written."""
+    example, argv, bad, why = damage(tmp_path / 'data')
+    out = tmp_path / 'out'
+    line = fails(example, argv + ['--data-dir', str(tmp_path / 'data'),
+                                  '--out', str(out)], capsys)
+    assert str(bad) in line and why in line, line
+    assert_nothing_in(out)
+
+
+@pytest.mark.parametrize('example, dataset', [
+    ('ssd', 'voc'), ('segnet', 'camvid'), ('segnet', 'folders'),
+    ('classification', 'imagenet'), ('cifar', 'cifar10')])
+def test_a_named_dataset_that_is_absent(example, dataset, tmp_path, capsys):
+    nowhere, out = tmp_path / 'nowhere', tmp_path / 'out'
+    line = fails(example, ['--dataset', dataset, '--data-dir', str(nowhere),
+                           '--out', str(out)], capsys)
+    assert str(nowhere) in line
     assert_nothing_in(out)
 
 

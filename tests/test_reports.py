@@ -48,6 +48,23 @@ def test_the_log_ends_with_the_last_iteration(tmp_path, capsys):
     assert rows == [['1', '3'], ['2', '5']]  # epoch, iteration
 
 
+def test_each_evaluation_has_its_own_log_entry(tmp_path, capsys):
+    """Evaluations more frequent than the log are not averaged into one
+    entry: the final metric is the last evaluation's, as with a log at
+    every iteration."""
+    every = ['--iteration', '6', '--eval-interval', '2']
+    result, _ = run_cifar(tmp_path / 'a', capsys, *every, '--log-interval',
+                          '1')
+    coarse, _ = run_cifar(tmp_path / 'b', capsys, *every, '--log-interval',
+                          '6')
+    fine, log = read_log(str(tmp_path / 'a')), read_log(str(tmp_path / 'b'))
+    assert [e['iteration'] for e in log] == [2, 4, 6]
+    key = 'validation/main/loss'
+    assert [e[key] for e in log] == [e[key] for e in fine if key in e]
+    assert len({e[key] for e in log}) == 3
+    assert coarse == result == log[-1]['validation/main/accuracy']
+
+
 class Terminal(io.StringIO):
     def isatty(self):
         return True

@@ -37,7 +37,6 @@ from chainer.datasets import TransformDataset
 from chainer.optimizer_hooks import WeightDecay
 from chainer import training
 from chainer.training import extensions
-from chainer.training import triggers
 
 from chainercv import transforms
 
@@ -48,6 +47,7 @@ from chainer_links import ClassifierTrainChain
 from example_common import arguments
 from example_common.errors import run_main
 from example_common import reports
+from example_common import schedules
 from example_common import snapshots
 from example_data import chainer as chainer_data
 from example_data import fashion_mnist
@@ -172,16 +172,16 @@ def main(argv=None):
     updater = gs_training.ScalingUpdater(
         train_iter, optimizer, scaler, config, device=device)
     trainer = training.Trainer(updater, (iteration, 'iteration'), args.out)
-    trainer.extend(
-        extensions.ExponentialShift('lr', 0.1, init=args.lr),
-        trigger=triggers.ManualScheduleTrigger(steps, 'iteration'))
+    # (named as the ExponentialShift that earlier snapshots hold)
+    trainer.extend(schedules.StepSchedule(args.lr, steps),
+                   name='ExponentialShift')
     points = reports.evaluation_points(iteration, args.eval_interval)
     reports.extend_evaluation(trainer, extensions.Evaluator(
         test_iter, train_chain, device=device), config, points)
     reports.extend_classifier_reports(trainer, args, scaler, config, points)
     snapshots.extend_snapshots(
         trainer, model, snapshots.snapshot_interval(args, iteration),
-        iteration)
+        iteration, keep=args.snapshot_keep)
 
     snapshots.resume_and_run(
         trainer, args.resume,

@@ -9,7 +9,9 @@ Table 1 of Zhao et al. (IJCAI 2020)::
     mpiexec -n 2 python examples/classification/train_imagenet_multi.py
 
     # your own images, one folder per class (DIR/<class>/*.png; every
-    # fifth image of each class held out), input size and mean from them:
+    # fifth image of each class held out); the input size, batch size, lr
+    # and length fitted to them and this machine (and printed), their mean
+    # colour subtracted:
     python examples/classification/train_imagenet_multi.py \\
         --dataset folders --data-dir DIR
 
@@ -63,6 +65,7 @@ from chainer_links import ClassifierTrainChain
 from example_common import arguments
 from example_common.errors import run_main
 from example_common import reports
+from example_common import schedules
 from example_common import snapshots
 from example_data import chainer as chainer_data
 from example_data import class_folders
@@ -80,8 +83,9 @@ EMBEDDED_DEFAULTS = {'iteration': 450, 'epoch': None, 'batchsize': 32,
 IMAGENET_DEFAULTS = {'iteration': None, 'epoch': 90, 'batchsize': 32,
                      'lr': None, 'eval_interval': None, 'insize': 224,
                      'crop_area': (0.08, 1)}
-# A folder of class folders: the embedded schedule, the input size from the
-# images (example_data/fitting.py) and their mean colour.
+# A folder of class folders: the embedded data's crops; the input size,
+# batch size, lr and schedule fitted to it (example_data/fitting.py), and
+# its mean colour.
 FOLDERS_DEFAULTS = dict(EMBEDDED_DEFAULTS, insize=None)
 # Goyal et al.: 90 epochs, 5 of warmup, x0.1 at 30, 60 and 80.
 GOYAL_EPOCHS = 90
@@ -124,58 +128,23 @@ class ValTransform(object):
         return img, label
 
 
-class WarmupStepSchedule(training.Extension):
-
-    """Goyal et al.'s learning rate: a linear warmup, then x0.1 steps.
-
-    The lr of iteration ``t`` (0-based) rises linearly from ``warmup_lr``
-    at ``t = 0`` to ``lr`` at ``t = warmup``, and is multiplied by 0.1 at
-    each iteration of ``steps``.  It is a function of the iteration alone,
-    so a resumed run continues on the same curve.
-
-    >>> schedule = WarmupStepSchedule(0.4, 0.1, warmup=10, steps=(60, 80))
-    >>> [round(schedule.lr_at(t), 6) for t in (0, 5, 10, 60, 80)]
-    [0.1, 0.25, 0.4, 0.04, 0.004]
-
-    """
-
-    trigger = 1, 'iteration'
-
-    def __init__(self, lr, warmup_lr, warmup, steps):
-        self.lr = lr
-        self.warmup_lr = warmup_lr
-        self.warmup = warmup
-        self.steps = tuple(steps)
-
-    @classmethod
-    def goyal(cls, lr, total_batch, iteration):
-        """Goyal et al.'s schedule for a run of ``iteration`` iterations: the
-        warmup (from the lr of a 256 batch) and the steps keep their share
-        of the 90 epochs."""
-        return cls(lr, warmup_lr=lr * min(1, 256 / total_batch),
-                   warmup=round(iteration * GOYAL_WARMUP / GOYAL_EPOCHS),
-                   steps=[round(iteration * s / GOYAL_EPOCHS)
-                          for s in GOYAL_STEPS])
-
-    def lr_at(self, iteration):
-        if iteration < self.warmup:
-            return self.warmup_lr + (self.lr - self.warmup_lr) * \
-                iteration / self.warmup
-        return self.lr * 0.1 ** sum(iteration >= s for s in self.steps)
-
-    def initialize(self, trainer):
-        self(trainer)
-
-    def __call__(self, trainer):
-        optimizer = trainer.updater.get_optimizer('main')
-        optimizer.lr = self.lr_at(trainer.updater.iteration)
+def goyal_schedule(lr, total_batch, iteration):
+    """Goyal et al.'s schedule for a run of ``iteration`` iterations: a
+    linear warmup from the lr of a 256 batch, then x0.1 steps; the warmup
+    and the steps keep their share of the 90 epochs."""
+    return schedules.StepSchedule(
+        lr, steps=[round(iteration * s / GOYAL_EPOCHS) for s in GOYAL_STEPS],
+        warmup=round(iteration * GOYAL_WARMUP / GOYAL_EPOCHS),
+        warmup_lr=lr * min(1, 256 / total_batch))
 
 
 OWN_DATA = '''your own data (one folder of images per class, DIR/<class>/*.png,
 or DIR/train/<class>/ and DIR/val/<class>/; README, "Your own data"):
   python examples/classification/train_imagenet_multi.py \\
       --dataset folders --data-dir DIR
-input size and mean colour follow the images; every file is checked.'''
+input size, batch size, lr and length fit the images and this machine
+(printed; any option given overrides), their mean colour is subtracted;
+every file is checked.'''
 
 
 def parse_args(argv=None):
@@ -197,14 +166,16 @@ def parse_args(argv=None):
                         '(default: pure_nccl on GPUs, naive on CPUs)')
     arguments.add_embedded_size(parser, 2000, 500)
     parser.add_argument('--batchsize', type=int, default=None,
-                        help='images per process (default: 32)')
+                        help='images per process (default: 32; folders: '
+                        'fitted to the data, and printed)')
     parser.add_argument('--iteration', type=int, default=None,
                         help='training length in iterations (overrides '
                         '--epoch)')
     parser.add_argument('--epoch', type=int, default=None,
                         help='training length in epochs (imagenet: 90)')
     parser.add_argument('--lr', type=float, default=None,
-                        help='imagenet default: 0.1 * total batch / 256')
+                        help='imagenet default: 0.1 * total batch / 256; '
+                        'embedded: 0.1; folders: fitted, and printed')
     parser.add_argument('--eval-interval', type=int, default=None,
                         help='evaluate every N iterations (imagenet: every '
                         'epoch) and at the end')
@@ -256,8 +227,9 @@ def load_datasets(args, comm, log):
     others; every file checked.
 
     Every rank raises rank 0's DatasetError, and takes the schedule
-    defaults of the data rank 0 uses; a folder's input size (from its
-    images' sizes) and mean colour too.
+    defaults of the data rank 0 uses; a folder's fitted to it (input
+    size, batch size, lr, length: example_data/fitting.py) and its mean
+    colour too, said in one line.
     """
     train, val, label_names, error, fitted = None, None, None, None, {}
     if comm is None or comm.rank == 0:
@@ -267,9 +239,7 @@ def load_datasets(args, comm, log):
                 ShapesClassificationDataset,
                 image_size=(EMBEDDED_DEFAULTS['insize'],) * 2)
             if args.dataset == 'folders':
-                fitted = {'insize': fitting.classification_input_size(
-                    train.image_sizes, 'gpu' if args.gpu >= 0 else 'cpu'),
-                    'mean': train.mean}
+                fitted = fit_folders(args, train, len(label_names), log)
         except DatasetError as e:
             error = str(e)
     if comm is not None:
@@ -280,12 +250,27 @@ def load_datasets(args, comm, log):
     arguments.apply_defaults(args, EMBEDDED_DEFAULTS, dict(
         FOLDERS_DEFAULTS, **fitted) if args.dataset == 'folders'
         else IMAGENET_DEFAULTS)
-    if args.dataset == 'folders':
-        log('Input {0}x{0} (the images\' median short side, within [32, '
-            '64] on a CPU), mean colour {1} subtracted.'.format(
-                args.insize, ' '.join('{:.1f}'.format(m)
-                                      for m in args.mean.ravel())))
     return train, val, label_names
+
+
+def fit_folders(args, train, n_class, log):
+    """The defaults fitted to a folder (with its mean colour) for the
+    options left ``None``; logs which were picked."""
+    defaults, notes, about = fitting.classification_defaults(
+        train, n_class, args.gpu, batchsize=args.batchsize)
+    if args.iteration is not None or args.epoch is not None:
+        defaults['eval_interval'] = None  # every epoch, as for ImageNet
+    picked = [name for name in ('batchsize', 'lr') if getattr(args, name)
+              is None]
+    if args.iteration is None and args.epoch is None:
+        picked.append('iteration')
+    if picked:
+        log(fitting.describe(defaults, notes, about, picked))
+    log('Input {0}x{0} (the images\' {1}, within [32, 64] on a CPU), mean '
+        'colour {2} subtracted.'.format(
+            defaults['insize'], notes['insize'], ' '.join(
+                '{:.1f}'.format(m) for m in train.mean.ravel())))
+    return dict(defaults, mean=train.mean)
 
 
 def build_model(args, n_class):
@@ -380,7 +365,9 @@ def main(argv=None):
         train_iter, optimizer, scaler, config, device=device,
         communicator=comm)
     trainer = training.Trainer(updater, (iteration, 'iteration'), args.out)
-    trainer.extend(WarmupStepSchedule.goyal(lr, total_batch, iteration))
+    # (named as the extension that earlier snapshots hold)
+    trainer.extend(goyal_schedule(lr, total_batch, iteration),
+                   name='WarmupStepSchedule')
     points = reports.evaluation_points(iteration,
                                        args.eval_interval or epoch_length)
     reports.extend_evaluation(trainer, create_evaluator(
@@ -392,7 +379,7 @@ def main(argv=None):
     # statistics and generators into its snapshot.
     snapshots.extend_snapshots(
         trainer, model, snapshots.snapshot_interval(args, iteration),
-        iteration, compress=False, comm=comm)
+        iteration, compress=False, comm=comm, keep=args.snapshot_keep)
 
     snapshots.resume_and_run(
         trainer, args.resume,

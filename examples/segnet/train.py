@@ -13,8 +13,7 @@ the scaling method, as in Table 3 of Zhao et al. (IJCAI 2020)::
     # your own images and masks (DIR/train/{images,masks}/,
     # DIR/val/{images,masks}/; masks are PNGs with one class per value,
     # 0/255 masks are background/foreground):
-    python examples/segnet/train.py --dataset folders --data-dir DIR \\
-        --iteration 300
+    python examples/segnet/train.py --dataset folders --data-dir DIR
 
 Defaults follow the paper and ChainerCV for CamVid: SegNetBasic, MomentumSGD
 (lr 0.1, momentum 0.9), weight decay 0.0005, batch 12, 16000 iterations,
@@ -22,15 +21,18 @@ pixel-wise softmax cross entropy in FP32 weighted by median frequency
 balancing (computed from the training labels, or ``--class-weight`` FILE
 as written by ChainerCV's calc_weight.py), mIoU on the test split.  The
 embedded data (generated shapes, 4 classes) uses 32x48 images
-(``--embedded-image-size``) and a short schedule.  Nothing is downloaded: CamVid must already be in ChainerCV's
-layout (train/ trainannot/ val/ valannot/ test/ testannot/ and the
-{train,val,test}.txt lists); when it is absent the script says so and
-stops.  Folders of images and masks (``--dataset folders``,
-example_data/mask_folders.py) give the class count and weights from their
-masks; the model trains on random crops (``--crop-size``, default: the
-largest multiple of 16 every image holds, at most 64 on a CPU) and is
-evaluated on whole images.  mIoU is the mean over the classes present in
-the test masks.  On a CPU, mixed precision is simulated
+(``--embedded-image-size``) and a short schedule.  Nothing is
+downloaded: CamVid must already be in ChainerCV's layout (train/
+trainannot/ val/ valannot/ test/ testannot/ and the {train,val,test}.txt
+lists); when it is absent the script says so and stops.  Folders of
+images and masks (``--dataset folders``, example_data/mask_folders.py)
+give the class count and weights from their masks; the model trains on
+random crops and is evaluated on whole images.  The crop, batch size, lr
+and length are fitted to the folder and the machine
+(example_data/fitting.py: the largest crop every image holds, at most 64
+on a CPU; CamVid's lr scaled by the square root of a batch's pixels; a
+run of about 15 CPU minutes) and printed; any of them given overrides.
+mIoU is the mean over the classes present in the test masks.  On a CPU, mixed precision is simulated
 (``--precision sim-fp16``) unless ``--precision`` says otherwise: real
 float16 arithmetic in NumPy is 60-115x slower (docs/DESIGN.md, 5.3; how
 the simulation works: 4).
@@ -69,9 +71,6 @@ EMBEDDED_DEFAULTS = {'iteration': 200, 'batchsize': 4, 'lr': 0.1,
                      'eval_interval': 50}
 CAMVID_DEFAULTS = {'iteration': 16000, 'batchsize': 12, 'lr': 0.1,
                    'eval_interval': 2000}
-# A user's folder on a CPU: a run of a few minutes at the crop size.
-FOLDERS_DEFAULTS = {'iteration': 300, 'batchsize': 4, 'lr': 0.1,
-                    'eval_interval': 100}
 # Generated images: small, and divisible by 16 for SegNet's four poolings.
 EMBEDDED_IMAGE_SIZE = (32, 48)
 
@@ -237,7 +236,8 @@ def parse_args(argv=None):
     parser.add_argument('--crop-size', type=int, default=None,
                         help='folders: side of the random training crops, '
                         'a multiple of 16 (default: the largest every '
-                        'image holds, at most 64 on a CPU, 512 on a GPU)')
+                        'image holds, at most 64 on a CPU, 512 on a GPU; '
+                        'the fitted lr follows it)')
     parser.add_argument('--class-weight', default=None,
                         help='a .npy file with one weight per class (e.g. '
                         'from ChainerCV\'s calc_weight.py); default: median '
@@ -248,9 +248,13 @@ def parse_args(argv=None):
                         metavar=('HEIGHT', 'WIDTH'),
                         help='embedded: the generated images\' size '
                         '(default: %(default)s; CamVid\'s is 360 480)')
-    parser.add_argument('--batchsize', type=int, default=None)
-    parser.add_argument('--iteration', type=int, default=None)
-    parser.add_argument('--lr', type=float, default=None)
+    fitted = '; folders: fitted to the data, and printed'
+    parser.add_argument('--batchsize', type=int, default=None,
+                        help='default: 4 embedded, 12 camvid' + fitted)
+    parser.add_argument('--iteration', type=int, default=None,
+                        help='default: 200 embedded, 16000 camvid' + fitted)
+    parser.add_argument('--lr', type=float, default=None,
+                        help='default: 0.1 embedded and camvid' + fitted)
     parser.add_argument('--loss-pixels', type=int, default=None,
                         help='normalise the loss as for a batch of this many '
                         'pixels instead of the batch\'s own (the paper\'s '
@@ -301,19 +305,32 @@ def load_folders(args):
 
 def load_datasets(args):
     """(train, test, label_names) of CamVid, a folder or the embedded
-    scenes, every file checked; the schedule takes their defaults, and a
-    folder's training crops a size that every image holds."""
+    scenes, every file checked; the schedule takes their defaults, a
+    folder's fitted to it (example_data/fitting.py) and printed."""
     train, test, names = real_or_embedded(
         args, {'camvid': load_camvid, 'folders': load_folders},
         ShapesSegmentationDataset,
         image_size=tuple(args.embedded_image_size))
-    arguments.apply_defaults(args, EMBEDDED_DEFAULTS, FOLDERS_DEFAULTS
-                             if args.dataset == 'folders' else
-                             CAMVID_DEFAULTS)
-    if args.dataset == 'folders' and args.crop_size is None:
-        args.crop_size = fitting.segmentation_crop_size(
-            train.image_sizes, 'gpu' if args.gpu >= 0 else 'cpu')
+    if args.dataset == 'folders':
+        apply_fitted_defaults(args, train, len(names))
+    arguments.apply_defaults(args, EMBEDDED_DEFAULTS, CAMVID_DEFAULTS)
     return train, test, names
+
+
+def apply_fitted_defaults(args, train, n_class):
+    """The crop, batch size, lr and schedule fitted to a folder, for the
+    options left ``None``, and the line saying which were picked."""
+    defaults, notes, about = fitting.segmentation_defaults(
+        train, n_class, args.gpu, args.crop_size, args.batchsize)
+    if args.iteration is not None:
+        defaults['eval_interval'] = max(1, args.iteration // 4)
+    picked = [name for name in ('crop_size', 'batchsize', 'lr', 'iteration')
+              if getattr(args, name) is None]
+    if picked:
+        print(fitting.describe(defaults, notes, about, picked))
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
 
 
 def load_class_weight(args, train, n_class):
@@ -387,7 +404,7 @@ def main(argv=None):
                       'validation/main/pixel_accuracy']}, points)
     snapshots.extend_snapshots(
         trainer, model, snapshots.snapshot_interval(args, args.iteration),
-        args.iteration)
+        args.iteration, keep=args.snapshot_keep)
 
     snapshots.resume_and_run(
         trainer, args.resume,

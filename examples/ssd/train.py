@@ -40,8 +40,6 @@ import chainer
 from chainer.datasets import TransformDataset
 from chainer.optimizer_hooks import WeightDecay
 from chainer import training
-from chainer.training import extensions
-from chainer.training import triggers
 
 from chainercv.extensions import DetectionVOCEvaluator
 # ChainerCV's GradientScaling is an optimizer hook that multiplies a
@@ -64,6 +62,7 @@ from chainer_links import SmallSSD
 from example_common import arguments
 from example_common.errors import run_main
 from example_common import reports
+from example_common import schedules
 from example_common import snapshots
 from example_data import chainer as chainer_data
 from example_data import fitting
@@ -318,9 +317,9 @@ def main(argv=None):
         train_iter, optimizer, scaler, config, device=device)
     trainer = training.Trainer(updater, (args.iteration, 'iteration'),
                                args.out)
-    trainer.extend(
-        extensions.ExponentialShift('lr', 0.1, init=args.lr),
-        trigger=triggers.ManualScheduleTrigger(args.step, 'iteration'))
+    # (named as the ExponentialShift that earlier snapshots hold)
+    trainer.extend(schedules.StepSchedule(args.lr, args.step),
+                   name='ExponentialShift')
     points = reports.evaluation_points(args.iteration, args.eval_interval,
                                        extra=args.step)
     reports.extend_evaluation(trainer, DetectionVOCEvaluator(
@@ -334,7 +333,7 @@ def main(argv=None):
          'map.png': ['validation/main/map']}, points)
     snapshots.extend_snapshots(
         trainer, model, snapshots.snapshot_interval(args, args.iteration),
-        args.iteration)
+        args.iteration, keep=args.snapshot_keep)
 
     snapshots.resume_and_run(
         trainer, args.resume,
