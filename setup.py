@@ -33,6 +33,8 @@ extras_require = {
     ],
     'mpi': ['mpi4py>=3.1'],
     'gpu': ['cupy-cuda13x>=13'],
+    # gradient_scaling.torch (imports without Chainer)
+    'torch': ['torch>=2.4'],
 }
 
 setup(

@@ -9,6 +9,8 @@ Subcommands (each resumable: an existing result is kept unless --force)::
     python scripts/reproduce.py detection  # Table 2 / Figure 1 shape, SSD
     python scripts/reproduce.py classification  # Table 1 shape, ResNet-18
     python scripts/reproduce.py segmentation    # Table 3 shape, SegNet
+    python scripts/reproduce.py block-scaling   # GS against MXFP8, NVFP4...
+    python scripts/reproduce.py segnet-frameworks  # Chainer and PyTorch
     python scripts/reproduce.py all        # every subcommand in turn
 
 Several subcommands may be given at once; the training studies (s2fp8,
@@ -32,16 +34,21 @@ import time
 
 from studies.common import log
 from studies.common import ROOT
+from studies import block_scaling
 from studies import figure2
 from studies import model_fit
 from studies import recording
 from studies import s2fp8
 from studies import segnet
+from studies import segnet_frameworks
 from studies import training
 
-# Studies that run once and write their products (the CSV last).
+# Studies that run once and write their products (the CSV last);
+# block-scaling and segnet-frameworks train their runs themselves (several
+# tasks or frameworks, one table).
 SINGLE_STUDIES = collections.OrderedDict(
-    (m.NAME, m) for m in (figure2, model_fit, segnet))
+    (m.NAME, m) for m in (figure2, model_fit, segnet, block_scaling,
+                          segnet_frameworks))
 # Studies of training runs of the example scripts.
 TRAINING_STUDIES = collections.OrderedDict(
     list(training.STUDIES.items()) + [(s2fp8.STUDY.name, s2fp8.STUDY)])
@@ -62,7 +69,9 @@ def parse_args(argv):
     segnet.add_arguments(parser.add_argument_group('segnet'))
     recording.add_arguments(parser.add_argument_group('figure2, segnet'))
     training.add_arguments(parser.add_argument_group(
-        'training studies ({})'.format(', '.join(TRAINING_STUDIES))))
+        'training studies ({})'.format(', '.join(
+            list(TRAINING_STUDIES) + [block_scaling.NAME,
+                                      segnet_frameworks.NAME]))))
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error('--jobs must be >= 1')

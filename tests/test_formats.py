@@ -438,3 +438,22 @@ def test_cupy_rounds_on_the_arrays_device():
         assert z.device.id == 1
         _assert_bitwise_equal(x, cupy.asnumpy(z), formats.get(name)
                               .quantize(x))
+
+
+@pytest.mark.parametrize('name', formats.names())
+def test_saturate_clamps_finite_overflow_and_keeps_inf_and_nan(name):
+    fmt = formats.get(name)
+    big = numpy.finfo(numpy.float32).max  # beyond every format, BF16 too
+    x = numpy.array([big, -big, fmt.max, numpy.inf, -numpy.inf, numpy.nan,
+                     1.0], numpy.float32)
+    y = fmt.quantize(x, saturate=True)
+    numpy.testing.assert_array_equal(y[:3], [fmt.max, -fmt.max, fmt.max])
+    numpy.testing.assert_array_equal(y[3:5], fmt.quantize(x[3:5]))
+    assert numpy.isnan(y[5]) and y[6] == 1.0
+    numpy.testing.assert_array_equal(fmt.saturated(x, fmt.quantize(x)), y)
+    plain = fmt.quantize(x[:2])
+    assert not numpy.isfinite(plain).any()  # what saturation replaces
+
+
+def test_bits():
+    assert [formats.get(n).bits for n in formats.names()] == [16, 16, 8, 8]

@@ -39,21 +39,29 @@ from gradient_scaling.chainer import scalers
 from gradient_scaling.chainer.scalers import SCALING_MODES
 from gradient_scaling.chainer.update import apply_update  # NOQA: part of this API
 from gradient_scaling.chainer.update import serialize_fp32_masters
+from gradient_scaling.core import block_formats_recipes
 from gradient_scaling.core import recipes
 
-__all__ = ['PRECISIONS', 'SIMULATED_FORMATS', 'SCALING_MODES',
-           'ScalingConfig', 'add_arguments', 'default_to_simulation_on_cpu',
-           'setup_optimizer', 'apply_update', 'train_step',
-           'ScalingUpdater', 'serialize_fp32_masters']
+__all__ = ['PRECISIONS', 'BLOCK_PRECISIONS', 'SIMULATED_FORMATS',
+           'SCALING_MODES', 'ScalingConfig', 'add_arguments',
+           'default_to_simulation_on_cpu', 'setup_optimizer', 'apply_update',
+           'train_step', 'ScalingUpdater', 'serialize_fp32_masters']
 
+# The block-scaling recipes as precisions (sim-mxfp8-e4m3, ..., sim-nvfp4).
+BLOCK_PRECISIONS = {'sim-' + name: name
+                    for name in block_formats_recipes.names()}
 PRECISIONS = ('fp32', 'mixed16', 'sim-fp16', 'sim-bf16', 'sim-fp8-e5m2',
-              'sim-fp8-e4m3', 's2fp8')
-# The format each simulated precision stores values in.
+              'sim-fp8-e4m3', 's2fp8') + tuple(BLOCK_PRECISIONS)
+# The format each simulated precision stores values in (for a block
+# recipe: the one a gradient scaler scales its gradients for).
 SIMULATED_FORMATS = {
     'sim-fp16': 'float16', 'sim-bf16': 'bfloat16',
     'sim-fp8-e5m2': 'float8_e5m2', 'sim-fp8-e4m3': 'float8_e4m3',
     's2fp8': 'float8_e5m2',
 }
+SIMULATED_FORMATS.update(
+    (precision, block_formats_recipes.get(name).scaler_format)
+    for precision, name in BLOCK_PRECISIONS.items())
 
 
 class ScalingConfig(object):
@@ -174,11 +182,15 @@ class ScalingConfig(object):
     def simulated(self):
         return self.precision in SIMULATED_FORMATS
 
-    def simulation_hook(self):
-        """The hook that simulates ``precision`` on an FP32 model, or None."""
+    def simulation_hook(self, target=None):
+        """The hook that simulates ``precision`` on an FP32 model, or None
+        (``target``: the model, to name its sites by link path)."""
         if self.precision == 's2fp8':
             from gradient_scaling.chainer.simulation import S2FP8Simulation
-            return S2FP8Simulation(measure_underflow=self.count_underflow)
+            return S2FP8Simulation(measure_underflow=self.count_underflow,
+                                   target=target)
+        if self.precision in BLOCK_PRECISIONS:
+            return self._block_simulation_hook(target)
         if self.simulated:
             from gradient_scaling.chainer.simulation import \
                 LowPrecisionSimulation
@@ -187,8 +199,27 @@ class ScalingConfig(object):
                 SIMULATED_FORMATS[self.precision],
                 rounding='stochastic' if self.stochastic_rounding
                 else 'nearest', measure_underflow=self.count_underflow,
-                round_outputs=not fp32_outputs, saturate=fp32_outputs)
+                target=target, round_outputs=not fp32_outputs,
+                saturate=fp32_outputs,
+                # GS and the amax recipes keep one scale per gradient.
+                gradient_scale_bits=32 if self.recipe.reports_underflow
+                else 0)
         return None
+
+    def _block_simulation_hook(self, target):
+        """A block recipe's simulation; under GS, NVFP4's per-tensor scale
+        of a gradient is GS's (the recipe's gradient_tensor_scale)."""
+        from gradient_scaling.chainer.block_simulation import \
+            BlockScaledSimulation
+        recipe = block_formats_recipes.get(BLOCK_PRECISIONS[self.precision])
+        if self.stochastic_rounding:
+            recipe = dataclasses.replace(recipe,
+                                         gradient_rounding='stochastic')
+        gs = isinstance(self.recipe, recipes.GradientScalingRecipe)
+        return BlockScaledSimulation(
+            recipe, gradient_tensor_scale=recipe.gradient_tensor_scale
+            if gs else None, measure_underflow=self.count_underflow,
+            target=target)
 
     def model_dtype(self):
         """Context for building and running the model: mixed16 or float32."""
@@ -345,7 +376,7 @@ class ScalingUpdater(updaters.StandardUpdater):
         self.config = config
         self.communicator = communicator
         if simulation is None and config is not None:
-            simulation = config.simulation_hook()
+            simulation = config.simulation_hook(target=optimizer.target)
         self.simulation = simulation
         self.skips = 0
         self._link_state = self._link_state_of = None
@@ -377,18 +408,8 @@ class ScalingUpdater(updaters.StandardUpdater):
             optimizer.new_epoch(auto=True)
 
     def _simulation_observation(self):
-        sim = self.simulation
-        if sim is None or not getattr(sim, 'measure_underflow', False):
-            return {}
-        counts = sim.underflow_report()
-        sim.reset_underflow_counts()
-        nonzero = sum(c.nonzero for c in counts)
-        if not nonzero:
-            return {}
-        return {
-            'scaling/worst_measured_underflow': max(c.rate for c in counts),
-            'scaling/measured_underflow': sum(
-                c.underflowed for c in counts) / nonzero}
+        observation = getattr(self.simulation, 'observation', None)
+        return {} if observation is None else observation()
 
     def serialize(self, serializer):
         """Everything a resumed run needs to continue bit for bit.

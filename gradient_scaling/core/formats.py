@@ -90,7 +90,12 @@ class Format(object):
         """Smallest positive normal value."""
         return math.ldexp(1.0, self.min_exponent)
 
-    def quantize(self, x, rounding='nearest', rng=None):
+    @property
+    def bits(self):
+        """Width of the format: sign, exponent and stored fraction."""
+        return 1 + self.exponent_bits + self.mantissa_bits
+
+    def quantize(self, x, rounding='nearest', rng=None, saturate=False):
         """Rounds an array to the values of this format.
 
         Rounding is exact (a single rounding of the input value): with
@@ -125,6 +130,8 @@ class Format(object):
                 ``random(size)`` method: a :class:`numpy.random.Generator`
                 (or a CuPy generator for CuPy arrays). Defaults to a fresh,
                 randomly seeded generator of the array's module.
+            saturate (bool): A finite value that rounds beyond the range
+                becomes :attr:`max` with its sign (:meth:`saturated`).
 
         Returns:
             numpy.ndarray or cupy.ndarray: Rounded values, same shape and
@@ -149,7 +156,22 @@ class Format(object):
                 y = self._quantize_bits(xp, work, rounding, rng)
             else:
                 y = self._quantize_arithmetic(xp, work, rounding, rng)
+            if saturate:
+                y = self.saturated(work, y)
             return y.astype(x.dtype, copy=False)
+
+    def saturated(self, x, rounded):
+        """``rounded``, this format's rounding of ``x``, with every finite
+        value of ``x`` that rounded beyond the range (to infinity, or NaN
+        for a format without infinities) replaced by :attr:`max` of its
+        sign: CUDA's FP8 conversions with ``__NV_SATFINITE``, as Transformer
+        Engine casts. Infinities and NaN of ``x`` stay as they rounded: they
+        are a fault of the FP32 computation, which a step must see."""
+        xp = get_array_module(rounded)
+        with device_scope(rounded):
+            return xp.where(xp.isfinite(x) & ~xp.isfinite(rounded),
+                            xp.copysign(rounded.dtype.type(self.max), x),
+                            rounded)
 
     def _quantize_bits(self, xp, work, rounding, rng):
         """Rounding of float32 values on their bit patterns.

@@ -12,6 +12,9 @@
   example scripts, several seeds.
 * :mod:`studies.s2fp8` (``s2fp8``): one more training study, of
   ``examples/cifar/train.py`` in FP32, FP8, S2FP8 and GS.
+* :mod:`studies.block_scaling` (``block-scaling``): per-tensor GS against
+  the block recipes (MXFP8, FP8 1x128 tiles, NVFP4) on detection,
+  classification and segmentation, one table.
 
 :mod:`studies.runs` (the subprocess runs, resumable) and
 :mod:`studies.summary` (tables, runs CSV, figure) serve the training
