@@ -1,65 +1,118 @@
-"""`make demo`: SSD trained with gradient scaling, and what GS did.
+"""`make demo`: SegNet in simulated FP16, with gradient scaling, without it
+and in FP32, and what GS did.
 
-Two runs of ``examples/ssd/train.py`` on the embedded data with the same
-seed (same data, initial weights and batches), in simulated FP8 E5M2,
-where gradients do underflow (its smallest subnormal is 2**-16, against
-FP16's 2**-24, at which the small SSD's gradients hardly underflow and GS
-keeps every scale at 1):
+Three runs of ``examples/segnet/train.py`` on the embedded segmentation
+data with the same seed (same data, initial weights and batches), the loss
+normalised as for the paper's batch of 12 CamVid images of 360x480 pixels
+(``--loss-pixels 2073600``, learning rate and weight decay compensated, so
+FP32 training is unchanged): the per-pixel softmax gradients are then as
+small as at the paper's scale, and in FP16 many of them underflow to zero
+(the paper's Figure 3b mechanism).
 
-1. ``--scaling gs``: GS scales every gradient tensor;
-2. ``--scaling none``: the same run without any scaling.
+1. ``--scaling fp32``: the reference;
+2. ``--scaling gs``: simulated FP16, GS scales every gradient tensor;
+3. ``--scaling none``: simulated FP16, no scaling.
 
-Both count the gradient values that rounding to FP8 turns into zeros
-(``--count-underflow``).  The summary at the end prints the mAP of both,
-the fraction of gradient values lost with GS and without, and GS's scale
-at every site at its last refresh; ``<out>/gs_vs_none.png`` draws the lost
-fraction over the iterations and the scales per layer.
+The FP16 runs count the gradient values that rounding turns into zeros
+(``--count-underflow``).  The summary prints the mIoU of each run, the
+fraction of gradient values lost with GS and without, GS's scale at every
+site at its last refresh, and ends with a one-line verdict;
+``<out>/gs_vs_none.png`` draws the mIoU, the lost fraction over the
+iterations and the scales per site.  The settings (:data:`DEFAULT`) are the
+shortest run whose mIoU separates GS from no scaling by more than three
+standard deviations of seed noise (``scripts/demo_settings.py``,
+results/demo.md).  The three runs train at once, one thread each.
 
-    python scripts/demo.py --out result/demo            # ~4 min on 2 cores
-    python scripts/demo.py --out result/demo --iteration 50   # extra options
-                                                       # go to both runs
+    python scripts/demo.py --out result/demo             # ~1 min on 2 cores
+    python scripts/demo.py --out result/demo --iteration 50  # extra options
+                                                         # go to every run
+    python scripts/demo.py --out result/demo --seeds 0 1 2   # mean +- std
 """
 
 import gradient_scaling  # NOQA: restores what Chainer needs, first
 
 import argparse
 import csv
-import importlib.util
 import json
 import math
 import os
+import resource
 import shutil
 import sys
+import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUNS = (('gs', 'GS'), ('none', 'no scaling'))
-COMMON = ['--precision', 'sim-fp8-e5m2', '--count-underflow',
-          '--update-interval', '10', '--seed', '0']
+from studies.common import log
+from studies.common import pyplot
+from studies import runs as study_runs
+from studies.summary import aggregate
+from studies.summary import write_runs_csv
+from studies.training import Study
+from studies.training import Variant
+
+# The paper's batch: 12 CamVid images of 360x480 pixels.
+PAPER_PIXELS = 12 * 360 * 480
+# The demo's run, chosen by scripts/demo_settings.py (results/demo.md).
+DEFAULT = {'iteration': 40, 'batchsize': 4, 'image_size': (32, 48)}
+# Reference first, the verdict's order.
+VARIANTS = (Variant('FP32', ['--scaling', 'fp32'], None),
+            Variant('GS', ['--scaling', 'gs'], None),
+            Variant('no scaling', ['--scaling', 'none'], None))
+COLOURS = {'FP32': 'k', 'GS': 'C3', 'no scaling': 'C1'}
+METRIC = 'validation/main/miou'
 
 
-def load_ssd():
-    path = os.path.join(ROOT, 'examples', 'ssd', 'train.py')
-    spec = importlib.util.spec_from_file_location('demo_ssd_train', path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def demo_study(iteration, batchsize, image_size, name='segnet'):
+    """The demo's three variants at these settings, as a training study
+    (:mod:`studies.training`) whose runs :mod:`studies.runs` trains."""
+    height, width = image_size
+    return Study(
+        name, 'make demo', 'SegNetBasic, embedded data {}x{}, {} iterations '
+        'of batch {}, loss as for 12x360x480 pixels'.format(
+            height, width, iteration, batchsize),
+        'examples/segnet/train.py', METRIC, 'mIoU', [batchsize],
+        ['--iteration', str(iteration), '--embedded-image-size',
+         str(height), str(width), '--update-interval', '10',
+         '--loss-pixels', str(PAPER_PIXELS)], list(VARIANTS), {}, [])
 
 
-def read_log(out):
-    with open(os.path.join(out, 'log')) as f:
+def train(runs, jobs, fresh=True):
+    """Trains ``runs``, ``jobs`` at a time, each printing a line as it
+    starts and ends; returns their records and the wall and CPU seconds.
+
+    ``fresh``: train every run again (a demo shows training); otherwise a
+    run whose very command finished already is reused.
+    """
+    if fresh:
+        for run in runs:
+            if os.path.isdir(run.out):
+                shutil.rmtree(run.out)
+    start, cpu = time.time(), _children_cpu()
+    study_runs.execute(runs, jobs)
+    return ([run.load() for run in runs], time.time() - start,
+            _children_cpu() - cpu)
+
+
+def _children_cpu():
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def read_log(run):
+    with open(os.path.join(run.out, 'log')) as f:
         return json.load(f)
 
 
-def lost_series(log):
+def lost_series(log_entries):
     """``(iterations, lost fractions)`` of a run's log."""
     points = [(e['iteration'], e['scaling/measured_underflow'])
-              for e in log if 'scaling/measured_underflow' in e]
+              for e in log_entries if 'scaling/measured_underflow' in e]
     return [p[0] for p in points], [p[1] for p in points]
 
 
 def final_scales(out):
-    """``[(site, kind, local scale), ...]`` at GS's last refresh, input to
-    output (ScaleHistory's CSV lists sites output first)."""
+    """``(iteration, [(site, kind, local scale), ...])`` at GS's last
+    refresh, input to output (ScaleHistory's CSV lists sites output
+    first)."""
     with open(os.path.join(out, 'scales.csv'), newline='') as f:
         rows = list(csv.DictReader(f))
     last = max(int(r['iteration']) for r in rows)
@@ -69,90 +122,185 @@ def final_scales(out):
 
 
 def short_name(site):
-    """``/model/extractor/heads/0/conv/W:Convolution2DFunction`` ->
-    ``extractor/heads/0/conv``; casts keep their name."""
+    """``/model/conv_decode1/W:Convolution2DFunction`` -> ``conv_decode1``;
+    casts keep their name."""
     name = site.split(':')[0]
     if name.startswith('/model/'):
         name = name[len('/model/'):]
     return name[:-2] if name.endswith('/W') else name
 
 
-def summarise(out, plot=True):
-    """The summary's lines (and the figure) from the two runs in ``out``.
-    """
-    logs = {name: read_log(os.path.join(out, name)) for name, _ in RUNS}
-    lost = {name: lost_series(log) for name, log in logs.items()}
-    mean_lost = {name: sum(v) / len(v) if v else float('nan')
-                 for name, (_, v) in lost.items()}
-    maps = {name: [e['validation/main/map'] for e in log
-                   if 'validation/main/map' in e][-1:]
-            for name, log in logs.items()}
-    refresh, sites = final_scales(os.path.join(out, 'gs'))
-    lines = ['', 'What gradient scaling did (SSD, simulated FP8 E5M2, {} '
-             'iterations, seed 0):'.format(logs['gs'][-1]['iteration']),
-             '  {:<12} {:>10} {:>28}'.format(
-                 'run', 'VOC07 mAP', 'gradient values lost to FP8')]
-    for name, label in RUNS:
-        value = maps[name][0] if maps[name] else float('nan')
-        lines.append('  {:<12} {:>10.4f} {:>27.3%}'.format(
-            label, value, mean_lost[name]))
-    ratio = mean_lost['none'] / mean_lost['gs'] if mean_lost['gs'] else \
-        float('inf')
-    lines.append('  GS lost {:.1f}x fewer gradient values than no '
-                 'scaling.'.format(ratio))
-    scaled = sum(1 for _, _, s in sites if s != 1)
-    lines.append('  GS scales at iteration {} ({} of {} sites scaled; '
-                 'input to output):'.format(refresh, scaled, len(sites)))
-    for site, kind, scale in sites:
-        lines.append('    {:<4} {:<36} 2^{:g}'.format(
-            kind, short_name(site), math.log2(scale)))
+def separation(stats, batchsize):
+    """GS's mean mIoU minus no scaling's, and that gap over the pooled
+    seed standard deviation of the two (NaN with one seed each)."""
+    gs, none = stats[('GS', batchsize)], stats[('no scaling', batchsize)]
+    gap = gs['mean'] - none['mean']
+    noise = math.sqrt((gs['std'] ** 2 + none['std'] ** 2) / 2)
+    return gap, gap / noise if noise > 0 else math.nan
+
+
+def metric_text(cell):
+    """``0.84`` or ``0.84 ± 0.02`` (several seeds), ``failed`` without a
+    metric."""
+    if not cell['values']:
+        return 'failed'
+    if cell['n'] > 1:
+        return '{:.2f} ± {:.2f}'.format(cell['mean'], cell['std'])
+    return '{:.2f}'.format(cell['mean'])
+
+
+def lost_text(cell):
+    """The lost fraction in percent, three significant digits; FP32 loses
+    nothing to rounding (``-``)."""
+    if cell['underflow'] is None:
+        return '-'
+    return '{:.3g}%'.format(100 * cell['underflow'])
+
+
+def summarise(study, runs, records, seconds, plot=True):
+    """The summary's lines (and the figure) from the finished ``runs``;
+    ``seconds``: their wall and CPU time."""
+    batchsize = study.batchsizes[0]
+    stats = aggregate(records)
+    seeds = sorted({r.seed for r in runs})
+    lines = ['', 'What gradient scaling did ({}, simulated FP16, seed{} '
+             '{}):'.format(study.title, 's' if len(seeds) > 1 else '',
+                           ', '.join(map(str, seeds))),
+             '  {:<12} {:>13} {:>30}'.format(
+                 'run', 'mIoU', 'gradient values lost to FP16')]
+    for v in study.variants:
+        cell = stats[(v.name, batchsize)]
+        lines.append('  {:<12} {:>13} {:>30}'.format(
+            v.name, metric_text(cell), lost_text(cell)))
+    gs_run = next(r for r in runs if r.variant.name == 'GS')
+    refresh, sites = final_scales(gs_run.out)
+    lines += scale_lines(refresh, sites, gs_run.seed)
     if plot:
-        path = os.path.join(out, 'gs_vs_none.png')
-        plot_summary(path, lost, sites)
+        path = os.path.join(os.path.dirname(os.path.dirname(gs_run.out)),
+                            'gs_vs_none.png')
+        plot_summary(path, study, runs, records, sites)
         lines.append('  Figure: {}'.format(path))
+    lines.append('  {} runs: {:.0f} s wall, {:.0f} s CPU.'.format(
+        len(runs), *seconds))
+    return lines + verdict(stats, batchsize)
+
+
+def scale_lines(refresh, sites, seed):
+    scaled = sum(1 for _, _, s in sites if s != 1)
+    lines = ['  GS scales at iteration {} (seed {}; {} of {} sites scaled; '
+             'input to output):'.format(refresh, seed, scaled, len(sites))]
+    for site, kind, scale in sites:
+        lines.append('    {:<4} {:<20} 2^{:g}'.format(
+            kind, short_name(site), math.log2(scale)))
     return lines
 
 
-def plot_summary(path, lost, sites):
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, label in RUNS:
-        iterations, values = lost[name]
-        left.plot(iterations, [100 * v for v in values], marker='.',
-                  label=label)
-    left.set_yscale('log')
-    left.set_xlabel('iteration')
-    left.set_ylabel('gradient values lost to FP8 (%)')
-    left.set_title('Underflow: GS vs no scaling')
-    left.legend()
-    right.bar(range(len(sites)), [math.log2(s) for _, _, s in sites],
-              color=['tab:purple' if k == 'cast' else 'tab:green'
-                     for _, k, _ in sites])
-    right.set_xticks(range(len(sites)))
-    right.set_xlabel('site, input to output (green: GEMM, purple: softmax '
-                     'cast)')
-    right.set_ylabel('log2 GS scale')
-    right.set_title('GS scale per site at the last refresh')
+def verdict(stats, batchsize):
+    """The last lines: the three metrics and the values lost, at a glance;
+    with several seeds, the gap in standard deviations of seed noise."""
+    cells = {name: cell for (name, b), cell in stats.items()
+             if b == batchsize}
+    lines = ['', '  FP32 {} mIoU | GS {} | no scaling {}: without scaling '
+             '{} of the gradient values underflow in FP16; GS lost {}.'
+             .format(metric_text(cells['FP32']), metric_text(cells['GS']),
+                     metric_text(cells['no scaling']),
+                     lost_text(cells['no scaling']), lost_text(cells['GS']))]
+    gap, sigmas = separation(stats, batchsize)
+    if not math.isnan(sigmas):
+        lines.append('  GS - no scaling: {:+.2f} mIoU, {:.1f} standard '
+                     'deviations of seed noise.'.format(gap, sigmas))
+    return lines
+
+
+def plot_summary(path, study, runs, records, sites):
+    """mIoU per run (a dot per seed), the lost fraction over the
+    iterations, GS's scale per site (named) at its last refresh."""
+    plt = pyplot()
+    fig, (ax_metric, ax_lost, ax_scale) = plt.subplots(
+        1, 3, figsize=(15, 4.4), gridspec_kw={'width_ratios': [1, 1.5, 1.5]})
+    for i, v in enumerate(study.variants):
+        values = [r['metric'] for r in records
+                  if r['variant'] == v.name and r['metric'] is not None]
+        ax_metric.bar(i, sum(values) / max(len(values), 1),
+                      color=COLOURS[v.name], alpha=0.6)
+        ax_metric.plot([i] * len(values), values, 'o', color='k', ms=4)
+    ax_metric.set_xticks(range(len(study.variants)))
+    ax_metric.set_xticklabels([v.name for v in study.variants])
+    ax_metric.set_ylabel('test mIoU')
+    ax_metric.set_title('mIoU after training (dots: seeds)')
+    _plot_lost(ax_lost, runs)
+    ax_scale.bar(range(len(sites)), [math.log2(s) for _, _, s in sites],
+                 color=['tab:purple' if k == 'cast' else 'tab:green'
+                        for _, k, _ in sites])
+    ax_scale.set_xticks(range(len(sites)))
+    ax_scale.set_xticklabels([short_name(s) for s, _, _ in sites],
+                             rotation=45, ha='right', fontsize=8)
+    ax_scale.set_ylabel('log2 GS scale')
+    ax_scale.set_title('GS scale per site, input to output')
+    fig.suptitle(study.title + ', simulated FP16')
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+def _plot_lost(ax, runs):
+    for run in runs:
+        if run.variant.name == 'FP32':
+            continue
+        iterations, values = lost_series(read_log(run))
+        ax.plot(iterations, [100 * v for v in values], marker='.',
+                color=COLOURS[run.variant.name], label='{} (seed {})'.format(
+                    run.variant.name, run.seed))
+    ax.set_yscale('log')
+    ax.set_xlabel('iteration')
+    ax.set_ylabel('gradient values lost to FP16 (%)')
+    ax.set_title('Underflow: GS vs no scaling')
+    ax.legend(fontsize=7)
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        description=__doc__.split('\n\n')[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog='Other options go to every run of examples/segnet/train.py.')
     parser.add_argument('--out', default='result/demo')
+    parser.add_argument('--seeds', type=int, nargs='+', default=[0],
+                        help='one run of each variant per seed (default: '
+                        '%(default)s)')
+    parser.add_argument('--iteration', type=int,
+                        default=DEFAULT['iteration'])
+    parser.add_argument('--batchsize', type=int,
+                        default=DEFAULT['batchsize'])
+    parser.add_argument('--embedded-image-size', type=int, nargs=2,
+                        default=list(DEFAULT['image_size']),
+                        metavar=('HEIGHT', 'WIDTH'))
+    parser.add_argument('--jobs', type=int, default=3,
+                        help='runs trained at once, one thread each '
+                        '(default: %(default)s)')
     args, extra = parser.parse_known_args(argv)
-    ssd = load_ssd()
-    for name, label in RUNS:
-        run_dir = os.path.join(args.out, name)
-        if os.path.isfile(os.path.join(run_dir, 'log')):
-            shutil.rmtree(run_dir)  # a previous demo's run: rerun it
-        print('\n=== SSD with {} ({}) ==='.format(label, name), flush=True)
-        ssd.main(['--scaling', name, '--out', os.path.join(args.out, name)]
-                 + COMMON + extra)
-    print('\n'.join(summarise(args.out)))
+    if args.jobs < 1:
+        parser.error('--jobs must be >= 1, got {}'.format(args.jobs))
+    return args, extra
+
+
+def main(argv=None):
+    args, extra = parse_args(argv)
+    study = demo_study(args.iteration, args.batchsize,
+                       args.embedded_image_size)
+    runs = study_runs.plan([study], args.seeds, args.out, extra_args=extra)
+    log('make demo: {}: FP32, and GS and no scaling in simulated FP16; {} '
+        'runs, {} at a time'.format(study.title, len(runs), args.jobs))
+    records, wall, cpu = train(runs, args.jobs)
+    write_runs_csv(records, os.path.join(args.out, 'runs.csv'))
+    failed = [run for run, r in zip(runs, records) if r['metric'] is None]
+    if failed:
+        print('error: {} of {} runs failed; their output: {}'.format(
+            len(failed), len(runs), ', '.join(
+                os.path.join(r.out, 'stdout.log') for r in failed)),
+            file=sys.stderr)
+        return 1
+    print('\n'.join(summarise(study, runs, records, (wall, cpu))))
+    return 0
 
 
 if __name__ == '__main__':

@@ -1,52 +1,161 @@
-"""scripts/demo.py (`make demo`): two short runs, then what GS did."""
+"""scripts/demo.py (`make demo`): FP32, GS and no scaling, then what GS did.
+"""
 
 import gradient_scaling  # NOQA: compat must precede chainer
 
+import json
 import math
-import os
 import re
+
+import pytest
 
 from helpers import is_power_of_two
 from helpers import load_script
+from helpers import read_csv
 from helpers import read_log
+
+# Seconds, not minutes: 4 steps of batch 2 on 32x32 images, 8 + 4 images.
+TINY = ['--iteration', '4', '--batchsize', '2', '--log-interval', '2',
+        '--update-interval', '2', '--embedded-size', '8', '4',
+        '--embedded-image-size', '32', '32']
+
+
+def run_demo(capsys, out, argv):
+    demo = load_script('demo')
+    status = demo.main(['--out', str(out)] + argv)
+    captured = capsys.readouterr()
+    return demo, status, captured.out, captured.err
+
+
+def run_dirs(out):
+    """Variant name to its run directory, as run.json names them."""
+    dirs = {}
+    for path in (out / 'segnet').iterdir():
+        with open(path / 'run.json') as f:
+            dirs[json.load(f)['variant']] = path
+    return dirs
 
 
 def test_demo_ends_with_what_gs_did(tmp_path, capsys):
-    demo = load_script('demo')
     out = tmp_path / 'demo'
-    demo.main(['--out', str(out), '--iteration', '4', '--batchsize', '2',
-               '--log-interval', '2', '--update-interval', '2'])
-    printed = capsys.readouterr().out
+    demo, status, printed, _ = run_demo(capsys, out, TINY)
+    assert status == 0
+    # One line as each run starts and ends, the latter with its mIoU.
+    assert len(re.findall(r' start segnet ', printed)) == 3
+    ends = re.findall(r'\] segnet (.+) batch 2 seed 0: mIoU ([\d.]+),',
+                      printed)
+    assert sorted(name for name, _ in ends) == ['FP32', 'GS', 'no scaling']
     summary = printed[printed.index('What gradient scaling did'):]
     lines = summary.splitlines()
-    # Both runs, by name, with their mAP and lost fraction as in the logs.
-    lost = {}
-    for name, label in demo.RUNS:
-        (m_ap, percent), = [m.groups() for m in (re.match(
-            r'^  {} +([\d.]+) +([\d.]+)%$'.format(label), ln)
-            for ln in lines) if m]
-        log = read_log(out / name)
+    dirs = run_dirs(out)
+    lost, metrics = {}, {}
+    for name in ('FP32', 'GS', 'no scaling'):
+        (m_iou, lost_text), = [m.groups() for m in (re.match(
+            r'^  {} +([\d.]+) +(\S+)$'.format(name), ln) for ln in lines)
+            if m]
+        metrics[name] = m_iou
+        log = read_log(dirs[name])
+        assert float(m_iou) == round(log[-1]['validation/main/miou'], 2)
+        assert dict(ends)[name] == '{:.4f}'.format(
+            log[-1]['validation/main/miou'])
         values = [e['scaling/measured_underflow'] for e in log
                   if 'scaling/measured_underflow' in e]
-        assert float(percent) == round(100 * sum(values) / len(values), 3)
-        assert float(m_ap) == round(log[-1]['validation/main/map'], 4)
-        lost[name] = sum(values) / len(values)
-    # In FP8, plain rounding loses gradient values; GS's scales lose
-    # fewer (measured: 0.16% and 0.14% after 4 steps of batch 2).
-    assert lost['none'] > 0 and lost['gs'] < lost['none']
-    assert 'GS lost {:.1f}x fewer'.format(lost['none'] / lost['gs']) in \
-        summary
-    # One line per GS site with a power-of-two scale.
+        lost[name] = sum(values) / len(values) if values else None
+        assert lost_text == ('-' if name == 'FP32' else '{:.3g}%'.format(
+            100 * lost[name]))
+    # The paper-scale loss: in FP16 without scaling many softmax gradients
+    # underflow (measured: 14%); GS loses few (0.012%).
+    assert lost['no scaling'] > 0.05
+    assert 0 < lost['GS'] < lost['no scaling'] / 100
+    check_scales(demo, summary, dirs['GS'])
+    figure = out / 'gs_vs_none.png'
+    assert figure.stat().st_size > 20000
+    assert 'Figure: {}'.format(figure) in summary
+    assert len(read_csv(out / 'runs.csv')) == 3
+    assert re.search(r'^  3 runs: \d+ s wall, \d+ s CPU\.$', summary,
+                     flags=re.M)
+    # One seed: no spread to compare the gap with.
+    assert 'standard deviations' not in summary
+    check_verdict(lines[-1], metrics, lost)
+
+
+def check_scales(demo, summary, gs_dir):
+    """One line per GS site, input to output, with its power-of-two scale;
+    the classifier, whose input gradient is the softmax's, is scaled."""
     scales = re.findall(r'^    (gemm|cast) +(\S+) +2\^(-?[\d.]+)$', summary,
                         flags=re.M)
-    _, sites = demo.final_scales(str(out / 'gs'))
-    assert len(scales) == len(sites) > 10
-    assert all(is_power_of_two(2 ** float(s)) for _, _, s in scales)
+    _, sites = demo.final_scales(str(gs_dir))
+    assert len(scales) == len(sites) == 8
     assert [demo.short_name(site) for site, _, _ in sites] == [
         name for _, name, _ in scales]
-    assert any(kind == 'cast' for kind, _, _ in scales)
-    figure = out / 'gs_vs_none.png'
-    assert figure.stat().st_size > 10000
-    assert summary.rstrip().endswith(str(figure))
-    assert not math.isnan(lost['gs'])
-    assert sorted(os.listdir(out)) == ['gs', 'gs_vs_none.png', 'none']
+    assert scales[0][1] == 'conv2' and scales[-1][1] == 'conv_classifier'
+    assert all(is_power_of_two(2 ** float(s)) for _, _, s in scales)
+    assert float(scales[-1][2]) >= 8
+
+
+def check_verdict(last, metrics, lost):
+    """The last line: every run's mIoU, as in the table, and both lost
+    fractions."""
+    assert last == (
+        '  FP32 {FP32} mIoU | GS {GS} | no scaling {none}: without scaling '
+        '{lost_none:.3g}% of the gradient values underflow in FP16; GS lost '
+        '{lost_gs:.3g}%.'.format(
+            FP32=metrics['FP32'], GS=metrics['GS'],
+            none=metrics['no scaling'], lost_none=100 * lost['no scaling'],
+            lost_gs=100 * lost['GS']))
+
+
+def test_demo_with_seeds_gives_the_gap_in_seed_noise(tmp_path, capsys):
+    demo, status, printed, _ = run_demo(
+        capsys, tmp_path / 'demo', TINY + ['--seeds', '0', '1'])
+    assert status == 0
+    records = read_csv(tmp_path / 'demo' / 'runs.csv')
+    assert sorted({r['seed'] for r in records}) == ['0', '1']
+    metric = {(r['variant'], r['seed']): float(r['metric'])
+              for r in records}
+    gs = [metric[('GS', s)] for s in '01']
+    none = [metric[('no scaling', s)] for s in '01']
+    std = math.sqrt((stdev(gs) ** 2 + stdev(none) ** 2) / 2)
+    gap = sum(gs) / 2 - sum(none) / 2
+    assert printed.rstrip().splitlines()[-1] == (
+        '  GS - no scaling: {:+.2f} mIoU, {:.1f} standard deviations of '
+        'seed noise.'.format(gap, gap / std))
+    assert re.search(r'^  GS +{:.2f} ± {:.2f} '.format(
+        sum(gs) / 2, stdev(gs)), printed, flags=re.M)
+
+
+def stdev(values):
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values)
+                     / (len(values) - 1))
+
+
+def test_a_failed_run_ends_the_demo_with_status_1(tmp_path, capsys):
+    out = tmp_path / 'demo'
+    _, status, printed, err = run_demo(capsys, out,
+                                       TINY + ['--no-such-option'])
+    assert status == 1
+    assert 'What gradient scaling did' not in printed
+    assert err.startswith('error: 3 of 3 runs failed; their output: ')
+    for path in err.split('their output: ', 1)[1].strip().split(', '):
+        with open(path) as f:
+            assert 'unrecognized arguments: --no-such-option' in f.read()
+
+
+@pytest.mark.slow
+def test_default_settings_separate_gs_from_no_scaling(tmp_path, capsys):
+    """`make demo`'s settings, three seeds: GS above no scaling by more
+    than three standard deviations of seed noise, and recovering most of
+    what no scaling loses to FP32 (~3 min)."""
+    demo, status, printed, _ = run_demo(
+        capsys, tmp_path / 'demo', ['--seeds', '0', '1', '2'])
+    assert status == 0
+    gap, sigmas = re.search(
+        r'GS - no scaling: \+([\d.]+) mIoU, ([\d.]+) standard deviations',
+        printed).groups()
+    assert float(sigmas) > 3 and float(gap) >= 0.04
+    means = {name: float(m) for name, m in re.findall(
+        r'^  (FP32|GS|no scaling) +([\d.]+) ± ', printed, flags=re.M)}
+    # Measured (results/demo.md): FP32 0.40, GS 0.38, no scaling 0.32.
+    assert means['GS'] - means['no scaling'] > (
+        means['FP32'] - means['no scaling']) / 2
