@@ -307,10 +307,13 @@ class BlasThreads(object):
         return self
 
     def __exit__(self, *args):
+        # In the reverse order of __enter__: threadpoolctl's originals were
+        # read after PyTorch's pool was limited, and PyTorch's BLAS may be
+        # one of the libraries it restores.
+        if self.limiter is not None:
+            self.limiter.restore_original_limits()
+            self.limiter = None
         if self.torch_threads is not None:
             import torch
             torch.set_num_threads(self.torch_threads)
             self.torch_threads = None
-        if self.limiter is not None:
-            self.limiter.restore_original_limits()
-            self.limiter = None
