@@ -399,7 +399,7 @@ def _plain_and_scaled(src, x, t, loss_factor, reference):
     scaled = _lost_and_error(
         _gradients(model, x, t, loss_factor,
                    [gs, LowPrecisionSimulation('float16')]), reference)
-    return plain, scaled, model
+    return plain, scaled, model, gs
 
 
 def test_gradient_scaling_rounds_after_scaling():
@@ -407,8 +407,8 @@ def test_gradient_scaling_rounds_after_scaling():
     # fc's small weights shrink the gradient into FP16's subnormals.
     src, x, t, loss_factor, reference = _small_cnn_case(
         loss_factor=1e-2, fc_scale=1e-3)
-    plain, scaled, model = _plain_and_scaled(src, x, t, loss_factor,
-                                             reference)
+    plain, scaled, model, _ = _plain_and_scaled(src, x, t, loss_factor,
+                                                reference)
     assert internals.param_loss_scale(model.c1.W) > 1.0
     # The best FP16 can do here: a loss scale large enough that nothing
     # underflows; what error remains is FP16's rounding (forward included).
@@ -427,18 +427,35 @@ def test_gradient_scaling_rounds_after_scaling():
     assert plain['h1'][0] > 0.1 and plain['h2'][0] > 0.1
 
 
-def test_softmax_gradient_is_rounded_before_gemm_scaling(small_cnn_case):
-    # With a tiny loss, the gradient reaching the last GEMM underflows when
-    # stored (mixed16: at the cast before the softmax). The simulation
-    # rounds it on entry to fc, before GS's GEMM scale, so fc's weight
-    # gradient is the same with and without GS, while the layers below
-    # lose far fewer values.
+def test_softmax_gradient_is_scaled_at_its_cast_as_in_mixed16(
+        small_cnn_case):
+    # With a tiny loss, the softmax gradient underflows where it is stored:
+    # in mixed16 at the cast before the softmax; in an FP32 model, behind
+    # the train chain's no-op cast to float32, where it enters the logits'
+    # GEMM. GS scales it there (Theorem 2) before the simulation rounds
+    # it, so fc's weight gradient and every layer below lose far fewer
+    # values; the sites and scales are those of the same model and batch
+    # in real mixed16. (A no-op cast once hid the softmax gradient: the
+    # logits' GEMM then took Theorem 1 alone; on SegNet 2**11 where
+    # mixed16 takes 2**8 at the cast and 2**3 at the GEMM, as PyTorch's
+    # adapter does: found by the two-framework study.)
     src, x, t, loss_factor, reference = small_cnn_case
-    plain, scaled, _ = _plain_and_scaled(src, x, t, loss_factor, reference)
-    assert scaled['/fc/W'] == plain['/fc/W']
+    plain, scaled, _, gs32 = _plain_and_scaled(src, x, t, loss_factor,
+                                               reference)
+    # Measured: fc's weight gradient 3.7% lost without GS, 0.95% with
+    # (Theorem 2 underestimates the tail, docs/results.md, Claim 2); the
+    # layers below 1.9-25% and at most 0.05%.
     assert plain['/fc/W'][0] > 0.01
+    assert scaled['/fc/W'][0] <= 0.5 * plain['/fc/W'][0]
     for name in ('/c1/W', '/c2/W', 'h1', 'h2'):
         assert scaled[name][0] <= 0.1 * plain[name][0], name
+    mixed = _copy_of(src, chainer.mixed16)
+    gs16 = GradientScaling(underflow_rate=1e-3, fmt='float16', target=mixed)
+    _gradients(mixed, x.astype(np.float16), t, loss_factor, [gs16])
+    sites = {r.name: (r.kind, r.local_scale) for r in gs32.report()}
+    assert sites == {r.name: (r.kind, r.local_scale)
+                     for r in gs16.report()}
+    assert sites['cast#0'][0] == 'cast' and sites['cast#0'][1] > 1
 
 
 # -- how values are stored, the same for every scaling ----------------------

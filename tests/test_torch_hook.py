@@ -152,6 +152,30 @@ def test_autocast_fp16_sites_and_the_cast_before_the_softmax():
                                                          error(scaled))
 
 
+@pytest.mark.parametrize('narrowing', [False, True])
+def test_a_cast_that_does_not_widen_hides_no_softmax_gradient(narrowing):
+    # A float64 model whose logits are cast down to float32 for the loss
+    # (or not cast): the cast hands the softmax gradient on unchanged, so
+    # the entry of the logits' GEMM is the cast site either way, with the
+    # same scales (as in Chainer, whose train chains cast to float32).
+    def sites():
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                                  torch.nn.Linear(32, 10)).double()
+        x, t = torch.randn(8, 16).double(), torch.randint(0, 10, (8,))
+        hook = GradientScaling(net, update_interval=1)
+        with hook:
+            y = net(x)
+            y = y.float() if narrowing else y
+            (torch.nn.functional.cross_entropy(y, t) * 1e-7).backward()
+        return {r.name: (r.kind, r.local_scale) for r in hook.report()}
+    found = sites()
+    assert set(found) == {'cast#0', '2.weight'}
+    assert found['cast#0'][0] == 'cast' and found['cast#0'][1] >= 2 ** 8
+    narrowing = not narrowing
+    assert sites() == found
+
+
 def test_measured_and_hybrid_estimators_run_on_torch(every_construct):
     net, loss_fn = every_construct
     for estimator in ('measured', 'hybrid'):

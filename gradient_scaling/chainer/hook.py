@@ -193,8 +193,15 @@ class GradientScaling(ControllerViews, chainer.FunctionHook):
         if kind is _GEMM:
             internals.wrap_backward_once(function, self.rules.gemm,
                                          function, in_data)
-        elif kind is _CAST and self._is_up_cast(function):
-            internals.wrap_backward_once(function, self.rules.cast)
+        elif kind is _CAST:
+            # A cast that does not widen (to the same dtype, e.g. a train
+            # chain's cast to float32 in an FP32 model, or narrower) hands
+            # on the values it gets: a softmax gradient stays one.
+            if self._is_up_cast(function):
+                internals.wrap_backward_once(function, self.rules.cast)
+            else:
+                internals.wrap_backward_once(function, self.rules.plain,
+                                             backward_rules.SHAPE_ONLY)
         elif kind is not _PLAIN or not self.current_pass.unit:
             internals.wrap_backward_once(function, self.rules.plain, kind)
 

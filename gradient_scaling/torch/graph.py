@@ -282,13 +282,21 @@ def _softmax_gradients(softmax_nodes, plan):
                  for e in plan.consumers[node, k]]
         if edges and all(
                 type(c).__name__ in SOFTMAX_NODES or
-                (type(c).__name__ in SHAPE_ONLY_NODES and c in softmax)
-                for c, _ in edges):
+                (_passes_values(c) and c in softmax) for c, _ in edges):
             softmax.add(node)
-            if type(node).__name__ in SHAPE_ONLY_NODES:
+            if _passes_values(node):
                 todo.extend(p for p, _ in node.next_functions
                             if p is not None)
     return softmax
+
+
+def _passes_values(node):
+    """Whether a node's backward hands on the values it gets, only moved
+    or exactly converted: shape-only nodes, and casts that do not widen (a
+    widening cast is a cast site itself), as in the Chainer adapter."""
+    name = type(node).__name__
+    return name in SHAPE_ONLY_NODES or (name == _CAST_NODE and
+                                        not _is_up_cast(node))
 
 
 def _is_up_cast(node):
