@@ -328,6 +328,24 @@ def test_a_named_dataset_that_is_absent(example, dataset, tmp_path, capsys):
 
 # --- the library's arguments ------------------------------------------------
 
+@pytest.mark.parametrize('option, value, message', [
+    ('--batchsize', '0', '--batchsize must be >= 1, got 0'),
+    ('--iteration', '-5', '--iteration must be >= 1, got -5'),
+    ('--log-interval', '0', '--log-interval must be >= 1, got 0'),
+    ('--lr', '0', '--lr must be > 0, got 0.0'),
+    ('--snapshot-interval', '-1',
+     '--snapshot-interval must be >= 0 (0: none), got -1')])
+def test_an_out_of_range_option(option, value, message, capsys):
+    # argparse's usage, then its error line, exit status 2, before any
+    # work: in every script.
+    for script in sorted(SCRIPTS.values()):
+        with pytest.raises(SystemExit) as exit_:
+            load_example(script).main([option, value])
+        assert exit_.value.code == 2, script
+        assert capsys.readouterr().err.splitlines()[-1].endswith(
+            'error: ' + message), script
+
+
 def test_numpy_scalars_are_numbers():
     hook = GradientScaling(underflow_rate=np.float32(1e-3),
                            update_interval=np.int64(5))
