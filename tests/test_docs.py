@@ -67,3 +67,27 @@ def test_the_pages_python_blocks_run(page, tmp_path, monkeypatch):
             exec(before[i], namespace)
         exec(compile(block, '{} block {}'.format(page, i), 'exec'),
              namespace)
+
+
+def markdown_pages():
+    pages = ['README.md'] + sorted(
+        os.path.join('docs', name) for name in os.listdir(
+            os.path.join(ROOT, 'docs')) if name.endswith('.md'))
+    return [p for p in pages if os.path.exists(os.path.join(ROOT, p))]
+
+
+@pytest.mark.parametrize('page', markdown_pages())
+def test_every_relative_link_resolves(page):
+    # [text](path) and ![alt](path), relative to the page; web links and
+    # anchors within a page are not files.
+    with open(os.path.join(ROOT, page)) as f:
+        text = re.sub(r'```.*?```', '', f.read(), flags=re.S)
+    base = os.path.dirname(os.path.join(ROOT, page))
+    broken = []
+    for target in re.findall(r'\]\(([^)\s]+)\)', text):
+        path = target.split('#')[0]
+        if not path or re.match(r'[a-z]+:', path):
+            continue
+        if not os.path.exists(os.path.normpath(os.path.join(base, path))):
+            broken.append(target)
+    assert not broken, (page, broken)

@@ -176,19 +176,6 @@ def _variable_backward(self, *args, **kwargs):
         self, *args, **kwargs)
 
 
-def install(handler):
-    """Routes Chainer's backprop internals to ``handler`` until uninstall."""
-    _patches.install(handler)
-
-
-def uninstall(handler):
-    _patches.uninstall(handler)
-
-
-def active_handler():
-    return _patches.handler
-
-
 def original_reduce(grad_list):
     """Chainer's own sum of gradient contributions."""
     if len(grad_list) >= 2:
@@ -355,3 +342,7 @@ _patches = patches.Patches([
     (variable_module.Variable, '_set_grad_var_without_check',
      _set_grad_var_without_check),
     (variable_module.Variable, 'backward', _variable_backward)])
+# Routes Chainer's backprop internals to a handler (install), until uninstall.
+install = _patches.install
+uninstall = _patches.uninstall
+active_handler = _patches.active_handler

@@ -20,12 +20,10 @@ from gradient_scaling.chainer import backward_rules
 from gradient_scaling.chainer import serialization
 from gradient_scaling.chainer import sites
 from gradient_scaling.chainer import timing
-from gradient_scaling.core import formats
 from gradient_scaling.core import recipes
 from gradient_scaling.core import step as step_module
 from gradient_scaling.core.arrays import measured_underflow_rate
 from gradient_scaling.core.controller import ControllerViews
-from gradient_scaling.core.controller import ScaleController
 from gradient_scaling.core.controller import StepPayload
 from gradient_scaling.core.step import GradientOverflowError
 from gradient_scaling.core.telemetry import SiteRecord
@@ -141,12 +139,7 @@ class GradientScaling(ControllerViews, chainer.FunctionHook):
     name = 'GradientScaling'
 
     def __init__(self, target=None, recipe=None, timer=None, **settings):
-        if recipe is not None and settings:
-            raise ValueError('pass a recipe or settings, not both (got {})'
-                             .format(', '.join(sorted(settings))))
-        self.recipe = recipe or recipes.hook_recipe(**settings)
-        self.controller = ScaleController(self.recipe)
-        self.fmt = formats.get(self.recipe.fmt)
+        self._take_recipe(recipe, settings)
         self.target = target
         self.names = sites.SiteNames(target)
         self.in_backward = False

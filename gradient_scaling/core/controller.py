@@ -39,6 +39,7 @@ import math
 from gradient_scaling.core import estimators
 from gradient_scaling.core import formats
 from gradient_scaling.core import lifecycle
+from gradient_scaling.core import recipes
 from gradient_scaling.core import scale_state
 from gradient_scaling.core import step as step_module
 from gradient_scaling.core import telemetry
@@ -226,6 +227,16 @@ class ControllerViews(object):
 
     """What a hook shows of its :class:`ScaleController` (``controller``)
     and recipe (``recipe``): the adapters' hooks inherit it."""
+
+    def _take_recipe(self, recipe, settings):
+        """Sets ``recipe`` (or the hook recipe of ``settings``: one or the
+        other), its :class:`ScaleController` and its format."""
+        if recipe is not None and settings:
+            raise ValueError('pass a recipe or settings, not both (got {})'
+                             .format(', '.join(sorted(settings))))
+        self.recipe = recipe or recipes.hook_recipe(**settings)
+        self.controller = ScaleController(self.recipe)
+        self.fmt = formats.get(self.recipe.fmt)
 
     schedule = property(lambda self: self.controller.schedule)
     table = property(lambda self: self.controller.table)

@@ -64,6 +64,10 @@ class Patches(object):
         self._originals.clear()
         self.handler = None
 
+    def active_handler(self):
+        """The handler installed now, or None."""
+        return self.handler
+
     def original(self, owner, name):
         """What ``owner.name`` was before :meth:`install`."""
         return self._originals[id(owner), name]

@@ -110,18 +110,9 @@ def _grad(*args, **kwargs):
         'it returns would stay scaled.')
 
 
-def install(handler):
-    """Routes ``torch.autograd.backward`` to ``handler`` until uninstall."""
-    _patches.install(handler)
-
-
-def uninstall(handler):
-    _patches.uninstall(handler)
-
-
-def active_handler():
-    return _patches.handler
-
-
 _patches = patches.Patches([(torch.autograd, 'backward', _backward),
                             (torch.autograd, 'grad', _grad)])
+# Routes torch.autograd.backward to a handler (install), until uninstall.
+install = _patches.install
+uninstall = _patches.uninstall
+active_handler = _patches.active_handler

@@ -13,11 +13,8 @@ PyTorch touch is in :mod:`gradient_scaling.torch._internals`.
 import torch
 
 from gradient_scaling.core import arrays
-from gradient_scaling.core import formats
-from gradient_scaling.core import recipes
 from gradient_scaling.core import step as step_module
 from gradient_scaling.core.controller import ControllerViews
-from gradient_scaling.core.controller import ScaleController
 from gradient_scaling.torch import _internals as internals
 from gradient_scaling.torch import arrays as torch_arrays  # NOQA: registers
 from gradient_scaling.torch import unscaling
@@ -79,12 +76,7 @@ class GradientScaling(ControllerViews):
     """
 
     def __init__(self, model=None, recipe=None, **settings):
-        if recipe is not None and settings:
-            raise ValueError('pass a recipe or settings, not both (got {})'
-                             .format(', '.join(sorted(settings))))
-        self.recipe = recipe or recipes.hook_recipe(**settings)
-        self.controller = ScaleController(self.recipe)
-        self.fmt = formats.get(self.recipe.fmt)
+        self._take_recipe(recipe, settings)
         self.model = model
         self._names = {} if model is None else {
             p: name for name, p in model.named_parameters()}
