@@ -35,9 +35,22 @@ STAGES = stage() { echo "setup: $$1"; { eval "$$2"; } >>'$(SETUP_LOG)' 2>&1 \
 	optional() { echo "setup: $$1"; { eval "$$2"; } >>'$(SETUP_LOG)' 2>&1 \
 	|| echo "setup: $$3 (see $(SETUP_LOG))"; }
 
-.PHONY: setup demo test test-all test-py312 clean
+.PHONY: setup setup-test demo test test-all test-py312 clean
 
 setup: $(STAMP)
+
+# What only the tests need (make demo does without): mpi4py and PyTorch.
+TEST_STAMP := $(VENV)/.installed-test
+setup-test: $(TEST_STAMP)
+$(TEST_STAMP): $(STAMP)
+	@$(STAGES); \
+	optional 'mpi4py (for the MPI tests)' "$(PY) -m pip install 'mpi4py>=3.1'" \
+		'mpi4py not installed (it needs an MPI library, e.g. Debian: openmpi-bin libopenmpi-dev): the MPI tests will be skipped'; \
+	if $(PY) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' \
+		>>'$(SETUP_LOG)' 2>&1; then \
+		stage 'PyTorch ($(TORCH), CPU)' "$(PY) -m pip install '$(TORCH)'"; \
+	else echo 'setup: not Python 3.11: PyTorch not installed, its tests will be skipped'; fi; \
+	touch $(TEST_STAMP)
 
 # pip keeps an installed chainercv of the same version: a rebuilt wheel (a
 # new tools/chainercv_patch) must replace it, hence --force-reinstall.
@@ -53,12 +66,6 @@ $(STAMP): setup.py Makefile tools/build_frozen_wheels.py tools/chainercv_patch/_
 		"$(PY) -m pip install --find-links $(WHEELS) --only-binary chainer,chainercv \
 		--no-build-isolation -e '.[test]' && $(PY) -m pip install --no-deps \
 		--force-reinstall $(WHEELS)/chainercv-0.13.1-py3-none-any.whl"; \
-	optional 'mpi4py (for the MPI tests)' "$(PY) -m pip install 'mpi4py>=3.1'" \
-		'mpi4py not installed (it needs an MPI library, e.g. Debian: openmpi-bin libopenmpi-dev): the MPI tests will be skipped'; \
-	if $(PY) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' \
-		>>'$(SETUP_LOG)' 2>&1; then \
-		stage 'PyTorch ($(TORCH), CPU)' "$(PY) -m pip install '$(TORCH)'"; \
-	else echo 'setup: not Python 3.11: PyTorch not installed, its tests will be skipped'; fi; \
 	stage 'checking the import' "$(PY) -c \"import gradient_scaling, chainer, chainercv; \
 		print('chainer', chainer.__version__, 'chainercv', chainercv.__version__)\""; \
 	touch $(STAMP); echo "setup: done, $$(tail -n 1 '$(SETUP_LOG)') (log: $(SETUP_LOG))"
@@ -74,11 +81,11 @@ demo: setup
 	$(PY) scripts/demo.py --out result/demo $(DEMO_ARGS)
 
 # pytest's exit code 5 ("no tests collected") is a failure, not a pass.
-test: setup
+test: setup-test
 	$(PY) -m pytest $(PYTEST_ARGS); s=$$?; \
 	if [ $$s = 5 ]; then echo 'pytest collected no tests' >&2; exit 1; fi; exit $$s
 
-test-all: setup
+test-all: setup-test
 	$(MAKE) test PYTEST_ARGS='--run-slow $(PYTEST_ARGS)'
 
 # The library's tests on Python 3.12 with NumPy 2 (the GPU machine's

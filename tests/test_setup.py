@@ -1,5 +1,6 @@
-"""``make setup``: one line per stage, the rest in the log; a failed stage
-shows the log's last lines and its path.
+"""``make setup`` (what ``make demo`` needs) and ``make setup-test`` (what
+``make test`` adds: mpi4py, PyTorch): one line per stage, the rest in the
+log; a failed stage shows the log's last lines and its path.
 
 The Makefile's recipe runs here with a stand-in for ``python`` that prints
 what pip would (a line per call) and fails where told, so the test needs
@@ -34,12 +35,12 @@ def make_setup(tmp_path):
     python.chmod(0o755)
     venv, log = tmp_path / 'venv', tmp_path / 'setup.log'
 
-    def run(fail_at=''):
+    def run(fail_at='', target='setup'):
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(('MAKE', 'MFLAGS'))}
         env['FAIL_AT'] = fail_at
         proc = subprocess.run(
-            ['make', '--no-print-directory', '-C', ROOT, 'setup',
+            ['make', '--no-print-directory', '-C', ROOT, target,
              'PYTHON={}'.format(python), 'VENV={}'.format(venv),
              'SETUP_LOG={}'.format(log)],
             capture_output=True, text=True, env=env, timeout=60)
@@ -51,9 +52,10 @@ STAGES = ['setup: creating the venv {venv}',
           'setup: pip, setuptools<70, wheel',
           'setup: building the Chainer and ChainerCV wheels (build/wheels)',
           'setup: installing the package, Chainer and ChainerCV',
-          'setup: mpi4py (for the MPI tests)',
-          'setup: PyTorch (torch==2.13.0, CPU)',
           'setup: checking the import']
+DONE = 'setup: done, chainer 7.8.1 chainercv 0.13.1 (log: {})'
+TEST_STAGES = ['setup: mpi4py (for the MPI tests)',
+               'setup: PyTorch (torch==2.13.0, CPU)']
 
 
 def test_one_line_per_stage_and_everything_else_in_the_log(make_setup):
@@ -61,17 +63,26 @@ def test_one_line_per_stage_and_everything_else_in_the_log(make_setup):
     proc, logged = run()
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == [s.format(venv=venv) for s in STAGES] \
-        + ['setup: done, chainer 7.8.1 chainercv 0.13.1 (log: {})'.format(
-            log)]
+        + [DONE.format(log)]
     assert proc.stderr == ''
-    # Every command's output went to the log: 9 calls of python, the
-    # frozen wheels' builder and both pip installs among them.
-    assert len([ln for ln in logged if ln.startswith('Collecting')]) == 9
+    # Every command's output went to the log: 6 calls of python, the
+    # frozen wheels' builder and both pip installs among them; no PyTorch
+    # for the demo.
+    assert len([ln for ln in logged if ln.startswith('Collecting')]) == 6
     assert any('tools/build_frozen_wheels.py --wheel-dir build/wheels' in ln
                for ln in logged)
+    assert not any('torch' in ln for ln in logged)
     assert (venv / '.installed').exists()
     # Up to date: nothing to do, nothing printed but make's own line.
     proc, _ = run()
+    assert 'setup:' not in proc.stdout
+    # The tests' extras on top, once.
+    proc, logged = run(target='setup-test')
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == TEST_STAGES
+    assert len([ln for ln in logged if ln.startswith('Collecting')]) == 9
+    assert (venv / '.installed-test').exists()
+    proc, _ = run(target='setup-test')
     assert 'setup:' not in proc.stdout
 
 
@@ -94,11 +105,13 @@ def test_a_failed_stage_shows_the_log_and_stops(make_setup):
 
 def test_mpi4py_is_optional(make_setup):
     run, venv, log = make_setup
-    proc, _ = run(fail_at='mpi4py>=')
+    proc, _ = run(fail_at='mpi4py>=', target='setup-test')
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert lines[5] == (
+    assert lines[:6] == [s.format(venv=venv) for s in STAGES] + [
+        DONE.format(log)]
+    assert lines[6:] == [
+        TEST_STAGES[0],
         'setup: mpi4py not installed (it needs an MPI library, e.g. Debian: '
         'openmpi-bin libopenmpi-dev): the MPI tests will be skipped (see '
-        '{})'.format(log))
-    assert lines[:5] + lines[6:-1] == [s.format(venv=venv) for s in STAGES]
+        '{})'.format(log), TEST_STAGES[1]]
