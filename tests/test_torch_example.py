@@ -316,6 +316,38 @@ def test_learns_the_embedded_segmentation(tmp_path):
     assert log[-1]['main/loss'] < log[0]['main/loss']
 
 
+@pytest.mark.parametrize('task', ['segmentation', 'classification'])
+def test_a_folder_gets_the_chainer_examples_fitted_defaults(tmp_path, task,
+                                                           capsys):
+    # The same fitting as examples/segnet and examples/classification
+    # (example_data.fitting): printed, used, and overridden by what the
+    # command line gives.
+    from own_folders import write_aerial_tiles, write_texture_classes
+    root = tmp_path / 'data'
+    if task == 'segmentation':
+        write_aerial_tiles(root, n_train=4, n_val=2, size=96)
+        extra = ['--ignore-label', '255']
+        line = '--crop-size 64 --batchsize 4 --lr 0.0089 (16384 px a batch)'
+    else:
+        write_texture_classes(root, n_class=2, per_class=10, sides=(40, 40))
+        extra = []
+        line = '--insize 40 (median short side 40 px) --batchsize 8 --lr 0.05'
+    run(tmp_path, '--task', task, '--dataset', 'folders', '--data-dir',
+        str(root), '--iteration', '2', '--log-interval', '1', '--no-plot',
+        *extra)
+    printed = capsys.readouterr().out
+    fitted, = [ln for ln in printed.splitlines()
+               if ln.startswith('Defaults for this data')]
+    assert line in fitted, fitted
+    assert '--iteration' not in fitted  # given
+    run(tmp_path, '--task', task, '--dataset', 'folders', '--data-dir',
+        str(root), '--iteration', '2', '--lr', '0.02', '--batchsize', '2',
+        '--no-plot', *extra, name='given')
+    fitted, = [ln for ln in capsys.readouterr().out.splitlines()
+               if ln.startswith('Defaults for this data')]
+    assert '--lr' not in fitted and '--batchsize' not in fitted
+
+
 def torchrun(*options):
     return subprocess.run(
         [sys.executable, '-m', 'torch.distributed.run', '--standalone',

@@ -14,7 +14,8 @@ with :class:`gradient_scaling.torch.GradientScaler` in place of
     python examples/torch/train.py --gpu 0 --precision autocast-fp16
 
     # your own data: class folders, or images and masks (README, "Your
-    # own data"); the same readers as the Chainer examples:
+    # own data"); the same readers and fitted defaults as the Chainer
+    # examples:
     python examples/torch/train.py --task segmentation --dataset folders \\
         --data-dir DIR
 
