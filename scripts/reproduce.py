@@ -67,6 +67,7 @@ def parse_args(argv):
     model_fit.add_arguments(parser.add_argument_group('model'))
     figure2.add_arguments(parser.add_argument_group('figure2'))
     segnet.add_arguments(parser.add_argument_group('segnet'))
+    block_scaling.add_arguments(parser.add_argument_group('block-scaling'))
     recording.add_arguments(parser.add_argument_group('figure2, segnet'))
     training.add_arguments(parser.add_argument_group(
         'training studies ({})'.format(', '.join(

@@ -41,7 +41,8 @@ from studies.runs import plan
 from studies.training import Study
 from studies.training import Variant
 
-__all__ = ['NAME', 'PRODUCT', 'VARIANTS', 'studies', 'run']
+__all__ = ['NAME', 'PRODUCT', 'VARIANTS', 'TASKS', 'studies',
+           'add_arguments', 'run']
 
 NAME = 'block-scaling'
 PRODUCT = 'block_scaling.csv'
@@ -107,15 +108,29 @@ def studies():
     ]
 
 
+TASKS = ('detection', 'classification', 'segmentation')
+
+
+def add_arguments(parser):
+    parser.add_argument('--block-tasks', nargs='+', choices=TASKS,
+                        default=list(TASKS), metavar='TASK',
+                        help='block-scaling: the tasks to train ({}; '
+                        'default: all); the products summarise every '
+                        'finished run of every task'.format(
+                            ', '.join(TASKS)))
+
+
 def run(args):
-    """Trains the missing runs, then writes the products."""
+    """Trains the missing runs of ``--block-tasks``, then writes the
+    products from every finished run."""
     start = time.time()
     tasks = studies()
     runs = plan(tasks, args.seeds, args.runs_dir, args.variants,
                 args.run_args.split())
+    chosen = getattr(args, 'block_tasks', TASKS)
     before = _children_cpu_seconds()
     if not args.summarise_only:
-        execute(runs, args.jobs)
+        execute([r for r in runs if r.study.table in chosen], args.jobs)
     cpu = _children_cpu_seconds() - before
     finished = [r for r in runs if r.finished()]
     if not finished:
@@ -309,8 +324,11 @@ def _write_markdown(path, tasks, rows, runs, args, times):
         mine = [r for r in rows if r['task'] == task.table]
         if mine:
             example = next(r for r in records if r['study'] == task.name)
-            lines += ['## {}: {} ({})'.format(task.table.capitalize(),
-                                              task.title, task.metric_label),
+            seeds = sorted({r['seed'] for r in records
+                            if r['study'] == task.name})
+            lines += ['## {}: {} ({}; seed{} {})'.format(
+                task.table.capitalize(), task.title, task.metric_label,
+                's' if len(seeds) > 1 else '', ', '.join(map(str, seeds))),
                       '', 'Runs: `python {}`, e.g. `{}`'.format(
                           task.script, example['command'].split(' ', 1)[1]),
                       ''] + _table(mine) + ['']
