@@ -67,11 +67,13 @@ def test_default_sizes_and_bad_arguments(dataset_class):
     (ShapesDetectionDataset, 300), (ShapesSegmentationDataset, 300),
     (ShapesClassificationDataset, 1000)])
 def test_generation_is_fast(dataset_class, n):
+    # CPU time of this process, not wall time: a loaded machine (CI
+    # sharing its cores) must not fail it.
     dataset = dataset_class('train', size=n)
-    start = time.time()
+    start = time.process_time()
     for i in range(n):
         dataset[i]
-    assert time.time() - start < 2.0
+    assert time.process_time() - start < 2.0
 
 
 # --------------------------------------------------------------- detection
