@@ -138,7 +138,8 @@ def report(args, rows, chosen, default_records, timed):
     """results/demo.md's lines."""
     lines = [
         '# `make demo`: settings chosen from measurements', '',
-        'Command: `{}`'.format(shlex.join(COMMAND.split() + (args.argv or []))),
+        'Command: `{}`'.format(shlex.join(COMMAND.split() +
+                                          (args.argv or []))),
         '', 'Machine: {}; CPU only, one thread per run, {} runs at a '
         'time.'.format(
             machine(), args.jobs), '',
