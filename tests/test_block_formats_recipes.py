@@ -31,6 +31,8 @@ def test_names_and_the_table():
     assert hybrid.format_of('gy').element == 'float8_e5m2'
     assert hybrid.format_of('x').element == 'float8_e4m3'
     default = recipes.get('mxfp8')
+    # The floor scale: it lost fewer values (results/block_scaling.md).
+    assert recipes.DEFAULT_MXFP8 == 'mxfp8-e4m3'
     assert default.gradients == recipes.get(recipes.DEFAULT_MXFP8).gradients
     assert recipes.get(nvfp4) is nvfp4
 

@@ -288,10 +288,13 @@ def _comparison(rows, first, second, label):
 def _description(records, args, times):
     wall, cpu = times
     seeds = sorted({r['seed'] for r in records})
+    chosen = tuple(getattr(args, 'block_tasks', TASKS))
+    tasks = '' if chosen == TASKS else ' --block-tasks ' + ' '.join(chosen)
     lines = [
         '# Block scaling against per-tensor scaling (block-scaling)', '',
         'Command: `python scripts/reproduce.py block-scaling --seeds {} '
-        '--jobs {}`'.format(' '.join(map(str, seeds)), args.jobs), '',
+        '--jobs {}{}`'.format(' '.join(map(str, seeds)), args.jobs, tasks),
+        '',
         'Each metric: in percent after the last iteration, mean ± standard '
         'deviation over seeds {} (each its own data, weights and batch '
         'order, the same for every variant); skipped: steps skipped for '
