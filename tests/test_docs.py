@@ -44,7 +44,13 @@ loader = [(x, t), (x, t)]
 PAGES = {
     'docs/chainer.md': (CHAINER_PRELUDE, {1: 'loss = model(x, t)'}),
     'docs/pytorch.md': (TORCH_PRELUDE, {}),
+    # The README's PyTorch block, then its Chainer block.
+    # (the PyTorch loop leaves x, t bound to its last batch)
+    'README.md': (TORCH_PRELUDE + CHAINER_PRELUDE, {1: (
+        'x = rng.standard_normal((8, 4)).astype(np.float32)\n'
+        't = rng.integers(0, 3, 8).astype(np.int32)')}),
 }
+NEEDS_TORCH = ('docs/pytorch.md', 'README.md')
 
 
 def python_blocks(path):
@@ -54,7 +60,7 @@ def python_blocks(path):
 
 @pytest.mark.parametrize('page', sorted(PAGES))
 def test_the_pages_python_blocks_run(page, tmp_path, monkeypatch):
-    if 'pytorch' in page:
+    if page in NEEDS_TORCH:
         pytest.importorskip('torch')
     monkeypatch.chdir(tmp_path)
     prelude, before = PAGES[page]
