@@ -200,7 +200,9 @@ class _RanksWriter(SnapshotWriter):
                 target.update(('ranks/{}/{}'.format(rank, key), value)
                               for key, value in arrays.items())
             failure = self.write(filename, outdir, target)
-        failure = self._comm.bcast_obj(failure)
+        # ChainerMN broadcasts an object only the root has, never None.
+        failure, = self._comm.bcast_obj(
+            [failure] if self._comm.rank == 0 else None)
         if failure is not None:
             raise OutputError(failure)
 
