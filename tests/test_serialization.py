@@ -67,10 +67,33 @@ def test_state_has_the_previous_layouts_keys_and_values(estimator,
     for key in set(old.files) - set(AMAX):
         if old[key].dtype.kind == 'U':
             assert new[key].tolist() == old[key].tolist(), key
+        elif key in ESTIMATES:
+            # Telemetry derived through erfc/log: NumPy 2 and another libm
+            # may round its last bit otherwise (the state is exact).
+            np.testing.assert_allclose(new[key], old[key], rtol=1e-12,
+                                       err_msg=key)
         else:
             np.testing.assert_array_equal(
                 new[key].astype(np.float64), old[key].astype(np.float64),
                 err_msg=key)
+
+
+# The recorded model estimates of the last refresh (not state).
+ESTIMATES = ('records/estimated_underflow_rate',)
+
+
+def same_report(a, b):
+    """Two to_csv() texts alike: every field equal, the model estimates
+    to 1e-12 (see ESTIMATES)."""
+    rows_a, rows_b = [r.split(',') for r in a.splitlines()], [
+        r.split(',') for r in b.splitlines()]
+    assert len(rows_a) == len(rows_b) and rows_a[0] == rows_b[0]
+    for row_a, row_b in zip(rows_a[1:], rows_b[1:]):
+        for name, x, y in zip(rows_a[0], row_a, row_b):
+            if name == 'estimated_underflow_rate' and x != y:
+                assert float(x) == pytest.approx(float(y), rel=1e-12)
+            else:
+                assert x == y, name
 
 
 @pytest.mark.parametrize('estimator', sorted(OLD))
@@ -81,7 +104,7 @@ def test_a_previous_layouts_snapshot_resumes(estimator):
     chainer.serializers.load_npz(os.path.join(DATA, OLD[estimator]),
                                  resumed)
     assert resumed.table.scales == straight.table.scales
-    assert resumed.to_csv() == straight.to_csv()
+    same_report(resumed.to_csv(), straight.to_csv())
     assert getattr(resumed.estimator, 'amax', None) == getattr(
         straight.estimator, 'amax', None)
     x, t = every_construct_batch(np.random.default_rng(1))
@@ -93,7 +116,7 @@ def test_a_previous_layouts_snapshot_resumes(estimator):
         grads.append({n: p.grad.copy() for n, p in model.namedparams()})
     for name in grads[0]:
         np.testing.assert_array_equal(grads[0][name], grads[1][name])
-    assert resumed.to_csv() == straight.to_csv()
+    same_report(resumed.to_csv(), straight.to_csv())
 
 
 def test_every_state_machine_round_trips_through_npz(tmp_path):
