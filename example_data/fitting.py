@@ -32,7 +32,7 @@ __all__ = ['TARGET_BOX_SIDE', 'CPU_BUDGET_S', 'box_statistics',
            'input_size_for_boxes', 'detection_defaults', 'describe',
            'segmentation_crop_size', 'classification_input_size',
            'sqrt_scaled_lr', 'segmentation_defaults',
-           'classification_defaults']
+           'classification_defaults', 'apply']
 
 # SSD matches a box to a default box at IoU >= 0.5; a square default box of
 # side s on a grid of step d covers every position only if s >= ~2.7 d.
@@ -224,7 +224,7 @@ def _budget_iterations(step_s, epoch_length, bounds, max_epochs):
 
 
 def segmentation_defaults(train, n_class, gpu, crop_size=None,
-                          batchsize=None):
+                          batchsize=None, iteration=None):
     """Defaults of SegNet for a folder of masks (``--dataset folders``).
 
     The crop of :func:`segmentation_crop_size` (or ``crop_size``); batch
@@ -236,12 +236,16 @@ def segmentation_defaults(train, n_class, gpu, crop_size=None,
     :data:`MAX_EPOCHS` passes over the training pixels), on a GPU 50
     passes within CamVid's 16000 iterations.
 
+    ``iteration``, if given, sets only the evaluation interval (a
+    quarter of it).
+
     Returns:
         tuple: ``(defaults, notes, data)`` as :func:`detection_defaults`
         (``crop_size``, ``batchsize``, ``lr``, ``iteration``,
         ``eval_interval``).
     """
     device = 'gpu' if gpu >= 0 else 'cpu'
+    given = iteration  # the command line's: evaluations follow it
     crop = crop_size or segmentation_crop_size(train.image_sizes, device)
     batch = batchsize or (4 if device == 'cpu' else 12)
     batch_pixels = batch * crop * crop
@@ -259,7 +263,7 @@ def segmentation_defaults(train, n_class, gpu, crop_size=None,
         when = '50 passes over the pixels, within [2000, 16000]'
     defaults = {'crop_size': crop, 'batchsize': batch, 'lr': lr,
                 'iteration': iteration,
-                'eval_interval': max(1, iteration // 4)}
+                'eval_interval': max(1, (given or iteration) // 4)}
     notes = {'lr': '{} px a batch'.format(batch_pixels), 'iteration': when}
     return defaults, notes, _segmentation_data(train, n_class)
 
@@ -277,7 +281,7 @@ def _segmentation_data(train, n_class):
 
 
 def classification_defaults(train, n_class, gpu, insize=None,
-                            batchsize=None):
+                            batchsize=None, iteration=None):
     """Defaults of the classifier for a folder of class folders.
 
     The input size of :func:`classification_input_size` (or ``insize``);
@@ -288,12 +292,16 @@ def classification_defaults(train, n_class, gpu, insize=None,
     :data:`CLASSIFICATION_ITERATIONS`, at most :data:`MAX_EPOCHS` epochs),
     on a GPU 90 epochs (Goyal et al.), at least 1000 iterations.
 
+    ``iteration``, if given, sets only the evaluation interval (a third
+    of it).
+
     Returns:
         tuple: ``(defaults, notes, data)`` as :func:`detection_defaults`
         (``insize``, ``batchsize``, ``lr``, ``iteration``,
         ``eval_interval``).
     """
     device = 'gpu' if gpu >= 0 else 'cpu'
+    given = iteration  # the command line's: evaluations follow it
     insize = insize or classification_input_size(train.image_sizes, device)
     batch = batchsize or int(max(8, min(32, 2 ** math.floor(
         math.log2(max(1, len(train) // 4))))))
@@ -312,7 +320,7 @@ def classification_defaults(train, n_class, gpu, insize=None,
         when = '90 epochs, at least 1000 iterations'
     defaults = {'insize': insize, 'batchsize': batch, 'lr': lr,
                 'iteration': iteration,
-                'eval_interval': max(1, iteration // 3)}
+                'eval_interval': max(1, (given or iteration) // 3)}
     notes = {'insize': 'median short side {:.0f} px'.format(_median(
         np.min(np.asarray(train.image_sizes), axis=1))), 'iteration': when}
     counts = np.bincount(train.labels, minlength=n_class)
@@ -321,3 +329,16 @@ def classification_defaults(train, n_class, gpu, insize=None,
     data = '{} training images in {} classes ({} a class)'.format(
         len(train), n_class, spread)
     return defaults, notes, data
+
+
+def apply(args, fitted, shown, log=print):
+    """Sets every option of ``args`` left ``None`` from ``fitted``, the
+    ``(defaults, notes, data)`` of a ``*_defaults`` function, and logs the
+    line (:func:`describe`) naming those of ``shown`` it picked."""
+    defaults, notes, data = fitted
+    picked = [name for name in shown if getattr(args, name) is None]
+    if picked:
+        log(describe(defaults, notes, data, picked))
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)

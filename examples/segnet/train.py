@@ -320,17 +320,9 @@ def load_datasets(args):
 def apply_fitted_defaults(args, train, n_class):
     """The crop, batch size, lr and schedule fitted to a folder, for the
     options left ``None``, and the line saying which were picked."""
-    defaults, notes, about = fitting.segmentation_defaults(
-        train, n_class, args.gpu, args.crop_size, args.batchsize)
-    if args.iteration is not None:
-        defaults['eval_interval'] = max(1, args.iteration // 4)
-    picked = [name for name in ('crop_size', 'batchsize', 'lr', 'iteration')
-              if getattr(args, name) is None]
-    if picked:
-        print(fitting.describe(defaults, notes, about, picked))
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    fitting.apply(args, fitting.segmentation_defaults(
+        train, n_class, args.gpu, args.crop_size, args.batchsize,
+        args.iteration), ('crop_size', 'batchsize', 'lr', 'iteration'))
 
 
 def load_class_weight(args, train, n_class):

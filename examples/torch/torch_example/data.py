@@ -30,9 +30,9 @@ from example_data import real_or_embedded
 from example_data import ShapesClassificationDataset
 from example_data import ShapesSegmentationDataset
 
-__all__ = ['load_classification', 'load_segmentation', 'fit_to_folder',
-           'PadCropFlip', 'Resize', 'Normalize', 'RandomCropFlip',
-           'random_flip', 'Compose', 'BatchStream', 'collate']
+__all__ = ['load_classification', 'load_segmentation', 'PadCropFlip',
+           'Resize', 'Normalize', 'RandomCropFlip', 'random_flip', 'Compose',
+           'BatchStream', 'collate']
 
 # Generated segmentation images: CamVid's 3:4 aspect, small, and
 # divisible by 16 for SegNet's four poolings (as examples/segnet).
@@ -42,49 +42,32 @@ EMBEDDED_IMAGE_SIZE = (32, 48)
 def load_classification(args):
     """``(train, test, label_names)`` of ``--dataset``; for a folder of
     class folders the input size, batch size, lr and schedule that the
-    command line leaves open fitted to it (:func:`fit_to_folder`)."""
+    command line leaves open fitted to it (:func:`example_data.fitting.apply`)."""
     train, test, names = real_or_embedded(args, {
         'folders': lambda a: load_folders(a.data_dir),
         'fashion-mnist': lambda a: load_fashion_mnist(a.data_dir)},
         ShapesClassificationDataset)
     if args.dataset == 'folders':
-        fit_to_folder(args, fitting.classification_defaults(
-            train, len(names), args.gpu, args.insize, args.batchsize),
-            ('insize', 'batchsize', 'lr', 'iteration'))
+        fitting.apply(args, fitting.classification_defaults(
+            train, len(names), args.gpu, args.insize, args.batchsize,
+            args.iteration), ('insize', 'batchsize', 'lr', 'iteration'))
     return train, test, names
 
 
 def load_segmentation(args):
     """``(train, test, label_names)`` of ``--dataset``; for a folder the
     crop, batch size, lr and schedule that the command line leaves open
-    fitted to it (:func:`fit_to_folder`)."""
+    fitted to it (:func:`example_data.fitting.apply`)."""
     train, test, names = real_or_embedded(args, {
         'folders': lambda a: load_mask_folders(
             a.data_dir, a.train_split, a.test_split, a.label_names,
             a.ignore_label)}, ShapesSegmentationDataset,
         image_size=tuple(args.embedded_image_size or EMBEDDED_IMAGE_SIZE))
     if args.dataset == 'folders':
-        fit_to_folder(args, fitting.segmentation_defaults(
-            train, len(names), args.gpu, args.crop_size, args.batchsize),
-            ('crop_size', 'batchsize', 'lr', 'iteration'))
+        fitting.apply(args, fitting.segmentation_defaults(
+            train, len(names), args.gpu, args.crop_size, args.batchsize,
+            args.iteration), ('crop_size', 'batchsize', 'lr', 'iteration'))
     return train, test, names
-
-
-def fit_to_folder(args, fitted, shown):
-    """Sets the options left ``None`` from ``fitted``, the ``(defaults,
-    notes, data)`` of :mod:`example_data.fitting` (as the Chainer examples
-    fit them), and prints the line naming those of ``shown`` it picked;
-    a given ``--iteration`` keeps the fitted evaluation's share of it."""
-    defaults, notes, about = fitted
-    if args.iteration is not None:
-        defaults['eval_interval'] = max(1, args.iteration * defaults[
-            'eval_interval'] // defaults['iteration'])
-    picked = [name for name in shown if getattr(args, name) is None]
-    if picked:
-        print(fitting.describe(defaults, notes, about, picked))
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
 
 
 class Compose(object):

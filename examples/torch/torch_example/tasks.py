@@ -49,7 +49,7 @@ class Classification(object):
     weight_decay = 1e-4
     defaults = {'embedded': {'iteration': 300, 'batchsize': 32, 'lr': 0.1,
                              'eval_interval': 100},
-                'folders': {},  # fitted to the folder (data.fit_to_folder)
+                'folders': {},  # fitted to the folder (example_data.fitting.apply)
                 'fashion-mnist': {'iteration': 64000, 'batchsize': 128,
                                   'lr': 0.1, 'eval_interval': 4000}}
 
@@ -120,7 +120,7 @@ class Segmentation(object):
     label = 'mIoU'
     defaults = {'embedded': {'iteration': 200, 'batchsize': 4, 'lr': 0.1,
                              'eval_interval': 50},
-                'folders': {}}  # fitted to the folder (data.fit_to_folder)
+                'folders': {}}  # fitted to the folder (example_data.fitting.apply)
 
     def __init__(self, args):
         self.args = args
