@@ -31,6 +31,8 @@ class CIFARResNet(chainer.Chain):
     (272,474 instead of 269,722 for 10 classes).  Thanks to the global
     pooling any input size works, 32x32 is the paper's.
 
+    >>> import numpy
+    >>> from chainer_links import CIFARResNet
     >>> model = CIFARResNet(20, n_class=10)
     >>> model(numpy.zeros((2, 3, 32, 32), numpy.float32)).shape
     (2, 10)

@@ -19,6 +19,10 @@ class ClassifierTrainChain(chainer.Chain):
     Images are first cast to the configured dtype (``chainer.get_dtype()``).
     Reports ``loss`` and ``accuracy``.
 
+    >>> import numpy
+    >>> from chainer_links import ClassifierTrainChain, ResNet20
+    >>> imgs = numpy.zeros((2, 3, 32, 32), numpy.float32)
+    >>> labels = numpy.array([0, 1], numpy.int32)
     >>> train_chain = ClassifierTrainChain(ResNet20(n_class=10))
     >>> loss = train_chain(imgs, labels)
 

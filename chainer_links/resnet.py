@@ -53,6 +53,8 @@ class BasicBlock(chainer.Chain):
     shortcut is the identity when shape is kept, otherwise a strided 1x1
     convolution followed by BN (the paper's projection shortcut, option B).
 
+    >>> import numpy
+    >>> from chainer_links.resnet import BasicBlock
     >>> block = BasicBlock(64, 128, stride=2)
     >>> block(numpy.zeros((2, 64, 16, 16), numpy.float32)).shape
     (2, 128, 8, 8)
@@ -92,6 +94,7 @@ class BasicResBlock(PickableSequentialChain):
     It mirrors :class:`chainercv.links.model.resnet.ResBlock` (the
     bottleneck version): layers are named ``a``, ``b1``, ``b2``, ...
 
+    >>> from chainer_links.resnet import BasicResBlock
     >>> stage = BasicResBlock(2, 64, 128, stride=2)
     >>> stage.layer_names
     ['a', 'b1']
@@ -127,6 +130,8 @@ class ResNet18(PickableSequentialChain):
     plugs straight into :class:`chainer.links.Classifier` (ChainerCV's
     ImageNet example sets ``pick = 'fc6'`` for the same reason).
 
+    >>> import numpy
+    >>> from chainer_links import ResNet18
     >>> model = ResNet18(n_class=10)
     >>> model(numpy.zeros((2, 3, 64, 64), numpy.float32)).shape
     (2, 10)
@@ -183,6 +188,7 @@ def ResNet50(n_class=1000):
     logits.  ChainerCV's model does not cast its input: under mixed16 feed
     images in ``chainer.get_dtype()``.
 
+    >>> from chainer_links import ResNet50
     >>> model = ResNet50(n_class=10)
     >>> model.pick
     'fc6'

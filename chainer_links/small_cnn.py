@@ -25,11 +25,13 @@ class SmallCNN(chainer.Chain):
     examples' models use (Convolution2D, Linear) and BN are there, in a
     network that runs in milliseconds on a CPU.
 
+    >>> import numpy
+    >>> from chainer_links import SmallCNN
     >>> model = SmallCNN()                      # the benchmarks' network
     >>> model(numpy.zeros((2, 3, 32, 32), numpy.float32)).shape
     (2, 10)
-    >>> SmallCNN(channels=(8, 16), strides=(1, 2), pool=False,
-    ...          residual=False, insize=16)     # the simulation tests'
+    >>> tiny = SmallCNN(channels=(8, 16), strides=(1, 2), pool=False,
+    ...                 residual=False, insize=16)  # the simulation tests'
 
     Inputs are cast to the weights' dtype (as the other models of
     :mod:`chainer_links`), so a model built under ``chainer.mixed16``

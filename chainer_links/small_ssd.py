@@ -32,6 +32,8 @@ class SmallSSDExtractor(chainer.Chain):
     three.  For ``insize=64``: ``grids == (8, 4, 2, 1)``, like the tail of
     ChainerCV's ``VGG16Extractor300`` (``grids`` 38 ... 1) scaled down.
 
+    >>> import numpy
+    >>> from chainer_links.small_ssd import SmallSSDExtractor
     >>> extractor = SmallSSDExtractor(64)
     >>> [y.shape for y in extractor(numpy.zeros((2, 3, 64, 64), 'f'))]
     [(2, 64, 8, 8), (2, 64, 4, 4), (2, 64, 2, 2), (2, 64, 1, 1)]
@@ -141,6 +143,8 @@ _mixed_precision_classes = {}
 def mixed_precision_ssd(ssd_class):
     """``ssd_class`` with :class:`MixedPrecisionSSDMixin` mixed in.
 
+    >>> import chainer, chainercv
+    >>> from chainer_links.small_ssd import mixed_precision_ssd
     >>> SSD = mixed_precision_ssd(chainercv.links.SSD300)
     >>> with chainer.using_config('dtype', chainer.mixed16):
     ...     model = SSD(n_fg_class=20)
@@ -174,6 +178,8 @@ class SmallSSD(MixedPrecisionSSDMixin, SSD):
     Default box sizes are 0.15, 0.3, 0.5, 0.75 (and 1.0) of ``insize``,
     steps are ``insize / grid``.
 
+    >>> import numpy
+    >>> from chainer_links import SmallSSD
     >>> model = SmallSSD(n_fg_class=3)
     >>> mb_locs, mb_confs = model(numpy.zeros((2, 3, 64, 64), 'f'))
     >>> mb_locs.shape, mb_confs.shape

@@ -155,12 +155,13 @@ def _restore_pkg_resources():
     if _importable('pkg_resources'):
         return
     module = types.ModuleType('pkg_resources')
-    module.ResolutionError = _ResolutionError
-    module.DistributionNotFound = _DistributionNotFound
-    module.VersionConflict = _VersionConflict
-    module.require = _pkg_resources_require
-    module.get_distribution = _Distribution
-    module.WorkingSet = _WorkingSet
+    # What Chainer and ChainerCV use of it: the three errors, require,
+    # get_distribution and WorkingSet().find.
+    vars(module).update(
+        ResolutionError=_ResolutionError, VersionConflict=_VersionConflict,
+        DistributionNotFound=_DistributionNotFound,
+        require=_pkg_resources_require, get_distribution=_Distribution,
+        WorkingSet=_WorkingSet)
     sys.modules['pkg_resources'] = module
     RESTORED.append('pkg_resources')
 

@@ -12,10 +12,24 @@ both name the file and say why, in one line.
 
 .. admonition:: Example
 
-    >>> files.check('vgg16.npz')                  # headers only: cheap
-    >>> files.load_npz('vgg16.npz', model.extractor, strict=False)
-    >>> weight = files.load_array('class_weight.npy')
-    >>> arrays = files.read_npz('cifar-10.npz')   # name -> numpy.ndarray
+    >>> import os, tempfile, numpy as np
+    >>> from gradient_scaling.chainer import files
+    >>> folder = tempfile.mkdtemp()
+    >>> np.savez(os.path.join(folder, 'weights.npz'), W=np.ones(3, 'f'))
+    >>> files.check(os.path.join(folder, 'weights.npz'))  # headers: cheap
+    ['W']
+    >>> files.read_npz(os.path.join(folder, 'weights.npz'))['W']
+    array([1., 1., 1.], dtype=float32)
+    >>> np.save(os.path.join(folder, 'objects.npy'), np.array([None, 1]))
+    >>> try:
+    ...     files.load_array(os.path.join(folder, 'objects.npy'))
+    ... except files.UnsafeFileError as error:
+    ...     print(error)  # doctest: +ELLIPSIS +NORMALIZE_WHITESPACE
+    /.../objects.npy: the array holds Python objects, which need pickle
+    to load: refused, since unpickling could run code
+
+    ``load_npz(path, link, strict=False)`` fills a link as Chainer's
+    ``serializers.load_npz`` does, through the same checks.
 
 What the project writes (snapshots, weights) holds numeric, bool and
 string arrays only, so it loads this way.

@@ -101,15 +101,18 @@ class GemmSimulation(chainer.FunctionHook):
     def __init__(self, round_bias=True, round_incoming_gradients=True,
                  measure_underflow=False, target=None, round_outputs=True,
                  gradient_scale_bits=0):
+        # What is rounded,
         self.round_bias = round_bias
         self.round_incoming_gradients = round_incoming_gradients
         self.round_outputs = round_outputs
-        self.measure_underflow = measure_underflow
-        self.target = target
-        self.gradient_scale_bits = gradient_scale_bits
-        self._backward_depth = 0
+        # what is counted,
         self.counts = LostValueCounts()
+        self.measure_underflow = measure_underflow
+        self.gradient_scale_bits = gradient_scale_bits
+        # and under which names.
         self._names = sites.SiteNames(target)
+        self.target = target
+        self._backward_depth = 0
 
     def truncate(self, array):
         """Returns the gradient ``array`` rounded as it would be stored (a

@@ -217,13 +217,12 @@ class S2FP8Simulation(GemmSimulation):
 
     .. admonition:: Example
 
-        >>> import chainer, chainer.links as L, numpy as np
+        >>> import chainer.links as L, numpy as np
         >>> from gradient_scaling.chainer.simulation import S2FP8Simulation
         >>> model = L.Classifier(L.Linear(3, 2))
-        >>> optimizer = chainer.optimizers.SGD().setup(model)
-        >>> x = np.ones((4, 3), np.float32); t = np.zeros(4, np.int32)
-        >>> with S2FP8Simulation():
-        ...     optimizer.update(model, x, t)
+        >>> x, t = np.ones((4, 3), np.float32), np.zeros(4, np.int32)
+        >>> with S2FP8Simulation(measure_underflow=True, target=model):
+        ...     model(x, t).backward()
 
     Args:
         measure_underflow (bool): Count, per GEMM and operand, the gradient

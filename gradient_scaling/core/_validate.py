@@ -8,7 +8,8 @@ argument, the value received and what is valid.
 import math
 import numbers
 
-__all__ = ['count', 'rate', 'positive', 'greater_than_one', 'choice']
+__all__ = ['count', 'rate', 'positive', 'greater_than_one', 'choice',
+           'lookup']
 
 
 def count(value, name, minimum=1):
@@ -62,3 +63,16 @@ def choice(value, name, choices):
         raise ValueError('{} must be one of {}, got {!r}'.format(
             name, ', '.join(repr(c) for c in choices), value))
     return value
+
+
+def lookup(name, table, kind, what):
+    """The entry ``name`` of the registry ``table`` (a dict from names), or
+    ``name`` itself where it is an instance of ``kind`` already; any other
+    value is refused with the valid names (``what``: the noun, e.g.
+    ``'format'``)."""
+    if isinstance(name, kind):
+        return name
+    if isinstance(name, str) and name in table:
+        return table[name]
+    raise ValueError('unknown {} {!r}; valid {}s are {}'.format(
+        what, name, what, ', '.join(repr(n) for n in table)))

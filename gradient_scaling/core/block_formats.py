@@ -49,6 +49,7 @@ import math
 
 import numpy
 
+from gradient_scaling.core import _validate
 from gradient_scaling.core import block_formats_casts as casts
 from gradient_scaling.core import block_formats_scales as scales
 from gradient_scaling.core import statistics
@@ -368,9 +369,4 @@ def get(name):
         BlockFormat: The format.
 
     """
-    if isinstance(name, BlockFormat):
-        return name
-    if isinstance(name, str) and name in _FORMATS:
-        return _FORMATS[name]
-    raise ValueError('unknown block format {!r}; valid formats are {}'.format(
-        name, ', '.join(repr(n) for n in names())))
+    return _validate.lookup(name, _FORMATS, BlockFormat, 'block format')

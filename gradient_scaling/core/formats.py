@@ -27,6 +27,7 @@ import math
 
 import numpy
 
+from gradient_scaling.core import _validate
 from gradient_scaling.core.statistics import device_scope
 from gradient_scaling.core.statistics import get_array_module
 
@@ -296,10 +297,4 @@ def get(name):
         Format: The format.
 
     """
-    if isinstance(name, Format):
-        return name
-    if isinstance(name, str) and name in _FORMATS:
-        return _FORMATS[name]
-    raise ValueError(
-        'unknown format {!r}; valid formats are {}'.format(
-            name, ', '.join(repr(n) for n in names())))
+    return _validate.lookup(name, _FORMATS, Format, 'format')

@@ -30,6 +30,7 @@ what must not happen inside a step (saving state).
 
 .. admonition:: Example
 
+    >>> from gradient_scaling.core.lifecycle import StepLifecycle
     >>> life = StepLifecycle()
     >>> life.begin_pass()  # opens a step
     True

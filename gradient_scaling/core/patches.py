@@ -10,6 +10,7 @@ replace; nothing here knows a framework.
 .. admonition:: Example
 
     >>> import types
+    >>> from gradient_scaling.core.patches import Patches
     >>> owner = types.SimpleNamespace(f=lambda: 'original')
     >>> patches = Patches([(owner, 'f', lambda: 'replaced')])
     >>> handler = object()

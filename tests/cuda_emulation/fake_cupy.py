@@ -65,11 +65,11 @@ def make_module(build_dir, multiprocessor_count=4, device_count=2, ftz=True):
             self._array = array
             self.device = Device(device_id)
 
-        dtype = property(lambda self: self._array.dtype)
-        shape = property(lambda self: self._array.shape)
-        size = property(lambda self: self._array.size)
-        ndim = property(lambda self: self._array.ndim)
-        nbytes = property(lambda self: self._array.nbytes)
+        def __getattr__(self, name):
+            # The array's metadata, read through; its data only by get().
+            if name in ('dtype', 'shape', 'size', 'ndim', 'nbytes'):
+                return getattr(self._array, name)
+            raise AttributeError(name)
 
         @property
         def data_pointer(self):
@@ -135,12 +135,8 @@ def make_module(build_dir, multiprocessor_count=4, device_count=2, ftz=True):
     cuda.Device = Device
     cuda.runtime = types.SimpleNamespace(
         getDeviceCount=lambda: device_count)
-    cupy.cuda = cuda
-    cupy.ndarray = ndarray
-    cupy.asarray = asarray
-    cupy.array = asarray
-    cupy.ascontiguousarray = ascontiguousarray
-    cupy.empty = empty
-    cupy.asnumpy = asnumpy
-    cupy.RawKernel = RawKernel
+    vars(cupy).update(
+        cuda=cuda, ndarray=ndarray, asarray=asarray, array=asarray,
+        ascontiguousarray=ascontiguousarray, empty=empty, asnumpy=asnumpy,
+        RawKernel=RawKernel)
     return cupy
