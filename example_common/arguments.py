@@ -1,13 +1,13 @@
 """The options every example script has, their checks and their defaults.
 
 A script's ``parse_args`` reads in one order: :func:`make_parser`,
-:func:`add_dataset`, the script's own options (data, model, schedule),
-then :func:`add_run_options` (how to run, and the scaling options of
-:func:`gradient_scaling.training.add_arguments`); after parsing,
-:func:`check_options` refuses out-of-range numbers among the shared ones
-and, through :func:`check_inputs`, what would fail later: an ``--out``
-that is not a writable directory, a ``--gpu`` without CuPy or that device,
-and a file option (``--resume``, ``--pretrained-model``,
+:func:`add_dataset`, the script's own options (data, model, schedule:
+:func:`add_schedule`), then :func:`add_run_options` (how to run, and the
+scaling options of :func:`gradient_scaling.training.add_arguments`); after
+parsing, :func:`check_options` refuses out-of-range numbers among the
+shared ones and, through :func:`check_inputs`, what would fail later: an
+``--out`` that is not a writable directory, a ``--gpu`` without CuPy or
+that device, and a file option (``--resume``, ``--pretrained-model``,
 ``--class-weight``) naming a file that is missing, damaged or would need
 pickle to load -- before any work, nothing written.
 
@@ -18,8 +18,8 @@ the data once they are loaded (:mod:`example_data.fitting`):
 :func:`apply_defaults`.
 
 >>> parser = arguments.make_parser(__doc__)
->>> arguments.add_dataset(parser, [('camvid', 'CamVid')])
->>> parser.add_argument('--batchsize', type=int, default=None)
+>>> arguments.add_dataset(parser, [('camvid', 'CamVid', 'its folder')])
+>>> arguments.add_schedule(parser, [('--batchsize', int, None)])
 >>> arguments.add_run_options(parser, out='result/mine')
 >>> args = parser.parse_args(argv)
 >>> arguments.check_options(parser, args)
@@ -41,9 +41,9 @@ from example_common.errors import InputError
 from example_common import snapshots
 
 __all__ = ['make_parser', 'add_dataset', 'add_embedded_size',
-           'add_run_options', 'check_options', 'check_inputs', 'check_out',
-           'check_gpu', 'apply_defaults', 'seed_generators',
-           'launched_by_mpi', 'use_device']
+           'add_schedule', 'add_run_options', 'check_options',
+           'check_inputs', 'check_out', 'check_gpu', 'apply_defaults',
+           'seed_generators', 'start_run', 'launched_by_mpi', 'use_device']
 
 # Options that count something: a value below 1 is refused.
 _COUNTS = ('batchsize', 'iteration', 'epoch', 'eval_interval',
@@ -67,20 +67,25 @@ def make_parser(doc):
 
 
 def add_dataset(parser, real):
-    """``--dataset``: ``embedded`` (the default) or one of ``real``.
+    """``--dataset``: ``embedded`` (the default) or one of ``real``; and
+    ``--data-dir``, where the real one's files are.
 
     Args:
-        parser (argparse.ArgumentParser): Gets the option.
-        real (list): ``(name, description)`` of each real dataset, in the
-            order ``--help`` lists them.
+        parser (argparse.ArgumentParser): Gets the options.
+        real (list): ``(name, description, data_dir)`` of each real
+            dataset, in the order ``--help`` lists them: what it is, and
+            what its ``--data-dir`` names.
 
     """
     parser.add_argument('--dataset',
-                        choices=('embedded',) + tuple(n for n, _ in real),
+                        choices=('embedded',) + tuple(r[0] for r in real),
                         default='embedded',
                         help='; '.join(['embedded: generated shapes, no '
-                                        'download'] + ['{}: {}'.format(*r)
+                                        'download'] + ['{}: {}'.format(*r[:2])
                                                        for r in real]))
+    parser.add_argument('--data-dir', default=None,
+                        help='; '.join('{}: {}'.format(name, data_dir)
+                                       for name, _, data_dir in real))
 
 
 def add_embedded_size(parser, n_train, n_test):
@@ -90,6 +95,20 @@ def add_embedded_size(parser, n_train, n_test):
                         help='embedded: number of train and test images '
                         '(default: {} {}; tests use fewer)'.format(
                             n_train, n_test))
+
+
+def add_schedule(parser, options):
+    """The schedule's options, ``None`` by default: the defaults of the
+    data used fill them (:func:`apply_defaults`).
+
+    Args:
+        parser (argparse.ArgumentParser): Gets the options.
+        options (list): ``(option, type, help)`` of each, in the order
+            ``--help`` lists them; ``help`` may be ``None``.
+
+    """
+    for option, type_, help_ in options:
+        parser.add_argument(option, type=type_, default=None, help=help_)
 
 
 def add_run_options(parser, out, snapshot_interval=True,
@@ -120,8 +139,9 @@ def add_run_options(parser, out, snapshot_interval=True,
         parser.add_argument('--snapshot-interval', type=int, default=None,
                             help='write a trainer snapshot every N '
                             'iterations (default: every quarter of a run '
-                            'of 200 iterations or more, none in a shorter '
-                            'one; 0: none)')
+                            'of {} iterations or more, none in a shorter '
+                            'one; 0: none)'.format(
+                                4 * snapshots.MIN_SNAPSHOT_INTERVAL))
         parser.add_argument('--snapshot-keep', type=int,
                             default=snapshots.DEFAULT_KEEP, metavar='K',
                             help='keep the K newest trainer snapshots in '
@@ -244,6 +264,14 @@ def seed_generators(seed):
     """
     np.random.seed(seed)
     random.seed(seed)
+
+
+def start_run(args, seed=None):
+    """Seeds the generators (:func:`seed_generators`) with ``--seed``, or
+    ``seed`` if given, and returns the run's
+    :class:`~gradient_scaling.chainer.training.ScalingConfig`."""
+    seed_generators(args.seed if seed is None else seed)
+    return gs_training.ScalingConfig.from_args(args)
 
 
 def launched_by_mpi():

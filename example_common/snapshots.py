@@ -2,9 +2,7 @@
 
 ::
 
-    snapshots.extend_snapshots(trainer, model,
-                               snapshots.snapshot_interval(args, iteration),
-                               iteration, keep=args.snapshot_keep, comm=comm)
+    snapshots.extend_from_args(trainer, model, args, iteration, comm=comm)
     snapshots.resume_and_run(trainer, args.resume, start_line, comm=comm)
 
 Snapshots are Chainer's trainer snapshots, written to a temporary folder
@@ -43,9 +41,9 @@ from example_common.errors import InputError
 from example_common.errors import OutputError
 
 __all__ = ['DEFAULT_KEEP', 'snapshot_interval', 'extend_snapshots',
-           'SnapshotWriter', 'trainer_snapshots', 'remove_older_snapshots',
-           'write_failure', 'remove_partial_snapshots', 'resume',
-           'resume_and_run']
+           'extend_from_args', 'SnapshotWriter', 'trainer_snapshots',
+           'remove_older_snapshots', 'write_failure',
+           'remove_partial_snapshots', 'resume', 'resume_and_run']
 
 # The files snapshots are written to; Chainer's writer first writes each to
 # a folder named 'tmp' + its name + a random suffix.
@@ -106,6 +104,15 @@ def extend_snapshots(trainer, model, interval, iteration, compress=True,
             model, 'model_iter_{.updater.iteration}',
             writer=SnapshotWriter(save_npz, what='the model')),
             trigger=(iteration, 'iteration'))
+
+
+def extend_from_args(trainer, model, args, iteration, **kwargs):
+    """:func:`extend_snapshots` for a run of ``iteration`` iterations, as
+    its ``--snapshot-interval`` (:func:`snapshot_interval`) and
+    ``--snapshot-keep`` say; ``kwargs`` (``compress``, ``comm``) as
+    :func:`extend_snapshots`'s."""
+    extend_snapshots(trainer, model, snapshot_interval(args, iteration),
+                     iteration, keep=args.snapshot_keep, **kwargs)
 
 
 def save_npz(path, target, compression=True):

@@ -90,7 +90,22 @@ class GeneratedDataset(Dataset):
             [self.seed, self._domain_key, self._split_key, i])
 
 
-class ShapesDetectionDataset(GeneratedDataset):
+class _SceneDataset(GeneratedDataset):
+    """Base of the datasets of :func:`~example_data.shapes.generate_scene`'s
+    scenes: subclasses also set ``_n_object_range`` and ``_size_range``
+    (how many shapes an image holds, and their side as a fraction of the
+    image's)."""
+
+    _n_object_range = None
+    _size_range = None
+
+    def _scene(self, i):
+        """``(img, bbox, label, masks)`` of example ``i``."""
+        return generate_scene(self.rng(i), self.image_size,
+                              self._n_object_range, self._size_range)
+
+
+class ShapesDetectionDataset(_SceneDataset):
     """Rectangles, ellipses and triangles to detect; a tiny PASCAL VOC.
 
     Every image holds one to three non-overlapping shapes of
@@ -122,10 +137,6 @@ class ShapesDetectionDataset(GeneratedDataset):
     _n_object_range = (1, 3)
     _size_range = (0.15, 0.45)
 
-    def _scene(self, i):
-        return generate_scene(self.rng(i), self.image_size,
-                              self._n_object_range, self._size_range)
-
     def get_example(self, i):
         img, bbox, label, _ = self._scene(i)
         return img, bbox, label
@@ -135,7 +146,7 @@ class ShapesDetectionDataset(GeneratedDataset):
         return self._scene(i)[3]
 
 
-class ShapesSegmentationDataset(GeneratedDataset):
+class ShapesSegmentationDataset(_SceneDataset):
     """Pixel-wise labelled shapes; a tiny CamVid for SegNet.
 
     Each image holds one to four non-overlapping rectangles, ellipses and
@@ -167,14 +178,13 @@ class ShapesSegmentationDataset(GeneratedDataset):
     label_names = shapes_segmentation_label_names
     _domain_key = 1
     _default_sizes = {'train': 300, 'test': 50}
-    _default_image_size = (48, 64)
+    # CamVid's 3:4 aspect, in multiples of 16 (SegNet pools four times).
+    _default_image_size = (3 * 16, 4 * 16)
     _n_object_range = (1, 4)
     _size_range = (0.2, 0.5)
 
     def get_example(self, i):
-        img, _, labels, masks = generate_scene(
-            self.rng(i), self.image_size, self._n_object_range,
-            self._size_range)
+        img, _, labels, masks = self._scene(i)
         label = numpy.zeros(self.image_size, dtype=numpy.int32)
         for mask, shape_label in zip(masks, labels):
             label[mask] = shape_label + 1

@@ -242,7 +242,8 @@ def segmentation_defaults(train, n_class, gpu, crop_size=None,
     Returns:
         tuple: ``(defaults, notes, data)`` as :func:`detection_defaults`
         (``crop_size``, ``batchsize``, ``lr``, ``iteration``,
-        ``eval_interval``).
+        ``eval_interval``); ``data`` says the images' median side, the
+        class shares of the labelled pixels and the share ignored.
     """
     device = 'gpu' if gpu >= 0 else 'cpu'
     given = iteration  # the command line's: evaluations follow it
@@ -298,7 +299,7 @@ def classification_defaults(train, n_class, gpu, insize=None,
     Returns:
         tuple: ``(defaults, notes, data)`` as :func:`detection_defaults`
         (``insize``, ``batchsize``, ``lr``, ``iteration``,
-        ``eval_interval``).
+        ``eval_interval``); ``data`` says how many images each class has.
     """
     device = 'gpu' if gpu >= 0 else 'cpu'
     given = iteration  # the command line's: evaluations follow it

@@ -101,24 +101,20 @@ class Subtract(object):
 def parse_args(argv=None):
     parser = arguments.make_parser(__doc__)
     arguments.add_dataset(parser, [
-        ('fashion-mnist', 'the Debian package\'s files'),
-        ('cifar10', 'Chainer\'s cached cifar-10.npz')])
-    parser.add_argument('--data-dir', default=None,
-                        help='fashion-mnist: the directory of the *-ubyte.gz '
-                        'files (default: {}); cifar10: the directory of '
-                        'cifar-10.npz (default: $CHAINER_DATASET_ROOT/pfnet/'
-                        'chainer/cifar)'.format(
-                            fashion_mnist.FASHION_MNIST_DIR))
+        ('fashion-mnist', 'the Debian package\'s files',
+         'the directory of the *-ubyte.gz files (default: {})'.format(
+             fashion_mnist.FASHION_MNIST_DIR)),
+        ('cifar10', 'Chainer\'s cached cifar-10.npz',
+         'the directory of cifar-10.npz (default: $CHAINER_DATASET_ROOT/'
+         'pfnet/chainer/cifar)')])
     parser.add_argument('--arch', choices=sorted(ARCHS), default='resnet20')
     arguments.add_embedded_size(parser, 2000, 500)
-    parser.add_argument('--batchsize', type=int, default=None)
-    parser.add_argument('--iteration', type=int, default=None,
-                        help='training length (overrides --epoch)')
-    parser.add_argument('--epoch', type=int, default=None,
-                        help='training length in epochs')
-    parser.add_argument('--lr', type=float, default=None)
-    parser.add_argument('--eval-interval', type=int, default=None,
-                        help='also evaluate every N iterations')
+    arguments.add_schedule(parser, [
+        ('--batchsize', int, None),
+        ('--iteration', int, 'training length (overrides --epoch)'),
+        ('--epoch', int, 'training length in epochs'),
+        ('--lr', float, None),
+        ('--eval-interval', int, 'also evaluate every N iterations')])
     arguments.add_run_options(parser, out='result/cifar')
     args = parser.parse_args(argv)
     arguments.check_options(parser, args)
@@ -146,8 +142,7 @@ def load_datasets(args):
 
 def main(argv=None):
     args = parse_args(argv)
-    arguments.seed_generators(args.seed)
-    config = gs_training.ScalingConfig.from_args(args)
+    config = arguments.start_run(args)
     train, test, label_names = load_datasets(args)
 
     with config.model_dtype():
@@ -179,9 +174,7 @@ def main(argv=None):
     reports.extend_evaluation(trainer, extensions.Evaluator(
         test_iter, train_chain, device=device), config, points)
     reports.extend_classifier_reports(trainer, args, scaler, config, points)
-    snapshots.extend_snapshots(
-        trainer, model, snapshots.snapshot_interval(args, iteration),
-        iteration, keep=args.snapshot_keep)
+    snapshots.extend_from_args(trainer, model, args, iteration)
 
     snapshots.resume_and_run(
         trainer, args.resume,

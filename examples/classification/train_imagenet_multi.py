@@ -152,33 +152,27 @@ def parse_args(argv=None):
     parser.epilog = OWN_DATA
     arguments.add_dataset(parser, [
         ('imagenet', 'class folders under --data-dir/train and '
-         '--data-dir/val'),
+         '--data-dir/val', 'the directory holding train/ and val/, one '
+         'sub-directory of images per class'),
         ('folders', 'your own images: one folder per class under '
-         '--data-dir (or under its train/ and val/)')])
-    parser.add_argument('--data-dir', default=None,
-                        help='imagenet: the directory holding train/ and '
-                        'val/, one sub-directory of images per class; '
-                        'folders: the directory of class folders')
+         '--data-dir (or under its train/ and val/)',
+         'the directory of class folders')])
     parser.add_argument('--arch', choices=('resnet18', 'resnet50'),
                         default='resnet18')
     parser.add_argument('--communicator', default=None,
                         help='ChainerMN communicator under mpiexec '
                         '(default: pure_nccl on GPUs, naive on CPUs)')
     arguments.add_embedded_size(parser, 2000, 500)
-    parser.add_argument('--batchsize', type=int, default=None,
-                        help='images per process (default: 32; folders: '
-                        'fitted to the data, and printed)')
-    parser.add_argument('--iteration', type=int, default=None,
-                        help='training length in iterations (overrides '
-                        '--epoch)')
-    parser.add_argument('--epoch', type=int, default=None,
-                        help='training length in epochs (imagenet: 90)')
-    parser.add_argument('--lr', type=float, default=None,
-                        help='imagenet default: 0.1 * total batch / 256; '
-                        'embedded: 0.1; folders: fitted, and printed')
-    parser.add_argument('--eval-interval', type=int, default=None,
-                        help='evaluate every N iterations (imagenet: every '
-                        'epoch) and at the end')
+    arguments.add_schedule(parser, [
+        ('--batchsize', int, 'images per process (default: 32; folders: '
+         'fitted to the data, and printed)'),
+        ('--iteration', int, 'training length in iterations (overrides '
+         '--epoch)'),
+        ('--epoch', int, 'training length in epochs (imagenet: 90)'),
+        ('--lr', float, 'imagenet default: 0.1 * total batch / 256; '
+         'embedded: 0.1; folders: fitted, and printed'),
+        ('--eval-interval', int, 'evaluate every N iterations (imagenet: '
+         'every epoch) and at the end')])
     arguments.add_run_options(
         parser, out='result/classification',
         gpu_help='first GPU; rank r uses GPU N + local rank r')
@@ -336,8 +330,7 @@ def main(argv=None):
     if args.precision_note:
         log(args.precision_note)
     # Augmentations draw from NumPy's generator: one stream per rank.
-    arguments.seed_generators(args.seed + rank)
-    config = gs_training.ScalingConfig.from_args(args)
+    config = arguments.start_run(args, seed=args.seed + rank)
     train, val, label_names = load_datasets(args, comm, log)
 
     with config.model_dtype():
@@ -377,9 +370,8 @@ def main(argv=None):
                                           points)
     # Every rank takes part: rank 0 writes each rank's iterator, BatchNorm
     # statistics and generators into its snapshot.
-    snapshots.extend_snapshots(
-        trainer, model, snapshots.snapshot_interval(args, iteration),
-        iteration, compress=False, comm=comm, keep=args.snapshot_keep)
+    snapshots.extend_from_args(trainer, model, args, iteration,
+                               compress=False, comm=comm)
 
     snapshots.resume_and_run(
         trainer, args.resume,

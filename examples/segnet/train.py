@@ -218,14 +218,12 @@ def parse_args(argv=None):
     parser = arguments.make_parser(__doc__)
     parser.epilog = OWN_DATA
     arguments.add_dataset(parser, [
-        ('camvid', 'CamVid in ChainerCV\'s layout'),
-        ('folders', 'your own images and label masks (--data-dir)')])
-    parser.add_argument('--data-dir', default=None,
-                        help='camvid: the directory holding train.txt, '
-                        'train/, trainannot/... (default: $CHAINER_DATASET_'
-                        'ROOT/pfnet/chainercv/camvid); folders: the '
-                        'directory holding <split>/images/ and '
-                        '<split>/masks/, or images/ and masks/')
+        ('camvid', 'CamVid in ChainerCV\'s layout',
+         'the directory holding train.txt, train/, trainannot/... '
+         '(default: $CHAINER_DATASET_ROOT/pfnet/chainercv/camvid)'),
+        ('folders', 'your own images and label masks (--data-dir)',
+         'the directory holding <split>/images/ and <split>/masks/, or '
+         'images/ and masks/')])
     parser.add_argument('--train-split', default='train',
                         help='folders: the training split\'s folder '
                         '(default: %(default)s)')
@@ -344,8 +342,7 @@ def build_model(n_class):
 
 def main(argv=None):
     args = parse_args(argv)
-    arguments.seed_generators(args.seed)
-    config = gs_training.ScalingConfig.from_args(args)
+    config = arguments.start_run(args)
     train, test, label_names = load_datasets(args)
     class_weight = load_class_weight(args, train, len(label_names))
     # --loss-pixels: the loss as for a batch of that many pixels.
@@ -394,9 +391,7 @@ def main(argv=None):
         {'loss.png': ['main/loss'],
          'miou.png': ['validation/main/miou',
                       'validation/main/pixel_accuracy']}, points)
-    snapshots.extend_snapshots(
-        trainer, model, snapshots.snapshot_interval(args, args.iteration),
-        args.iteration, keep=args.snapshot_keep)
+    snapshots.extend_from_args(trainer, model, args, args.iteration)
 
     snapshots.resume_and_run(
         trainer, args.resume,

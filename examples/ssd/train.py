@@ -160,13 +160,10 @@ def parse_args(argv=None):
     parser = arguments.make_parser(__doc__)
     parser.epilog = OWN_DATA
     arguments.add_dataset(parser, [
-        ('voc', 'VOC07+12 trainval, VOC07 test'),
+        ('voc', 'VOC07+12 trainval, VOC07 test', 'the directory holding '
+         'VOCdevkit/ (default: $CHAINER_DATASET_ROOT/pfnet/chainercv/voc)'),
         ('voc-format', 'any VOC-layout directory (--data-dir, '
-         '--label-names)')])
-    parser.add_argument('--data-dir', default=None,
-                        help='voc: the directory holding VOCdevkit/ '
-                        '(default: $CHAINER_DATASET_ROOT/pfnet/chainercv/'
-                        'voc); voc-format: the dataset root')
+         '--label-names)', 'the dataset root')])
     parser.add_argument('--label-names', default=None,
                         help='voc-format: a file with one name per line, or '
                         'a comma-separated list')
@@ -291,8 +288,7 @@ def load_backbone(model, path):
 
 def main(argv=None):
     args = parse_args(argv)
-    arguments.seed_generators(args.seed)
-    config = gs_training.ScalingConfig.from_args(args)
+    config = arguments.start_run(args)
     train, test, label_names = load_datasets(args)
 
     with config.model_dtype():
@@ -331,9 +327,7 @@ def main(argv=None):
         ['validation/main/map'],
         {'loss.png': ['main/loss', 'main/loss/loc', 'main/loss/conf'],
          'map.png': ['validation/main/map']}, points)
-    snapshots.extend_snapshots(
-        trainer, model, snapshots.snapshot_interval(args, args.iteration),
-        args.iteration, keep=args.snapshot_keep)
+    snapshots.extend_from_args(trainer, model, args, args.iteration)
 
     snapshots.resume_and_run(
         trainer, args.resume,

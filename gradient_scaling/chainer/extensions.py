@@ -139,9 +139,8 @@ class ScaleHistory(training.Extension):
             its, scales = zip(*series[name])
             ax.plot(its, numpy.log2(scales), marker='.',
                     label='{} {}'.format(layer_id, _short(name)))
-        ax.set_xlabel('iteration')
-        ax.set_ylabel('log2 local gradient scale')
-        ax.set_title('Gradient scales per site over iterations')
+        ax.set(xlabel='iteration', ylabel='log2 local gradient scale',
+               title='Gradient scales per site over iterations')
         if len(series) <= 20:
             ax.legend(fontsize=6, ncol=2)
         fig.tight_layout()
@@ -157,9 +156,9 @@ class ScaleHistory(training.Extension):
         fig, ax = plt.subplots(figsize=(max(6, 0.25 * len(names)), 4))
         ax.bar(range(len(names)), means, yerr=stds, color='tab:blue',
                ecolor='black', capsize=2)
-        ax.set_xlabel('layer ID (input to output)')
-        ax.set_ylabel('mean log2 local scale')
-        ax.set_title('Mean gradient scale per layer (error bars: std)')
+        ax.set(xlabel='layer ID (input to output)',
+               ylabel='mean log2 local scale',
+               title='Mean gradient scale per layer (error bars: std)')
         fig.tight_layout()
         _save(fig, path, plt)
 

@@ -26,12 +26,13 @@ __all__ = ['add_arguments', 'gs_updater', 'batch_of', 'refreshed_sites',
 
 def add_arguments(group):
     """The options figure2 and segnet share."""
-    group.add_argument('--iterations', type=int, default=None,
-                       help='figure2, segnet: training iterations '
-                       '(default: SSD300 20, SSD512 6, SegNet 200)')
-    group.add_argument('--batchsize', type=int, default=None,
-                       help='figure2, segnet: batch size (default: SSD 2, '
-                       'SegNet 2)')
+    for option, what, defaults in (
+            ('--iterations', 'training iterations',
+             'SSD300 20, SSD512 6, SegNet 200'),
+            ('--batchsize', 'batch size', 'SSD 2, SegNet 2')):
+        group.add_argument(option, type=int, default=None,
+                           help='figure2, segnet: {} (default: {})'.format(
+                               what, defaults))
 
 
 def gs_updater(model, loss_func, examples, batchsize, update_interval, lr):

@@ -17,6 +17,9 @@ from studies.training import Variant
 
 __all__ = ['STUDY']
 
+E5M2 = 'sim-fp8-e5m2'
+E4M3 = 'sim-fp8-e4m3'
+
 # Cambier et al.'s comparison: the number formats, with and without
 # scaling, every other setting the same.
 STUDY = Study(
@@ -30,24 +33,21 @@ STUDY = Study(
      '100', '--lr', '0.05', '--eval-interval', '100', '--update-interval',
      '10'],
     [Variant('FP32', ['--scaling', 'fp32'], None),
-     Variant('FP8 E5M2', ['--scaling', 'none'], None, 'sim-fp8-e5m2'),
+     Variant('FP8 E5M2', ['--scaling', 'none'], None, E5M2),
      Variant('FP8+LS(100)', ['--scaling', 'fixed', '--loss-scale', '100'],
-             100, 'sim-fp8-e5m2'),
+             100, E5M2),
      Variant('S2FP8', ['--scaling', 'none'], None, 's2fp8'),
-     Variant('GS-FP8 (model)', ['--scaling', 'gs'], None, 'sim-fp8-e5m2'),
+     Variant('GS-FP8 (model)', ['--scaling', 'gs'], None, E5M2),
      Variant('GS-FP8 (hybrid)', ['--scaling', 'gs', '--gs-estimator',
-                                 'hybrid'], None, 'sim-fp8-e5m2'),
+                                 'hybrid'], None, E5M2),
      # Transformer Engine's recipes: GEMM inputs in FP8, outputs FP32.
-     Variant('amax-delayed', ['--scaling', 'amax-delayed'], None,
-             'sim-fp8-e5m2'),
-     Variant('amax-current', ['--scaling', 'amax-current'], None,
-             'sim-fp8-e5m2'),
+     Variant('amax-delayed', ['--scaling', 'amax-delayed'], None, E5M2),
+     Variant('amax-current', ['--scaling', 'amax-current'], None, E5M2),
      # E4M3 (range 2**-9 .. 448) for gradients: unscaled, it loses most
      # of them; with a per-tensor scale it is a real candidate.
-     Variant('FP8 E4M3', ['--scaling', 'none'], None, 'sim-fp8-e4m3'),
-     Variant('amax-current E4M3', ['--scaling', 'amax-current'], None,
-             'sim-fp8-e4m3'),
+     Variant('FP8 E4M3', ['--scaling', 'none'], None, E4M3),
+     Variant('amax-current E4M3', ['--scaling', 'amax-current'], None, E4M3),
      Variant('GS-FP8 E4M3 (hybrid)', ['--scaling', 'gs', '--gs-estimator',
-                                      'hybrid'], None, 'sim-fp8-e4m3'),
+                                      'hybrid'], None, E4M3),
      Variant('GS-FP16', ['--scaling', 'gs'], None, 'sim-fp16')],
     {}, [], precision=None)
