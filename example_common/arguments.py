@@ -17,12 +17,14 @@ Schedule options left at ``None`` take the defaults of the dataset that
 the data once they are loaded (:mod:`example_data.fitting`):
 :func:`apply_defaults`.
 
->>> parser = arguments.make_parser(__doc__)
->>> arguments.add_dataset(parser, [('camvid', 'CamVid', 'its folder')])
->>> arguments.add_schedule(parser, [('--batchsize', int, None)])
->>> arguments.add_run_options(parser, out='result/mine')
->>> args = parser.parse_args(argv)
->>> arguments.check_options(parser, args)
+A script's ``parse_args``::
+
+    parser = arguments.make_parser(__doc__)
+    arguments.add_dataset(parser, [('camvid', 'CamVid', 'its folder')])
+    arguments.add_schedule(parser, [('--batchsize', int, None)])
+    arguments.add_run_options(parser, out='result/mine')
+    args = parser.parse_args(argv)
+    arguments.check_options(parser, args)
 """
 
 import argparse

@@ -53,9 +53,11 @@ class DtypeEvaluator(training.Extension):
 
     .. admonition:: Example
 
-        >>> trainer.extend(DtypeEvaluator(
-        ...     DetectionVOCEvaluator(test_iter, model), config),
-        ...     trigger=(1000, 'iteration'))
+        ::
+
+            trainer.extend(DtypeEvaluator(
+                DetectionVOCEvaluator(test_iter, model), config),
+                trigger=(1000, 'iteration'))
 
     Args:
         evaluator (~chainer.training.extensions.Evaluator): Any evaluator,

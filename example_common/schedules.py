@@ -24,11 +24,14 @@ class StepSchedule(training.Extension):
     at ``t = 0`` to ``lr`` at ``t = warmup``, and is multiplied by
     ``rate`` at each iteration of ``steps``.
 
+    >>> from example_common.schedules import StepSchedule
     >>> schedule = StepSchedule(0.4, steps=(60, 80), warmup=10,
     ...                         warmup_lr=0.1)
     >>> [round(schedule.lr_at(t), 6) for t in (0, 5, 10, 60, 80)]
     [0.1, 0.25, 0.4, 0.04, 0.004]
-    >>> trainer.extend(StepSchedule(0.1, steps=(32000, 48000)))
+
+    In a trainer: ``trainer.extend(StepSchedule(0.1, steps=(32000,
+    48000)))``.
 
     """
 

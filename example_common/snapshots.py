@@ -147,8 +147,10 @@ class SnapshotWriter(snapshot_writers.Writer):
     by Chainer) raises :class:`~example_common.errors.OutputError`
     (:func:`write_failure`), which ends the run with one line.
 
-    >>> trainer.extend(extensions.snapshot(writer=SnapshotWriter(
-    ...     save_npz, keep=3)), trigger=(100, 'iteration'))
+    ::
+
+        trainer.extend(extensions.snapshot(writer=SnapshotWriter(
+            save_npz, keep=3)), trigger=(100, 'iteration'))
 
     Args:
         savefun (callable): Writes ``(path, target)``.

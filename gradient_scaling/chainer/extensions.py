@@ -42,7 +42,10 @@ class ScaleHistory(training.Extension):
 
     .. admonition:: Example
 
-        >>> trainer.extend(ScaleHistory(hook), trigger=(100, 'iteration'))
+        In a trainer whose updater runs ``hook`` (a
+        :class:`~gradient_scaling.GradientScaling`)::
+
+            trainer.extend(ScaleHistory(hook), trigger=(100, 'iteration'))
 
     Each call appends one row per site (iteration, site, kind, local scale,
     output scale, estimated and measured underflow rate) to
