@@ -19,6 +19,7 @@ class Dataset(object):
     index gives :meth:`get_example`'s tuple, a slice or a list (or array)
     of indices a list of them.
 
+    >>> from example_data._dataset import Dataset
     >>> class Squares(Dataset):
     ...     def __len__(self):
     ...         return 4

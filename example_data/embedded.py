@@ -14,6 +14,7 @@ They are plain sequences of NumPy arrays (:class:`~example_data._dataset.
 Dataset`), drawn with :mod:`example_data.shapes`: Chainer and PyTorch
 read them alike.
 
+>>> from example_data.embedded import ShapesClassificationDataset
 >>> img, label = ShapesClassificationDataset('train', size=100)[0]
 >>> img.shape, label.dtype
 ((3, 32, 32), dtype('int32'))
@@ -115,6 +116,7 @@ class ShapesDetectionDataset(_SceneDataset):
     :class:`GeneratedDataset`); a few hundred 96x96 images take well under
     a second.
 
+    >>> from example_data.embedded import ShapesDetectionDataset
     >>> dataset = ShapesDetectionDataset('train', size=300)
     >>> img, bbox, label = dataset[0]
     >>> img.shape, bbox.shape[1], label.dtype
@@ -158,6 +160,7 @@ class ShapesSegmentationDataset(_SceneDataset):
     generated on the fly from ``(seed, split, index)`` (see
     :class:`GeneratedDataset`).
 
+    >>> from example_data.embedded import ShapesSegmentationDataset
     >>> dataset = ShapesSegmentationDataset('train', size=200)
     >>> img, label = dataset[0]
     >>> img.shape, label.shape, label.dtype
@@ -204,6 +207,7 @@ class ShapesClassificationDataset(GeneratedDataset):
     index)`` (see :class:`GeneratedDataset`);
     labels are balanced in expectation.
 
+    >>> from example_data.embedded import ShapesClassificationDataset
     >>> dataset = ShapesClassificationDataset('train', size=1000)
     >>> img, label = dataset[0]
     >>> img.shape, img.dtype, label.dtype

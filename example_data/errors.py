@@ -7,7 +7,14 @@ unknown label...).  The message is one line that names the file and what
 was expected; an example script ends on either with ``error: <message>``
 and exit status 2 (:func:`example_common.errors.run_main`).
 
+>>> from example_data.errors import DatasetError, DatasetNotFound
 >>> raise DatasetError('mask a.png is 30x20, its image a.jpg is 56x40')
+Traceback (most recent call last):
+    ...
+example_data.errors.DatasetError: mask a.png is 30x20, its image a.jpg is 56x40
+>>> issubclass(DatasetNotFound, DatasetError), issubclass(DatasetError,
+...                                                       ValueError)
+(True, True)
 """
 
 __all__ = ['DatasetError', 'DatasetNotFound']

@@ -5,8 +5,29 @@ The package ``dataset-fashion-mnist`` installs MNIST's gzipped IDX files
 :data:`FASHION_MNIST_DIR`; :class:`FashionMNISTDataset` reads a split of
 them, checked whole (magic numbers, sizes, labels) when it is made.
 
->>> train, test, names = load_fashion_mnist()
+``load_fashion_mnist()`` reads the package's files; here, a tiny set of
+files in that format (three images to train, two to test):
+
+>>> import gzip, os, shutil, tempfile
+>>> import numpy as np
+>>> from example_data.fashion_mnist import FASHION_MNIST_FILES
+>>> from example_data.fashion_mnist import load_fashion_mnist
+>>> root = tempfile.mkdtemp()
+>>> for split, n in (('train', 3), ('test', 2)):
+...     for name, magic, shape in zip(FASHION_MNIST_FILES[split],
+...                                   (2051, 2049), ((n, 28, 28), (n,))):
+...         with gzip.open(os.path.join(root, name), 'wb') as f:
+...             _ = f.write(np.array((magic,) + shape, '>u4').tobytes()
+...                         + np.full(shape, 9, np.uint8).tobytes())
+>>> train, test, names = load_fashion_mnist(root)
+>>> len(train), len(test), names[9]
+(3, 2, 'Ankle boot')
 >>> img, label = train[0]     # float32 (3, 32, 32) in [0, 255]; int32
+>>> img.shape, img.dtype, label.dtype
+((3, 32, 32), dtype('float32'), dtype('int32'))
+>>> float(img[0, 0, 0]), float(img[0, 2, 2])     # padded by 2 of black
+(0.0, 9.0)
+>>> shutil.rmtree(root)
 """
 
 import gzip

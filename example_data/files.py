@@ -21,7 +21,25 @@ file stops a run with one line naming it (a
 Only PIL and NumPy are needed (the Chainer examples decode the pixels
 with ChainerCV's reader instead: :func:`example_data.chainer.read_image`).
 
+Two images, then text saved as ``.jpg``, which stops the check:
+
+>>> import os, shutil, tempfile
+>>> from PIL import Image
+>>> from example_data.files import check_all, decode_image
+>>> root = tempfile.mkdtemp()
+>>> paths = [os.path.join(root, name) for name in ('a.png', 'b.jpg')]
+>>> Image.new('RGB', (30, 20)).save(paths[0])
+>>> Image.new('L', (8, 6)).save(paths[1])
 >>> sizes = check_all(paths, decode_image, 'train images')
+>>> sizes       # (H, W) of each
+[(20, 30), (6, 8)]
+>>> with open(os.path.join(root, 'c.jpg'), 'w') as f:
+...     _ = f.write('not an image')
+>>> check_all(paths + [f.name], decode_image, 'train images')
+Traceback (most recent call last):
+    ...
+example_data.errors.DatasetError: cannot read image .../c.jpg: ...
+>>> shutil.rmtree(root)
 """
 
 import os

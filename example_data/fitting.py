@@ -20,8 +20,15 @@ The learning rates follow one rule (:func:`sqrt_scaled_lr`): the lr of a
 run known to train (ChainerCV's CamVid SegNet, the embedded ResNet-18),
 scaled by the square root of what a batch averages, pixels or images.
 
+>>> from example_data import fitting, ShapesDetectionDataset
+>>> train = ShapesDetectionDataset('train', size=20)
 >>> defaults, notes, data = fitting.detection_defaults(train, gpu=-1)
 >>> print(fitting.describe(defaults, notes, data, ['model', 'iteration']))
+Defaults for this data (20 training images of median side 96 px, 42 boxes
+of median side 28 px): --model small --iteration 1280 (about 15 min on this
+CPU); give any of them to override.
+>>> defaults['input_size'], notes['input_size']
+(80, 'median box -> 23 px')
 """
 
 import math

@@ -25,8 +25,30 @@ from the data and a bad file stops the run before anything is written.
 Images are decoded by ``read_image`` (default: PIL,
 :func:`example_data.files.read_image`).
 
->>> train, test, names = load_mask_folders('data/cells', 'train', 'val')
+Two training pairs and one to evaluate, binary 0/255 masks:
+
+>>> import os, shutil, tempfile
+>>> import numpy as np
+>>> from PIL import Image
+>>> from example_data import load_mask_folders
+>>> root = tempfile.mkdtemp()
+>>> mask = np.zeros((20, 30), np.uint8)
+>>> mask[5:15, 10:25] = 255
+>>> for split, stems in (('train', 'ab'), ('val', 'c')):
+...     for sub in ('images', 'masks'):
+...         os.makedirs(os.path.join(root, split, sub))
+...     for stem in stems:
+...         path = os.path.join(root, split, '{}', stem + '.{}')
+...         Image.fromarray(mask).convert('RGB').save(
+...             path.format('images', 'jpg'))
+...         Image.fromarray(mask).save(path.format('masks', 'png'))
+>>> train, test, names = load_mask_folders(root, 'train', 'val')
+>>> len(train), len(test), names, train.image_sizes[0]
+(2, 1, ('background', 'foreground'), (20, 30))
 >>> img, label = train[0]   # float32 (3, H, W) in [0, 255]; int32 (H, W)
+>>> img.shape, label.shape, label.dtype, np.bincount(label.ravel())
+((3, 20, 30), (20, 30), dtype('int32'), array([450, 150]))
+>>> shutil.rmtree(root)
 """
 
 import os

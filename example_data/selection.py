@@ -9,8 +9,24 @@ when they are broken, naming the file; both stop the run with that one
 line before anything is written.  There is no silent fall-back to the
 embedded data.
 
+A loader is a function of the script's ``args``:
+
+>>> import argparse
+>>> from example_data import load_mask_folders, real_or_embedded
+>>> from example_data import ShapesSegmentationDataset
+>>> loaders = {'folders': lambda args: load_mask_folders(args.data_dir)}
+>>> args = argparse.Namespace(dataset='embedded', embedded_size=(8, 4),
+...                           seed=0, data_dir=None)
 >>> train, test, names = real_or_embedded(
-...     args, {'camvid': load_camvid}, ShapesSegmentationDataset)
+...     args, loaders, ShapesSegmentationDataset)
+>>> len(train), len(test), names
+(8, 4, ('background', 'rectangle', 'ellipse', 'triangle'))
+>>> args.dataset, args.data_dir = 'folders', 'no/such/folder'
+>>> real_or_embedded(args, loaders, ShapesSegmentationDataset)
+Traceback (most recent call last):
+    ...
+example_data.errors.DatasetNotFound: --data-dir no/such/folder is not a
+directory
 """
 
 __all__ = ['real_or_embedded']

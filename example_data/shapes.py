@@ -6,6 +6,8 @@ touch, class colours, and whole scenes of labelled shapes with their tight
 boxes and masks.  Every function draws from the ``numpy.random.Generator``
 it is given, so a scene depends on that generator's seed alone.
 
+>>> import numpy
+>>> from example_data.shapes import generate_scene
 >>> rng = numpy.random.default_rng(0)
 >>> img, bbox, label, masks = generate_scene(rng, (96, 96), (1, 3),
 ...                                          (0.15, 0.45))
@@ -36,6 +38,7 @@ def shape_mask(shape, height, width):
     ``'ellipse'``, ``'triangle'`` (apex up), ``'diamond'``, ``'cross'``
     (a plus sign with arms a third of the box wide).
 
+    >>> from example_data.shapes import shape_mask
     >>> shape_mask('triangle', 3, 5).astype(int)
     array([[0, 0, 1, 0, 0],
            [0, 1, 1, 1, 0],

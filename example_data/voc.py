@@ -29,8 +29,30 @@ class VOCFormatBboxDataset(Dataset):
 
     """A VOC-layout detection dataset with its own label names.
 
-    >>> train = VOCFormatBboxDataset('/data/mydet', 'trainval',
+    One image with one dog (VOC's boxes are 1-based, ChainerCV's 0-based):
+
+    >>> import os, shutil, tempfile
+    >>> from PIL import Image
+    >>> from example_data import VOCFormatBboxDataset
+    >>> root = tempfile.mkdtemp()
+    >>> for sub in ('ImageSets/Main', 'Annotations', 'JPEGImages'):
+    ...     os.makedirs(os.path.join(root, sub))
+    >>> for path, text in (('ImageSets/Main/trainval.txt', '000001'), (
+    ...         'Annotations/000001.xml', '<annotation><object><name>dog'
+    ...         '</name><bndbox><xmin>3</xmin><ymin>5</ymin><xmax>20</xmax>'
+    ...         '<ymax>12</ymax></bndbox></object></annotation>')):
+    ...     with open(os.path.join(root, path), 'w') as f:
+    ...         _ = f.write(text)
+    >>> Image.new('RGB', (32, 24)).save(
+    ...     os.path.join(root, 'JPEGImages', '000001.jpg'))
+    >>> train = VOCFormatBboxDataset(root, 'trainval',
     ...                              label_names=('cat', 'dog'))
+    >>> img, bbox, label = train[0]
+    >>> len(train), train.image_sizes, img.shape
+    (1, [(24, 32)], (3, 24, 32))
+    >>> bbox, label     # (y_min, x_min, y_max, x_max); 'dog'
+    (array([[ 4.,  2., 11., 19.]], dtype=float32), array([1], dtype=int32))
+    >>> shutil.rmtree(root)
 
     Args:
         root (str): Directory with ``ImageSets/Main``, ``Annotations`` and

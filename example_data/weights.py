@@ -13,6 +13,8 @@ Eigen and Fergus (2015) weight each class of a pixel-wise loss by
 * :func:`check_class_weight` refuses weights of a user's file that do not
   fit the classes.
 
+>>> from example_data import ShapesSegmentationDataset
+>>> from example_data.weights import training_class_weights
 >>> train = ShapesSegmentationDataset('train', size=50)
 >>> weight = training_class_weights(train, 4)
 >>> weight.shape, weight.dtype
@@ -36,6 +38,8 @@ def class_weights(dataset, n_class=None):
     ``examples/segnet/calc_weight.py``.  Ignored (-1) pixels are skipped;
     a class that never appears gets weight 0.
 
+    >>> from example_data import ShapesSegmentationDataset
+    >>> from example_data.weights import class_weights
     >>> class_weights(ShapesSegmentationDataset('train', size=50)).shape
     (4,)
 
@@ -66,6 +70,8 @@ def median_frequency_weights(class_pixels, image_pixels):
     """``median(freq) / freq[c]`` with ``freq = class_pixels /
     image_pixels`` (see :func:`class_weights`); 0 for an absent class.
 
+    >>> import numpy
+    >>> from example_data.weights import median_frequency_weights
     >>> median_frequency_weights(numpy.array([90, 10]), numpy.array([100,
     ...                                                            50]))
     array([0.6111111, 2.75     ], dtype=float32)

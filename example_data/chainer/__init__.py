@@ -17,10 +17,16 @@ NumPy arrays and import neither; the examples add, from here:
   (:func:`load_cifar10`).
 * :mod:`~example_data.chainer.iterators`: the training and test iterators.
 
->>> from example_data import load_mask_folders
->>> from example_data.chainer import read_image
->>> train, test, names = load_mask_folders('data/cells', read_image=read_image)
->>> train_iter, test_iter = iterators(train, test, 8, loaderjob=0)
+A segmentation script, given a folder of images and masks in
+``data/cells`` (the layout of :mod:`example_data.mask_folders`), reads it
+with ChainerCV's decoder and iterates over it with Chainer::
+
+    from example_data import load_mask_folders
+    from example_data.chainer import iterators, read_image
+
+    train, test, names = load_mask_folders('data/cells',
+                                           read_image=read_image)
+    train_iter, test_iter = iterators(train, test, 8, loaderjob=0)
 """
 
 import gradient_scaling  # NOQA: restores what Chainer needs, first

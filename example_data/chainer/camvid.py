@@ -9,7 +9,21 @@ label map of a split is decoded once before training: a missing file, a
 size mismatch or a label beyond CamVid's classes stops the run with one
 line naming the file.
 
->>> train, test, names = load_camvid(None, 'test')
+With CamVid in ChainerCV's layout under Chainer's dataset root (e.g. as
+ChainerCV's own ``CamVidDataset`` downloaded it)::
+
+    from example_data.chainer import load_camvid
+
+    train, test, names = load_camvid(None, 'test')
+
+Without it, nothing is downloaded:
+
+>>> from example_data.chainer import load_camvid
+>>> load_camvid('no/such/camvid')
+Traceback (most recent call last):
+    ...
+example_data.errors.DatasetNotFound: CamVid not found: no/such/camvid is not
+a directory (expected ChainerCV's layout: train.txt, train/, trainannot/, ...)
 """
 
 import gradient_scaling  # NOQA: restores what Chainer needs, first

@@ -6,7 +6,23 @@ chainer/cifar/cifar-10.npz`` (``train_x`` uint8 (N, 3072), ``train_y``,
 (:func:`gradient_scaling.chainer.files.read_npz`) as images in [0, 255],
 the scale of the other datasets.
 
->>> train, test, names = load_cifar10(None)
+``load_cifar10(None)`` reads Chainer's cache; here, a tiny file in its
+format (four images to train, two to test):
+
+>>> import os, shutil, tempfile
+>>> import numpy as np
+>>> from example_data.chainer import load_cifar10
+>>> root = tempfile.mkdtemp()
+>>> np.savez(os.path.join(root, 'cifar-10.npz'),
+...          train_x=np.zeros((4, 3072), np.uint8), train_y=np.arange(4),
+...          test_x=np.zeros((2, 3072), np.uint8), test_y=np.arange(2))
+>>> train, test, names = load_cifar10(root)
+>>> len(train), len(test), names[:2]
+(4, 2, ('airplane', 'automobile'))
+>>> img, label = train[3]
+>>> img.shape, img.dtype, label.dtype, int(label)
+((3, 32, 32), dtype('float32'), dtype('int32'), 3)
+>>> shutil.rmtree(root)
 """
 
 import gradient_scaling  # NOQA: restores what Chainer needs, first

@@ -9,7 +9,24 @@
   pickle disabled (:func:`gradient_scaling.chainer.files.load_array`) and
   checks it against the classes.
 
->>> train, val, names = load_class_folders(root, read_image=read_image)
+>>> import os, shutil, tempfile
+>>> import numpy as np
+>>> from PIL import Image
+>>> from example_data.chainer.files import load_class_weight, read_image
+>>> root = tempfile.mkdtemp()
+>>> Image.new('RGB', (30, 20), (255, 0, 0)).save(os.path.join(root, 'a.png'))
+>>> img = read_image(os.path.join(root, 'a.png'))
+>>> img.shape, img.dtype, img[:, 0, 0]
+((3, 20, 30), dtype('float32'), array([255., 0., 0.], dtype=float32))
+>>> np.save(os.path.join(root, 'weight.npy'), np.array([0.5, 2.0]))
+>>> load_class_weight(os.path.join(root, 'weight.npy'), 2)
+array([0.5, 2. ], dtype=float32)
+>>> shutil.rmtree(root)
+
+A script hands the decoder to a reader of the package, e.g. for class
+folders under ``root`` (:mod:`example_data.class_folders`)::
+
+    train, val, names = load_class_folders(root, read_image=read_image)
 """
 
 import gradient_scaling  # NOQA: restores what Chainer needs, first

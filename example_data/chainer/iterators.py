@@ -1,6 +1,14 @@
 """Chainer's iterators over a training and a test dataset.
 
->>> train_iter, test_iter = iterators(train, test, 8, args.loaderjob)
+>>> from example_data import ShapesClassificationDataset
+>>> from example_data.chainer import iterators
+>>> train = ShapesClassificationDataset('train', size=20)
+>>> test = ShapesClassificationDataset('test', size=12)
+>>> train_iter, test_iter = iterators(train, test, 8, loaderjob=0)
+>>> [len(train_iter.next()) for _ in range(3)]     # repeats, shuffled
+[8, 8, 8]
+>>> [len(batch) for batch in test_iter]            # one pass, in order
+[8, 4]
 """
 
 import gradient_scaling  # NOQA: restores what Chainer needs, first

@@ -5,7 +5,22 @@ Chainer's dataset root (``$CHAINER_DATASET_ROOT/pfnet/chainercv/voc``),
 read by :class:`example_data.voc.VOCFormatBboxDataset` (every file checked
 first) with ChainerCV's decoder; nothing is downloaded.
 
->>> train, test, names = load_voc(None, 'trainval', 'test')
+With VOC2007 and VOC2012 under Chainer's dataset root (e.g. as
+ChainerCV's own ``VOCBboxDataset`` downloaded them)::
+
+    from example_data.chainer import load_voc
+
+    train, test, names = load_voc(None, 'trainval', 'test')
+
+Without them, nothing is downloaded:
+
+>>> from example_data.chainer import load_voc
+>>> load_voc('no/such/voc')
+Traceback (most recent call last):
+    ...
+example_data.errors.DatasetNotFound: PASCAL VOC 2007 not found under
+no/such/voc (expected VOCdevkit/VOC2007/ with ImageSets/Main, Annotations,
+JPEGImages)
 """
 
 import gradient_scaling  # NOQA: restores what Chainer needs, first
