@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.join(EXAMPLES, 'torch'))
 from torch_example import data  # NOQA: E402
 from torch_example.distributed import largest_difference  # NOQA: E402
 from torch_example.errors import InputError  # NOQA: E402
+from torch_example.precision import BLOCK_PRECISIONS  # NOQA: E402
 from torch_example.precision import PRECISIONS  # NOQA: E402
 
 from gradient_scaling.torch import MODES  # NOQA: E402
@@ -90,7 +91,9 @@ def check_run(mode, precision, metric, log, out):
     assert ('scaling/measured_underflow' in log[-1]) == counted
 
 
-@pytest.mark.parametrize('precision', PRECISIONS)
+# The block precisions run in tests/test_torch_block_simulation.py.
+@pytest.mark.parametrize('precision', [p for p in PRECISIONS
+                                       if p not in BLOCK_PRECISIONS])
 @pytest.mark.parametrize('mode', MODES)
 def test_every_mode_and_precision_classifies(tmp_path, mode, precision):
     options = TINY['classification'] + ['--scaling', mode, '--precision',
@@ -129,7 +132,8 @@ def final_state(out):
     ('segmentation', 'gs', 'sim-fp16'), ('segmentation', 'dynamic',
                                          'sim-fp16'),
     ('classification', 'gs', 'sim-fp8-e5m2'),
-    ('classification', 'fixed', 'autocast-bf16')])
+    ('classification', 'fixed', 'autocast-bf16'),
+    ('classification', 'gs', 'sim-nvfp4')])  # stochastic rounding's state
 def test_resume_continues_bit_for_bit(tmp_path, task, mode, precision):
     # 6 iterations straight, against 3 then a resumed run to 6; GS refreshes
     # at passes 0 and 4, so the snapshot holds cached scales; every epoch

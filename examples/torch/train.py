@@ -26,8 +26,13 @@ with :class:`gradient_scaling.torch.GradientScaler` in place of
 (``torch.amp.GradScaler``'s), gs (``--underflow-rate``,
 ``--update-interval``, ``--gs-estimator``), amax-delayed, amax-current.
 ``--precision``: fp32, autocast-fp16, autocast-bf16, sim-fp16, sim-bf16,
-sim-fp8-e5m2, sim-fp8-e4m3 (default: sim-fp16 on a CPU, autocast-fp16 on
-a GPU). The run writes ``out/log``, for the gradient-scaling modes the
+sim-fp8-e5m2, sim-fp8-e4m3, and the block-scaling recipes of the Chainer
+examples: sim-mxfp8-e4m3, sim-mxfp8-e4m3-ceil, sim-mxfp8-hybrid,
+sim-mxfp8-hybrid-ceil, sim-fp8-block (1x128 tiles), sim-nvfp4, sim-mxfp8
+(default: sim-fp16 on a CPU, autocast-fp16 on a GPU);
+``--count-underflow``: the simulations log the gradient values lost, per
+site and operand (for block formats also those flushed in blocks). The
+run writes ``out/log``, for the gradient-scaling modes the
 per-site scales (``scales.csv``, ``sites.csv``,
 ``scales_over_iterations.png``), snapshots (``--snapshot-interval``,
 ``--resume`` continues bit for bit) and the final model
@@ -54,14 +59,15 @@ from torch_example.errors import run_main
 def train_step(model, optimizer, scaler, precision, task, x, t):
     """One step: forward under the precision, the scaler's backward, its
     decision (the update, or a skip that changes nothing); returns the
-    reported loss and the simulation's lost fraction."""
+    reported loss and what the simulation lost (``scaling/...`` entries).
+    """
     optimizer.zero_grad(set_to_none=True)
     with precision.training():
         loss, reported = task.loss(model(x), t)
     scaler.scale(loss).backward()
     scaler.step(optimizer)
     scaler.update()
-    return float(reported.detach()), precision.lost_fraction()
+    return float(reported.detach()), precision.lost_values()
 
 
 def evaluation_points(iteration, interval):
@@ -84,8 +90,7 @@ def main(argv=None):
     scaler = precisions.make_scaler(model, args, world.group)
     precision = precisions.Precision(
         args.precision, world.device, model,
-        precisions.counts_underflow(args),
-        scaler.recipe.keeps_gemm_outputs_fp32)
+        precisions.counts_underflow(args), scaler.recipe, args.seed)
     stream = data.BatchStream(train, task.train_transform, args.batchsize,
                               args.seed, world.rank, world.size, world.device)
 
@@ -94,8 +99,9 @@ def main(argv=None):
         getattr(scaler.strategy, 'hook', None), args.out,
         getattr(scaler.recipe, 'update_interval', 1), not args.no_plot,
         world.main)
-    start = snapshots.restore(snapshot, model, optimizer, scaler, stream,
-                              log, history) if snapshot else 0
+    start = snapshots.restore(snapshot, model, optimizer, scaler,
+                              precision, stream, log, history) \
+        if snapshot else 0
     interval = arguments.snapshot_interval(args)
     points = evaluation_points(args.iteration, args.eval_interval)
     world.log('{}, {} process(es) x batch {}, scaling={}, precision={}, {} '
@@ -112,7 +118,7 @@ def main(argv=None):
         loss, lost = train_step(model, optimizer, scaler, precision, task,
                                 *stream.next())
         world.broadcast_state(model, parameters=False)  # BN statistics
-        log.observe({'main/loss': loss, 'scaling/measured_underflow': lost})
+        log.observe(dict(lost, **{'main/loss': loss}))
         history.record(iteration)
         if iteration in points:
             model.eval()
@@ -124,7 +130,8 @@ def main(argv=None):
         if interval and iteration % interval == 0 and world.main:
             snapshots.save(snapshots.collect(
                 iteration, args, world.size, model, optimizer, scaler,
-                stream, log, history), args.out, args.snapshot_keep)
+                precision, stream, log, history), args.out,
+                args.snapshot_keep)
 
     history.finish()
     return finish(args, world, task, model, scaler, log)

@@ -8,12 +8,19 @@ the file loads with pickle off), a ``/`` in a name a level of the archive.
 
 .. admonition:: Example
 
-    >>> import chainer
+    >>> import os, tempfile, chainer
     >>> from gradient_scaling.core.scale_state import RefreshSchedule
     >>> from gradient_scaling.chainer import serialization
     >>> schedule = RefreshSchedule(10)
-    >>> chainer.serializers.save_npz('s.npz', serialization.Serializable(
+    >>> schedule.conclude(taken=True, refreshed=True)  # a step: age 1
+    >>> path = os.path.join(tempfile.mkdtemp(), 'schedule.npz')
+    >>> chainer.serializers.save_npz(path, serialization.Serializable(
     ...     schedule))
+    >>> restored = RefreshSchedule(10)
+    >>> chainer.serializers.load_npz(path, serialization.Serializable(
+    ...     restored))
+    >>> restored.age, restored.forced
+    (1, False)
 """
 
 import gradient_scaling.compat  # NOQA

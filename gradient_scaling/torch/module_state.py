@@ -21,6 +21,7 @@ class ModuleState(object):
     .. admonition:: Example
 
         >>> import torch
+        >>> from gradient_scaling.torch.module_state import ModuleState
         >>> bn = torch.nn.BatchNorm1d(3)
         >>> state = ModuleState(bn); state.capture()
         >>> _ = bn(torch.randn(4, 3) * float('nan'))

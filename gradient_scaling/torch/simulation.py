@@ -18,6 +18,15 @@ distinct scale, data first, as the Chainer simulation under the hook does
 (the gradients leave it rounded at their own scales, as mixed16 stores
 them).
 
+:class:`GemmSimulation` is the mechanism both simulations share (this one
+and :class:`~gradient_scaling.torch.block_simulation.
+BlockScaledSimulation`): the function mode that hands every GEMM to the
+simulation's autograd Function, the node the hook sees
+(:class:`SimulatedGemmSite`), the FP32 backward GEMMs
+(:func:`gemm_gradients`) and the lost-value counts, kept as the Chainer
+simulations keep them (:class:`~gradient_scaling.core.lost_values.
+LostValueCounts`).
+
 .. admonition:: Example
 
     >>> import torch
@@ -28,17 +37,20 @@ them).
 
 """
 
-import dataclasses
 import math
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from gradient_scaling.core import formats
+from gradient_scaling.core.lost_values import LostValueCounts
+from gradient_scaling.core.lost_values import UnderflowCount
 from gradient_scaling.torch import _internals as internals
 from gradient_scaling.torch import graph
 
-__all__ = ['LowPrecisionSimulation', 'UnderflowCount', 'round_to']
+__all__ = ['GemmSimulation', 'LowPrecisionSimulation', 'UnderflowCount',
+           'SimulatedGemmSite', 'gemm_gradients', 'keep_for_backward',
+           'backward_inputs', 'round_to']
 
 _DTYPES = {'float16': torch.float16, 'bfloat16': torch.bfloat16,
            'float8_e5m2': torch.float8_e5m2,
@@ -72,32 +84,66 @@ def round_to(x, fmt, saturate=False):
     return rounded
 
 
-@dataclasses.dataclass
-class UnderflowCount(object):
+class GemmSimulation(TorchFunctionMode):
 
-    """Gradient values of one GEMM operand that rounding turned into zeros
-    (the Chainer simulation's record).
+    """Hands every GEMM (``F.linear``, ``conv*``, ``conv_transpose*``) to
+    the subclass's :meth:`gemm` (an autograd Function's ``apply``) and
+    keeps the counts of what its storing lost (the module says how).
 
-    Attributes:
-        site (str): The weight's qualified name.
-        operand (str): ``'x'``, ``'W'`` or ``'b'``; ``'gy'`` where only
-            the incoming gradient is rounded.
-        nonzero (int): Non-zero values before rounding, summed over passes.
-        underflowed (int): Those of them that rounded to zero.
+    Args:
+        measure_underflow (bool): Count, per GEMM and operand, the gradient
+            values that storing turns into zeros (:meth:`underflow_report`).
+        model (torch.nn.Module): Names the GEMMs in that report by their
+            weight's qualified name (``'0.weight'``).
 
     """
 
-    site: str
-    operand: str
-    nonzero: int = 0
-    underflowed: int = 0
+    def __init__(self, measure_underflow=False, model=None):
+        super().__init__()
+        self.measure_underflow = bool(measure_underflow)
+        self.counts = LostValueCounts()
+        self._names = {} if model is None else {
+            p: n for n, p in model.named_parameters()}
 
-    @property
-    def rate(self):
-        return self.underflowed / self.nonzero if self.nonzero else 0.0
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        kind = _GEMMS.get(func)
+        if kind is None:
+            return func(*args, **kwargs)
+        x, weight = args[0], args[1]
+        bias = args[2] if len(args) > 2 else kwargs.pop('bias', None)
+        options = _conv_options(func, args[3:], kwargs) \
+            if kind != 'linear' else {}
+        return self.gemm(_Config(self, func, kind, options, weight), x,
+                         weight, bias)
+
+    def gemm(self, config, x, weight, bias):
+        """The GEMM ``config`` describes, simulated (a tensor)."""
+        raise NotImplementedError
+
+    def site_name(self, weight):
+        """The name a GEMM is counted under: its weight's."""
+        return self._names.get(weight, 'param@{:x}'.format(id(weight)))
+
+    # -- telemetry --------------------------------------------------------
+
+    def underflow_report(self):
+        """Gradient values lost to rounding, per GEMM and operand (counts
+        add up over passes until :meth:`reset_underflow_counts`)."""
+        return self.counts.report()
+
+    def reset_underflow_counts(self):
+        self.counts.reset()
+
+    def observation(self):
+        """What was lost since the last call, as the Chainer simulations'
+        ``scaling/...`` entries (:meth:`~gradient_scaling.core.
+        lost_values.LostValueCounts.observation`); empty without
+        ``measure_underflow``."""
+        return self.counts.observation() if self.measure_underflow else {}
 
 
-class LowPrecisionSimulation(TorchFunctionMode):
+class LowPrecisionSimulation(GemmSimulation):
 
     """Simulates mixed precision training in ``fmt`` on an FP32 model.
 
@@ -118,49 +164,24 @@ class LowPrecisionSimulation(TorchFunctionMode):
 
     def __init__(self, fmt='float16', measure_underflow=False, model=None,
                  round_outputs=True, saturate=False):
-        super().__init__()
+        super().__init__(measure_underflow, model)
         self.fmt = formats.get(fmt)
-        self.measure_underflow = bool(measure_underflow)
         self.round_outputs = bool(round_outputs)
         self.saturate = bool(saturate)
-        self._names = {} if model is None else {
-            p: n for n, p in model.named_parameters()}
-        self._counts = {}
+
+    def gemm(self, config, x, weight, bias):
+        return SimulatedGemm.apply(config, x, weight, bias)
 
     def truncate(self, x):
         return None if x is None else round_to(x, self.fmt, self.saturate)
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        kind = _GEMMS.get(func)
-        if kind is None:
-            return func(*args, **kwargs)
-        x, weight = args[0], args[1]
-        bias = args[2] if len(args) > 2 else kwargs.pop('bias', None)
-        options = _conv_options(func, args[3:], kwargs) \
-            if kind != 'linear' else {}
-        return SimulatedGemm.apply(_Config(self, func, kind, options,
-                                           weight), x, weight, bias)
-
-    # -- telemetry --------------------------------------------------------
-
     def count(self, weight, operand, before, after):
         if not self.measure_underflow:
             return
-        site = self._names.get(weight, 'param@{:x}'.format(id(weight)))
-        record = self._counts.setdefault((site, operand),
-                                         UnderflowCount(site, operand))
         nonzero = before != 0
-        record.nonzero += int(nonzero.sum())
-        record.underflowed += int((nonzero & (after == 0)).sum())
-
-    def underflow_report(self):
-        """Gradient values lost to rounding, per GEMM and operand (counts
-        add up over passes until :meth:`reset_underflow_counts`)."""
-        return [dataclasses.replace(c) for c in self._counts.values()]
-
-    def reset_underflow_counts(self):
-        self._counts = {}
+        self.counts.add(self.site_name(weight), operand,
+                        int(nonzero.sum()),
+                        int((nonzero & (after == 0)).sum()))
 
 
 class _Config(object):
@@ -190,35 +211,23 @@ class SimulatedGemm(torch.autograd.Function):
         sim = config.sim
         xr, wr, br = sim.truncate(x), sim.truncate(weight), \
             sim.truncate(bias)
-        y = config.func(xr, wr, br, **config.options)
-        ctx.config = config
-        ctx.has_bias = bias is not None
-        ctx.gradient_scales = None
-        ctx.save_for_backward(xr, wr)
-        ctx.simulated_gemm = True
-        return sim.truncate(y)
+        keep_for_backward(ctx, config, bias, xr, wr)
+        return sim.truncate(config.func(xr, wr, br, **config.options))
 
     @staticmethod
     def backward(ctx, g):
-        config, sim = ctx.config, ctx.config.sim
-        xr, wr = ctx.saved_tensors
-        beta, gammas = ctx.gradient_scales or (1.0, {})
-        ctx.gradient_scales = None
-        wanted = [i for i, need in enumerate(ctx.needs_input_grad[1:])
-                  if need and (i < 2 or ctx.has_bias)]
-        local = {i: (beta if i == 0 else gammas.get(i, beta))
-                 for i in wanted}
+        config, sim, (xr, wr), local = backward_inputs(ctx)
         grads = [None, None, None]
         # One rounding of the scaled incoming gradient per distinct scale,
         # data first (the Chainer simulation under the hook).
         for scale in sorted(set(local.values()),
                             key=lambda s: local.get(0) != s):
-            group = [i for i in wanted if local[i] == scale]
+            group = [i for i in local if local[i] == scale]
             scaled = g if scale == 1.0 else g * scale
             rounded = sim.truncate(scaled)
             if not sim.round_outputs:
                 sim.count(config.weight, 'gy', scaled, rounded)
-            for i, gx in zip(group, _gemm_backward(config, xr, wr, rounded,
+            for i, gx in zip(group, gemm_gradients(config, xr, wr, rounded,
                                                    group)):
                 if sim.round_outputs:
                     low = sim.truncate(gx)
@@ -229,7 +238,32 @@ class SimulatedGemm(torch.autograd.Function):
                                              else None,)
 
 
-def _gemm_backward(config, x, w, g, group):
+def keep_for_backward(ctx, config, bias, x, weight):
+    """What a simulated GEMM's node keeps: what :class:`SimulatedGemmSite`
+    reads (``config``, ``has_bias``, the forward's x and W, which its
+    backward reads too) and the hook's hand-over of scales."""
+    ctx.config = config
+    ctx.has_bias = bias is not None
+    ctx.gradient_scales = None
+    ctx.save_for_backward(x, weight)
+    ctx.simulated_gemm = True
+
+
+def backward_inputs(ctx):
+    """``(config, simulation, (x, W), {input: scale})`` of a simulated
+    GEMM's backward: the scales of the gradients it computes (0: x, 1: W,
+    2: b) are the data path's ``beta`` and the weight and bias paths'
+    ``gamma`` the hook handed it (1 without a hook), the hand-over
+    consumed."""
+    beta, gammas = ctx.gradient_scales or (1.0, {})
+    ctx.gradient_scales = None
+    return ctx.config, ctx.config.sim, ctx.saved_tensors, {
+        i: (beta if i == 0 else gammas.get(i, beta))
+        for i, need in enumerate(ctx.needs_input_grad[1:])
+        if need and (i < 2 or ctx.has_bias)}
+
+
+def gemm_gradients(config, x, w, g, group):
     """The gradients of inputs ``group`` (0: x, 1: W, 2: b), in FP32."""
     if config.kind == 'linear':
         out = []
@@ -288,7 +322,7 @@ class SimulatedGemmSite(graph.GemmSite):
 
     def data_gradient(self, grad):
         x, w = self.node.saved_tensors
-        return _gemm_backward(self.node.config, x, w, grad.float(), [0])[0]
+        return gemm_gradients(self.node.config, x, w, grad.float(), [0])[0]
 
 
 graph.register_gemm_kind(

@@ -43,30 +43,35 @@ def load_classification(args):
     """``(train, test, label_names)`` of ``--dataset``; for a folder of
     class folders the input size, batch size, lr and schedule that the
     command line leaves open fitted to it (:func:`example_data.fitting.apply`)."""
-    train, test, names = real_or_embedded(args, {
+    return _load(args, {
         'folders': lambda a: load_folders(a.data_dir),
         'fashion-mnist': lambda a: load_fashion_mnist(a.data_dir)},
-        ShapesClassificationDataset)
-    if args.dataset == 'folders':
-        fitting.apply(args, fitting.classification_defaults(
-            train, len(names), args.gpu, args.insize, args.batchsize,
-            args.iteration), ('insize', 'batchsize', 'lr', 'iteration'))
-    return train, test, names
+        ShapesClassificationDataset, fitting.classification_defaults,
+        'insize')
 
 
 def load_segmentation(args):
     """``(train, test, label_names)`` of ``--dataset``; for a folder the
     crop, batch size, lr and schedule that the command line leaves open
     fitted to it (:func:`example_data.fitting.apply`)."""
-    train, test, names = real_or_embedded(args, {
+    return _load(args, {
         'folders': lambda a: load_mask_folders(
             a.data_dir, a.train_split, a.test_split, a.label_names,
             a.ignore_label)}, ShapesSegmentationDataset,
+        fitting.segmentation_defaults, 'crop_size',
         image_size=tuple(args.embedded_image_size or EMBEDDED_IMAGE_SIZE))
+
+
+def _load(args, loaders, embedded, defaults, size, **options):
+    """The datasets (:func:`example_data.real_or_embedded`); for a folder,
+    ``defaults`` (a ``fitting.*_defaults``) fill the input size option
+    ``size`` and the batch size, lr and schedule left open."""
+    train, test, names = real_or_embedded(args, loaders, embedded, **options)
     if args.dataset == 'folders':
-        fitting.apply(args, fitting.segmentation_defaults(
-            train, len(names), args.gpu, args.crop_size, args.batchsize,
-            args.iteration), ('crop_size', 'batchsize', 'lr', 'iteration'))
+        fitting.apply(args, defaults(
+            train, len(names), args.gpu, getattr(args, size),
+            args.batchsize, args.iteration),
+            (size, 'batchsize', 'lr', 'iteration'))
     return train, test, names
 
 

@@ -11,7 +11,21 @@ gradients are scaled (``--scaling``: a GradientScaler).
                    E4M3 where mixed precision stores them
                    (:class:`~gradient_scaling.torch.simulation.
                    LowPrecisionSimulation`, the Chainer simulation's twin)
+``sim-mxfp8`` ...  FP32 GEMMs on operands stored as a block-scaling recipe
+                   stores them (``sim-`` + :func:`gradient_scaling.core.
+                   block_formats_recipes.names`: MXFP8, 1x128 tiles,
+                   NVFP4; :class:`~gradient_scaling.torch.
+                   block_simulation.BlockScaledSimulation`, the Chainer
+                   examples' precisions of the same names)
 =================  ===========================================================
+
+GS's ``--format`` defaults to the format the precision stores gradients
+in; for a block recipe the one a per-tensor scaler scales them for (its
+``scaler_format``: E4M3 for MXFP8, the tiles and NVFP4's block scales), and
+under GS NVFP4's per-tensor scale of a gradient is GS's. The block
+simulation's stochastic rounding (NVFP4's gradients) is seeded by
+``--seed`` (every rank alike, so that rank 0's snapshot holds every
+rank's state) and its state is in the snapshots.
 
 Evaluation runs under autocast for ``autocast-*``, in FP32 otherwise (as
 the Chainer examples evaluate a simulated run). ``--scaling`` takes
@@ -30,23 +44,32 @@ import os
 
 import torch
 
+from gradient_scaling.core import block_formats_recipes
 from gradient_scaling.core import recipes
 from gradient_scaling.torch import GradientScaler
+from gradient_scaling.torch.block_simulation import BlockScaledSimulation
 from gradient_scaling.torch.simulation import LowPrecisionSimulation
 
 from torch_example.errors import InputError
 
-__all__ = ['PRECISIONS', 'FORMATS', 'AUTOCAST', 'RECIPES', 'add_arguments',
-           'check', 'scaler_settings', 'scaler_recipe', 'make_scaler',
-           'counts_underflow', 'Precision']
+__all__ = ['PRECISIONS', 'BLOCK_PRECISIONS', 'FORMATS', 'AUTOCAST',
+           'RECIPES', 'add_arguments', 'check', 'scaler_settings',
+           'scaler_recipe', 'make_scaler', 'counts_underflow', 'Precision']
 
+# The block-scaling recipes as precisions (sim-mxfp8-e4m3, ..., sim-nvfp4),
+# named as in the Chainer examples.
+BLOCK_PRECISIONS = {'sim-' + name: name
+                    for name in block_formats_recipes.names()}
 PRECISIONS = ('fp32', 'autocast-fp16', 'autocast-bf16', 'sim-fp16',
-              'sim-bf16', 'sim-fp8-e5m2', 'sim-fp8-e4m3')
+              'sim-bf16', 'sim-fp8-e5m2', 'sim-fp8-e4m3') + \
+    tuple(BLOCK_PRECISIONS)
 # The format each precision stores gradients in (GS's --format default).
 FORMATS = {'fp32': 'float16', 'autocast-fp16': 'float16',
            'autocast-bf16': 'bfloat16', 'sim-fp16': 'float16',
            'sim-bf16': 'bfloat16', 'sim-fp8-e5m2': 'float8_e5m2',
            'sim-fp8-e4m3': 'float8_e4m3'}
+FORMATS.update((precision, block_formats_recipes.get(name).scaler_format)
+               for precision, name in BLOCK_PRECISIONS.items())
 AUTOCAST = {'autocast-fp16': torch.float16, 'autocast-bf16': torch.bfloat16}
 # --scaling's modes and the recipe of each (their flags).
 RECIPES = {'fp32': recipes.NoScalingRecipe, 'none': recipes.NoScalingRecipe,
@@ -72,8 +95,10 @@ def add_arguments(parser):
                        'sim-fp16 on the CPU and autocast-fp16 on a GPU')
     group.add_argument('--count-underflow', action='store_true',
                        help='simulations count the gradient values rounding '
-                       'turns into zeros, for any --scaling (GS and amax-* '
-                       'always do)')
+                       'turns into zeros, per site and operand, for any '
+                       '--scaling (GS and amax-* always do); block formats '
+                       'also those flushed beside a larger value of their '
+                       'block')
 
 
 def check(args):
@@ -159,17 +184,29 @@ class Precision(object):
         device (torch.device): Where the model is (autocast's device type).
         model (torch.nn.Module): Names the GEMMs in the underflow counts.
         count_underflow (bool): The simulation counts lost values.
-        fp32_outputs (bool): The simulation keeps GEMM outputs in FP32 and
-            saturates (Transformer Engine's amax recipes).
+        scaler_recipe (~gradient_scaling.core.recipes.Recipe): The
+            scaler's: one that keeps GEMM outputs in FP32 (Transformer
+            Engine's amax recipes) makes a format's simulation do so and
+            saturate; GS's chooses NVFP4's per-tensor scale of gradients.
+        seed (int): Seed of a block simulation's stochastic rounding.
 
     """
 
     def __init__(self, name, device, model=None, count_underflow=False,
-                 fp32_outputs=False):
+                 scaler_recipe=None, seed=None):
         self.name = name
         self.device = device
         self.simulation = None
-        if name.startswith('sim-'):
+        if name in BLOCK_PRECISIONS:
+            recipe = block_formats_recipes.get(BLOCK_PRECISIONS[name])
+            gs = isinstance(scaler_recipe, recipes.GradientScalingRecipe)
+            self.simulation = BlockScaledSimulation(
+                recipe, gradient_tensor_scale=recipe.gradient_tensor_scale
+                if gs else None, seed=seed,
+                measure_underflow=count_underflow, model=model)
+        elif name.startswith('sim-'):
+            fp32_outputs = getattr(scaler_recipe, 'keeps_gemm_outputs_fp32',
+                                   False)
             self.simulation = LowPrecisionSimulation(
                 FORMATS[name], measure_underflow=count_underflow,
                 model=model, round_outputs=not fp32_outputs,
@@ -186,14 +223,27 @@ class Precision(object):
                                   dtype=AUTOCAST[self.name])
         return contextlib.nullcontext()
 
-    def lost_fraction(self):
-        """The fraction of the non-zero gradient values that the
-        simulation's rounding turned into zeros since the last call (the
-        Chainer updater's ``scaling/measured_underflow``), or None."""
+    def lost_values(self):
+        """What the simulation's storing lost since the last call, as the
+        Chainer updater reports it: ``scaling/measured_underflow`` (the
+        fraction of the non-zero gradient values that became zeros),
+        ``scaling/lost/<site>/<operand>``, ``scaling/operand_lost/...``;
+        for block formats also ``scaling/flushed_in_blocks`` (lost beside a
+        larger value of their block) and ``scaling/scale_bits_per_element``.
+        Empty when nothing was counted."""
         if self.simulation is None or not self.simulation.measure_underflow:
-            return None
-        counts = self.simulation.underflow_report()
-        self.simulation.reset_underflow_counts()
-        nonzero = sum(c.nonzero for c in counts)
-        return sum(c.underflowed for c in counts) / nonzero if nonzero \
-            else None
+            return {}
+        observation = self.simulation.observation()
+        if self.name not in BLOCK_PRECISIONS:
+            # Only the block simulation counts the stored scales and blocks.
+            observation.pop('scaling/scale_bits_per_element', None)
+            observation.pop('scaling/flushed_in_blocks', None)
+        return observation
+
+    def state_dict(self):
+        """The simulation's stochastic rounding state, or None."""
+        return self.simulation.state_dict() \
+            if isinstance(self.simulation, BlockScaledSimulation) else None
+
+    def load_state_dict(self, state):
+        self.simulation.load_state_dict(state)

@@ -3,7 +3,8 @@
 ``out/snapshot_iter_N.pt`` (``torch.save``) holds the model's parameters
 and buffers, the optimizer's state, the scaler's
 (:meth:`~gradient_scaling.torch.GradientScaler.state_dict`), PyTorch's
-generator states, the training stream's position, the log and the scale
+generator states and a block simulation's stochastic rounding's, the
+training stream's position, the log and the scale
 history so far, and the settings a continuation must share (task, model,
 data, scaling, precision, batch size, seed, number of processes). It is
 written to a temporary name and renamed, so a killed run leaves complete
@@ -51,12 +52,15 @@ def config_of(args, world_size):
     return config
 
 
-def collect(iteration, args, world_size, model, optimizer, scaler, stream,
-            log, history):
+def collect(iteration, args, world_size, model, optimizer, scaler,
+            precision, stream, log, history):
     """The snapshot of the run after ``iteration`` iterations (a dict)."""
     rng = {'torch': torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rng['cuda'] = torch.cuda.get_rng_state_all()
+    simulation = precision.state_dict()
+    if simulation is not None:
+        rng['simulation'] = simulation
     return {'format': FORMAT, 'iteration': iteration,
             'config': config_of(args, world_size),
             'model': model.state_dict(), 'optimizer': optimizer.state_dict(),
@@ -115,7 +119,8 @@ def read(path, args, world_size):
     return snapshot
 
 
-def restore(snapshot, model, optimizer, scaler, stream, log, history):
+def restore(snapshot, model, optimizer, scaler, precision, stream, log,
+            history):
     """Puts the run back as it was; returns the iteration it had done."""
     try:
         model.load_state_dict(snapshot['model'])
@@ -127,6 +132,8 @@ def restore(snapshot, model, optimizer, scaler, stream, log, history):
     torch.set_rng_state(snapshot['rng']['torch'])
     if 'cuda' in snapshot['rng'] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(snapshot['rng']['cuda'])
+    if 'simulation' in snapshot['rng']:
+        precision.load_state_dict(snapshot['rng']['simulation'])
     stream.load_state_dict(snapshot['stream'])
     log.load_state_dict(snapshot['log'])
     history.load_state_dict(snapshot['history'])
