@@ -21,7 +21,9 @@ paragraph in the report says what its columns are. Modes (``--modes``):
   framework cost, as on a GPU. Then peak memory, the hook's added time per
   backward node (``--gpu-iteration-ms MODEL=MS``: predicted ratios on a
   device), and with ``--attribute`` GS's own work by section, from the
-  hook's timing points (``GradientScaling.time_with``).
+  hook's timing points (``GradientScaling.time_with``). ``--memory-only``:
+  instead, the peak memory alone, no timing, as a table of no scaling,
+  GS's cached pass and GS@k against Dyn-LS.
 * ``targets``: the issue's framework-bound targets, ResNet-50 at 32x32,
   batch 1, on ONE model copy: GS@1 <= 1.15 and GS@100 <= 1.02 (minima over
   ``--target-rounds`` rounds) against a plain step with the same check.
@@ -34,6 +36,7 @@ Examples::
     python scripts/benchmark.py --repeat 9 --budget 90  # results/benchmark.md
     python scripts/benchmark.py --modes full framework --attribute
     python scripts/benchmark.py --quick --models small_cnn --out /tmp/b.md
+    python scripts/benchmark.py --memory-only --modes full framework
     python scripts/benchmark.py --gpu 0 --shape resnet50=32x224
 
 Full-size targets: GS@100 / none <= 1.01, GS@1 / none <= 1.05, peak memory
@@ -94,6 +97,7 @@ class Results(object):
     """Every table's rows."""
 
     iterations: list = dataclasses.field(default_factory=list)
+    memory: list = dataclasses.field(default_factory=list)
     nodes: list = dataclasses.field(default_factory=list)
     attribution: list = dataclasses.field(default_factory=list)
     targets: list = dataclasses.field(default_factory=list)
@@ -124,17 +128,25 @@ def shapes_of(args, adapter, mode):
 def run_iterations(args, adapter, device, mode, model, precision, results,
                    log):
     shape = shapes_of(args, adapter, mode)[model]
-    variants = adapter.training_variants(model, shape, precision, device)
-    nodes, elements = adapter.backward_nodes(variants[0])
-    samples = harness.time_alternately(variants, args.repeat, args.budget,
-                                       log=log)
+    variants = adapter.training_variants(
+        model, shape, precision, device,
+        rows.MEMORY_LABELS if args.memory_only else None)
+    name = case_name(adapter, model)
+    case = '{} {}'.format(mode, shape_text(shape))
+    if not args.memory_only:
+        nodes, elements = adapter.backward_nodes(variants[0])
+        samples = harness.time_alternately(variants, args.repeat,
+                                           args.budget, log=log)
     peaks = harness.peak_memory(variants, adapter.memory_tracker(device),
                                 args.memory_repeat)
     skips = {v.label: getattr(v, 'skips', 0) for v in variants}
-    name = case_name(adapter, model)
+    if args.memory_only:
+        results.memory += rows.memory_rows(
+            name, case, precision, peaks, skips, args.intervals,
+            getattr(adapter, 'MEMORY_TARGET', None))
+        return
     results.iterations += rows.iteration_rows(
-        name, '{} {}'.format(mode, shape_text(shape)), precision, samples,
-        peaks, skips, args.intervals)
+        name, case, precision, samples, peaks, skips, args.intervals)
     results.nodes.append(rows.node_cost_row(mode, name, precision, samples,
                                             nodes, elements))
     if args.attribute:
@@ -225,6 +237,8 @@ def build_report(argv, machine, results, gpu_times=None):
     if results.iterations:
         out.section('Training iteration: time and peak memory',
                     results.iterations)
+    if results.memory:
+        out.section('Peak memory against Dyn-LS', results.memory)
     if results.nodes:
         predictions = rows.prediction_rows(results.nodes, gpu_times or {})
         out.section('Per-node cost: what a faster device would see',
@@ -302,7 +316,10 @@ def parse_args(argv):
         'from its warm-up round; at least --repeat, at most {}); 0: exactly '
         '--repeat (default: %(default)s)'.format(harness.MAX_ROUNDS))
     add('--memory-repeat', type=int, default=None,
-        help='rounds under tracemalloc (default: 2, --quick 1)')
+        help='peak-memory rounds (default: 2, --quick 1)')
+    add('--memory-only', action='store_true',
+        help='full and framework modes: only peak memory (no timing), as a '
+        'table of no scaling, GS\'s cached pass and GS@k against Dyn-LS')
     add('--target-rounds', type=int, default=None,
         help='rounds of the targets mode (default: 20, --quick 2)')
     add('--simulations', nargs='+', default=['sim-fp16', 'sim-fp8-e5m2',

@@ -255,3 +255,32 @@ def test_a_cached_step_reads_the_device_once_and_the_cast_cap_once_more(
         per_step.append(sum(counts.values()))
     assert per_step[0] > reads  # the refresh
     assert per_step[1:] == [reads, reads]
+
+
+def test_a_refresh_keeps_no_activation_past_its_backward():
+    """What a refresh keeps for telling a data fault from an overflow (the
+    finiteness of each GEMM's operands) must not keep the operands: the
+    activation a Linear saved is freed with the graph, before the step is
+    decided, as it is under GradScaler. (The refresh held every GEMM's
+    input: up to 1.3x GradScaler's peak; the copies a simulation or
+    autocast saves instead are measured by scripts/benchmark.py
+    --memory-only, results/benchmark_torch_memory.md.)"""
+    import weakref
+    import torch.nn as nn
+    torch.manual_seed(0)
+    first, second = nn.Linear(8, 16), nn.Linear(16, 4)
+    model = nn.Sequential(first, second)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradientScaler(model, update_interval=1)
+    for step in range(2):
+        optimizer.zero_grad()
+        hidden = torch.relu(first(torch.randn(5, 8)))
+        loss = second(hidden).square().mean()
+        kept = weakref.ref(hidden)
+        del hidden
+        scaler.scale(loss).backward()
+        del loss
+        assert kept() is None, 'step {}: the activation outlived the ' \
+            'backward pass'.format(step)
+        assert scaler.step(optimizer)
+        scaler.update()

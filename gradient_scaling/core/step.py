@@ -212,7 +212,11 @@ class GemmTrace(object):
     Attributes:
         incoming_finite (bool): Whether the gradient entering the GEMM was
             finite; None where it was not measured (a cached pass).
-        operands (tuple): The GEMM's forward operands (input, weight).
+        operands (tuple): The GEMM's forward operands (input, weight), or
+            what stands for their finiteness
+            (:meth:`~gradient_scaling.core.arrays.ArrayOps.finite_witness`:
+            a trace kept until the step is decided must not keep a
+            framework's activations alive).
 
     """
 

@@ -173,6 +173,11 @@ class TorchOps(arrays.ArrayOps):
                 flags[i] = bool(torch.isfinite(tensors[i]).all())
         return flags
 
+    def finite_witness(self, x):
+        # 0 where every element is finite, NaN otherwise: a 0-d tensor on
+        # x's device (no host read), so that autograd can free x.
+        return torch.where(torch.isfinite(x.detach()).all(), 0.0, math.nan)
+
     def underflow_rate(self, x, fmt):
         if not x.dtype.is_floating_point or x.element_size() <= 2:
             return math.nan

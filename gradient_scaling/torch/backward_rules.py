@@ -243,7 +243,11 @@ class BackwardPass(object):
             gammas = dict.fromkeys(gammas, beta)
         operands = None
         if step.refresh and names:
-            operands = site.operands()
+            # Their finiteness, not the tensors: kept until the step is
+            # decided, the saved input would outlive the node's backward.
+            operands = tuple(None if a is None else
+                             arrays.ops_for(a).finite_witness(a)
+                             for a in site.operands())
             if incoming_finite is None:
                 incoming_finite = bool(
                     arrays.ops_for(g).finite_flags([g])[0])

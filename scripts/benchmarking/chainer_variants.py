@@ -35,9 +35,7 @@ __all__ = ['TrainStep', 'CheckedPlainStep', 'use_device', 'memory_tracker',
            'training_variants', 'backward_nodes', 'time_hooks',
            'target_variants', 'simulation_variants', 'SIMULATIONS']
 
-# An update interval no benchmark run reaches: the hook refreshes only at
-# its first pass (a warm-up pass), then always uses its cached scales.
-NEVER = 10 ** 9
+NEVER = rows.NEVER
 #: Simulated precisions of the simulation-cost table (``-sr``: stochastic
 #: rounding).
 SIMULATIONS = ('sim-fp16', 'sim-bf16', 'sim-fp8-e5m2', 'sim-fp8-e4m3',
@@ -156,23 +154,16 @@ class CheckedPlainStep(_Step):
         self.synchronize()
 
 
-def training_variants(name, shape, precision, device):
-    """The variant table's variants, each on its own copy of the model
-    (same initial weights)."""
+def training_variants(name, shape, precision, device, labels=None):
+    """The variant table's variants (``rows.training_specs``: those in
+    ``labels``, default all), each on its own copy of the model (same
+    initial weights)."""
     base, inputs = build_case(name, shape, precision, device)
-    specs = [(rows.NONE, 'none', NEVER, False),
-             (rows.NONE_COPY, 'none', NEVER, False),
-             (rows.CHECK, 'none', NEVER, False),
-             (rows.DYNAMIC, 'dynamic', NEVER, False),
-             (rows.REFRESH, 'gs', 1, False),
-             (rows.CACHED, 'gs', NEVER, False),
-             (rows.REFRESH + '+measure', 'gs', 1, True)]
-    if training.ScalingConfig(precision=precision).simulated:
-        # The simulation's measurement runs at every pass, not only at
-        # refreshes: a cached pass with it on is a variant of its own.
-        specs.append((rows.CACHED + '+measure', 'gs', NEVER, True))
+    simulated = training.ScalingConfig(precision=precision).simulated
     variants = []
-    for label, scaling, interval, measure in specs:
+    for label, kind, interval, measure in rows.training_specs(simulated,
+                                                              labels):
+        scaling = 'none' if kind == 'check' else kind
         config = training.ScalingConfig(
             scaling=scaling, precision=precision, update_interval=interval,
             measure_underflow=measure)
@@ -180,7 +171,7 @@ def training_variants(name, shape, precision, device):
             model = copy.deepcopy(base)
         optimizer, scaler = training.setup_optimizer(
             chainer.optimizers.SGD(lr=1e-5), model, config)
-        if label == rows.CHECK:
+        if kind == 'check':
             # A GradScaler-style scaler at scale 1 that never grows: a
             # plain backward plus the fused check (the per-node baseline).
             scaler = scalers.GradScalerLossScaling(init_scale=1.0,

@@ -19,16 +19,18 @@ and ``skips`` (steps skipped so far). Chainer's variants are in
 """
 
 import collections
+import contextlib
 import dataclasses
 import importlib.util
+import os
 import statistics
+import sys
 import time
 import tracemalloc
 
 __all__ = ['Sample', 'time_alternately', 'peak_memory', 'HostPeak',
-           'ResidentPeak', 'TorchCudaPeak',
-           'CupyPeak', 'SectionTimes', 'ratios', 'amortised', 'quartiles',
-           'BlasThreads', 'MAX_ROUNDS']
+           'TorchCpuPeak', 'TorchCudaPeak', 'CupyPeak', 'SectionTimes',
+           'ratios', 'amortised', 'quartiles', 'BlasThreads', 'MAX_ROUNDS']
 
 #: Rounds a ``budget`` may add up to.
 MAX_ROUNDS = 200
@@ -132,35 +134,88 @@ class HostPeak(object):
         return tracemalloc.get_traced_memory()[1]
 
 
-class ResidentPeak(object):
+@contextlib.contextmanager
+def _stderr_silenced():
+    """File descriptor 2 on ``os.devnull``: Kineto writes a line there at
+    every start and stop of ``torch.profiler``."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, 'w') as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
-    """Peak resident memory (Linux: ``VmHWM``, reset through
-    ``/proc/self/clear_refs``) above what was resident before the step:
-    what PyTorch's CPU allocator took from the system (large tensors are
-    mapped and unmapped whole, so this is their peak; small ones may be
-    served by memory the C library kept)."""
+
+class TorchCpuPeak(object):
+
+    """Peak bytes PyTorch's CPU allocator handed out between :meth:`reset`
+    and :meth:`peak` above those live at :meth:`reset` (the CPU's
+    :class:`TorchCudaPeak`): the running sum, in time order, of the
+    allocations (+) and frees (-) that ``torch.profiler`` records with
+    ``profile_memory=True``, its ``[memory]`` events, read from the
+    profiler's raw results (its parsed ``events()`` fold those inside an
+    operator into the operator's totals).
+
+    The profiler runs from ``__enter__`` to ``__exit__``, restarted at each
+    :meth:`reset` and :meth:`peak`: the allocator learns a block's size at
+    its allocation only while profiling, and a free of a block it did not
+    learn goes unrecorded (what was allocated before ``__enter__``). The
+    profiler records the thread that runs the step, where a CPU backward
+    runs too."""
+
+    # Where torch.profiler files CPU memory (as its own summaries do).
+    DEVICES = ('CPU', 'MKLDNN', 'IDEEP')
+
+    def __init__(self):
+        import torch.autograd
+        import torch.profiler
+        self.profiler = torch.profiler
+        self.devices = {getattr(torch.autograd.DeviceType, d)
+                        for d in self.DEVICES}
+        self.session = None
+
+    def _restart(self, start=True):
+        """Stops the running session, starts another (``start``); returns
+        the stopped one's CPU memory events, ``(time, bytes)`` in time
+        order."""
+        events = []
+        with _stderr_silenced():
+            if self.session is not None:
+                self.session.stop()
+                events = sorted(  # stable: ties stay in record order
+                    ((e.start_ns(), e.nbytes()) for e in
+                     self.session.profiler.kineto_results.events()
+                     if e.name() == '[memory]'
+                     and e.device_type() in self.devices),
+                    key=lambda event: event[0])
+                self.session = None
+            if start:
+                self.session = self.profiler.profile(
+                    activities=[self.profiler.ProfilerActivity.CPU],
+                    profile_memory=True)
+                self.session.start()
+        return events
 
     def __enter__(self):
+        self._restart()
         return self
 
     def __exit__(self, *args):
-        pass
-
-    @staticmethod
-    def _status(field):
-        with open('/proc/self/status') as f:
-            for line in f:
-                if line.startswith(field + ':'):
-                    return int(line.split()[1]) * 1024
-        raise RuntimeError('no {} in /proc/self/status'.format(field))
+        self._restart(start=False)
 
     def reset(self):
-        with open('/proc/self/clear_refs', 'w') as f:
-            f.write('5')
-        return self._status('VmRSS')
+        self._restart()
+        return 0
 
     def peak(self):
-        return self._status('VmHWM')
+        live = high = 0
+        for _, nbytes in self._restart():
+            live += nbytes
+            high = max(high, live)
+        return high
 
 
 class TorchCudaPeak(object):

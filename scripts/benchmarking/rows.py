@@ -2,9 +2,11 @@
 
 Each field that is a column says so (:func:`column`: its header and
 format); :func:`benchmarking.report.markdown_table` renders any list of
-them, and a row class's docstring is its table's paragraph in the report. The builders take the samples of :func:`benchmarking.harness.
-time_alternately`, keyed by the variant labels below, whichever framework
-ran them.
+them, and a row class's docstring is its table's paragraph in the report.
+The builders take the samples of :func:`benchmarking.harness.
+time_alternately` and the peaks of :func:`benchmarking.harness.
+peak_memory`, keyed by the variant labels below, whichever framework ran
+them; :func:`training_specs` says which variants each framework builds.
 """
 
 import dataclasses
@@ -14,12 +16,12 @@ from benchmarking.harness import amortised
 from benchmarking.harness import quartiles
 from benchmarking.harness import ratios
 
-__all__ = ['column', 'IterationRow', 'NodeCostRow', 'PredictionRow',
-           'AttributionRow', 'SimulationRow', 'TargetRow', 'KernelRow',
-           'iteration_rows', 'node_cost_row', 'predicted_ratio',
-           'prediction_rows',
+__all__ = ['column', 'IterationRow', 'MemoryRow', 'NodeCostRow',
+           'PredictionRow', 'AttributionRow', 'SimulationRow', 'TargetRow',
+           'KernelRow', 'training_specs', 'iteration_rows', 'memory_rows',
+           'node_cost_row', 'predicted_ratio', 'prediction_rows',
            'attribution_row', 'ratio_rows', 'target_rows', 'SECTIONS',
-           'TARGETS']
+           'TARGETS', 'MEMORY_LABELS', 'NEVER']
 
 # The labels of the training-iteration variants. NONE_COPY is the A/A
 # control: `none` again on a second copy of the model (its ratio to `none`
@@ -28,6 +30,11 @@ __all__ = ['column', 'IterationRow', 'NodeCostRow', 'PredictionRow',
 NONE, NONE_COPY, CHECK, DYNAMIC = ('none', 'none (2nd copy)', 'none+check',
                                    'dynamic')
 REFRESH, CACHED = 'gs-refresh', 'gs-cached'
+#: The variants the peak-memory table reads.
+MEMORY_LABELS = (NONE, DYNAMIC, REFRESH, CACHED)
+#: An update interval no benchmark run reaches: GS refreshes only at its
+#: first pass (a warm-up pass), then always uses its cached scales.
+NEVER = 10 ** 9
 # The framework-bound targets: the GS variants on one copy of the model,
 # against a plain step with the same check (and that step again, the A/A).
 PLAIN_CHECK, PLAIN_CHECK_AA = 'plain+check', 'plain+check (A/A)'
@@ -57,8 +64,8 @@ class IterationRow(object):
     the noise floor of that case. `gs@k` is amortised from timed refresh and
     cached passes, `(t_refresh + (k - 1) t_cached) / k`. Peak: what an
     iteration allocates on top of the model and optimizer state
-    (tracemalloc, or CuPy's pool with --gpu; PyTorch's rows: the growth of
-    resident memory, Linux's VmHWM, or the CUDA allocator's peak). In
+    (tracemalloc, or CuPy's pool with --gpu; PyTorch's rows: its CPU
+    allocator as `torch.profiler` records it, or its CUDA allocator). In
     PyTorch's rows `none+check` is `torch.amp.GradScaler` at scale 1 that
     never grows, `dynamic` is `torch.amp.GradScaler` itself."""
 
@@ -75,6 +82,36 @@ class IterationRow(object):
     peak_ratio: float = column('peak / none', _RATIO)
     skips: int = column('skips')
     spread: tuple = column('CPU / none, quartiles', _SPREAD)
+
+
+@dataclasses.dataclass
+class MemoryRow(object):
+    """Peak memory of an iteration against Dyn-LS (`dynamic`; in PyTorch's
+    rows `torch.amp.GradScaler`), the iteration table's peak-memory rounds
+    alone (`--memory-only`: no timing), each variant on its own copy of
+    the model: what one step allocates on top of the model and optimizer
+    state, its gradients included, median over the `--memory-repeat`
+    rounds. `gs-cached`: a pass with cached
+    scales (GS refreshes after a skipped step); `gs@1`: a refresh every
+    step; `gs@k`: the larger of a refresh's and a cached pass's peak (a
+    run's peak is its largest step's). Skips: of the steps the variant ran
+    (a warm-up step and the rounds). Measured by
+    tracemalloc (Chainer on the CPU), CuPy's pool (Chainer with --gpu),
+    PyTorch's CPU allocator as `torch.profiler` records it
+    (`profile_memory`: the running sum of its allocations and frees in
+    time order, above what was live at the step's start) or PyTorch's
+    CUDA allocator (`max_memory_allocated`). Target (PyTorch's rows): GS
+    <= 1.05x GradScaler's."""
+
+    model: str = column('model')
+    input: str = column('input (mode, batch x size)')
+    precision: str = column('precision')
+    variant: str = column('variant')
+    peak_mb: float = column('peak (MB)', '{:.3f}')
+    peak_ratio: float = column('peak / dynamic', '{:.4f}')
+    skips: int = column('skips')
+    target: str = column('target')
+    met: str = column('met')
 
 
 @dataclasses.dataclass
@@ -225,6 +262,35 @@ def _cpu(series):
     return statistics.median(t.cpu for t in series)
 
 
+def training_specs(simulated, labels=None):
+    """The variant table's variants, ``(label, scaling, update interval,
+    measure)``, those in ``labels`` (default: all). Scaling: ``none``,
+    ``check`` (no scaling, with the one fused finiteness check: a
+    GradScaler-style scaler at scale 1 that never grows), ``dynamic`` or
+    ``gs``. Under a simulation (``simulated``) the measurement runs at
+    every pass, not only at refreshes: a cached pass with it on is a
+    variant of its own."""
+    specs = [(NONE, 'none', NEVER, False),
+             (NONE_COPY, 'none', NEVER, False),
+             (CHECK, 'check', NEVER, False),
+             (DYNAMIC, 'dynamic', NEVER, False),
+             (REFRESH, 'gs', 1, False),
+             (CACHED, 'gs', NEVER, False),
+             (REFRESH + '+measure', 'gs', 1, True)]
+    if simulated:
+        specs.append((CACHED + '+measure', 'gs', NEVER, True))
+    return [s for s in specs if labels is None or s[0] in labels]
+
+
+def _interval(peaks, skips, refresh, cached, k):
+    """GS@k's peak and skipped steps from its refresh and cached passes: the
+    refresh's at k = 1, else the larger peak (a run's peak is its largest
+    step's) and the skips of both."""
+    if k == 1:
+        return peaks[refresh], skips[refresh]
+    return max(peaks[refresh], peaks[cached]), skips[refresh] + skips[cached]
+
+
 def iteration_rows(model, shape, precision, samples, peaks, skips,
                    intervals):
     """The variant table's rows of one case; ``gs@k`` amortised from the
@@ -238,9 +304,7 @@ def iteration_rows(model, shape, precision, samples, peaks, skips,
             series.append((
                 'gs@{}{}'.format(k, suffix),
                 amortised(samples[refresh], samples[cached], k),
-                peaks[refresh] if k == 1 else max(peaks[refresh],
-                                                  peaks[cached]),
-                skips[refresh] + (skips[cached] if k > 1 else 0)))
+                *_interval(peaks, skips, refresh, cached, k)))
     none, none_peak = samples[NONE], peaks[NONE]
     dynamic = statistics.median(ratios(samples[DYNAMIC], none))
     rows = []
@@ -254,6 +318,27 @@ def iteration_rows(model, shape, precision, samples, peaks, skips,
             cpu_ratio / dynamic, peak / 1e6,
             peak / none_peak if none_peak else float('nan'), skip,
             quartiles(cpu_ratios)))
+    return rows
+
+
+def memory_rows(model, shape, precision, peaks, skips, intervals,
+                target=None):
+    """The peak-memory table's rows of one case: no scaling, Dyn-LS, GS's
+    cached pass and ``gs@k`` for each of ``intervals``, against Dyn-LS;
+    ``met`` compares GS's ratios with ``target`` (None: no target)."""
+    series = [(label, peaks[label], skips[label])
+              for label in (NONE, DYNAMIC, CACHED)]
+    series += [('gs@{}'.format(k),
+                *_interval(peaks, skips, REFRESH, CACHED, k))
+               for k in intervals]
+    rows = []
+    for label, peak, skip in series:
+        ratio = peak / peaks[DYNAMIC] if peaks[DYNAMIC] else float('nan')
+        judged = target is not None and label.startswith('gs')
+        rows.append(MemoryRow(
+            model, shape, precision, label, peak / 1e6, ratio, skip,
+            '<= {:.2f}'.format(target) if judged else '-',
+            ('yes' if ratio <= target else 'no') if judged else '-'))
     return rows
 
 

@@ -22,16 +22,17 @@ from gradient_scaling.torch import GradientScaler
 from gradient_scaling.torch.simulation import LowPrecisionSimulation
 
 from benchmarking import rows
-from benchmarking.harness import ResidentPeak
+from benchmarking.harness import TorchCpuPeak
 from benchmarking.harness import TorchCudaPeak
 from benchmarking.torch_cases import CASES
 
 __all__ = ['TorchStep', 'use_device', 'memory_tracker', 'training_variants',
            'backward_nodes', 'time_hooks', 'target_variants',
            'simulation_variants', 'SIMULATIONS', 'PRECISIONS', 'SHAPES',
-           'TARGETS', 'TARGET_BASELINE', 'TARGET_BASELINE_AA']
+           'TARGETS', 'TARGET_BASELINE', 'TARGET_BASELINE_AA',
+           'MEMORY_TARGET']
 
-NEVER = 10 ** 9
+NEVER = rows.NEVER
 #: Precisions: FP32, the simulations (FP32 compute, values rounded where
 #: mixed precision stores them) and real ``torch.autocast``.
 PRECISIONS = {'fp32': None, 'sim-fp16': 'float16', 'sim-bf16': 'bfloat16',
@@ -45,6 +46,8 @@ SHAPES = {'framework': {'resnet18': (2, 32), 'resnet50': (2, 32),
           'targets': {'resnet50': (2, 32)}}
 #: The issue's targets against GradScaler, framework-bound.
 TARGETS = {'gs-cached': 1.05, 'gs@100': 1.02}
+#: The issue's peak-memory target: GS against GradScaler.
+MEMORY_TARGET = 1.05
 TARGET_BASELINE, TARGET_BASELINE_AA = 'GradScaler', 'GradScaler (A/A)'
 
 
@@ -58,7 +61,7 @@ def use_device(gpu):
 
 
 def memory_tracker(device):
-    return ResidentPeak() if device.type == 'cpu' else TorchCudaPeak(device)
+    return TorchCpuPeak() if device.type == 'cpu' else TorchCudaPeak(device)
 
 
 def _format(precision):
@@ -136,32 +139,27 @@ def build_case(name, shape, device, seed=0):
 
 
 def _scaler(kind, model, device, precision, interval=NEVER, measure=False):
-    if kind == 'plain':
+    """The scaler of a ``rows.training_specs`` scaling ``kind``."""
+    if kind == 'none':
         return None
     if kind == 'check':
         return torch.amp.GradScaler(device.type, init_scale=1.0,
                                     growth_interval=NEVER)
-    if kind == 'gradscaler':
+    if kind == 'dynamic':
         return torch.amp.GradScaler(device.type)
     return GradientScaler(model, update_interval=interval,
                           fmt=_format(precision), measure_underflow=measure)
 
 
-def training_variants(name, shape, precision, device):
-    """The variant table's variants, each on its own copy of the model
-    (same initial weights)."""
+def training_variants(name, shape, precision, device, labels=None):
+    """The variant table's variants (``rows.training_specs``: those in
+    ``labels``, default all), each on its own copy of the model (same
+    initial weights)."""
     base, inputs = build_case(name, shape, device)
-    specs = [(rows.NONE, 'plain', NEVER, False),
-             (rows.NONE_COPY, 'plain', NEVER, False),
-             (rows.CHECK, 'check', NEVER, False),
-             (rows.DYNAMIC, 'gradscaler', NEVER, False),
-             (rows.REFRESH, 'gs', 1, False),
-             (rows.CACHED, 'gs', NEVER, False),
-             (rows.REFRESH + '+measure', 'gs', 1, True)]
-    if isinstance(PRECISIONS[precision], str):
-        specs.append((rows.CACHED + '+measure', 'gs', NEVER, True))
+    simulated = isinstance(PRECISIONS[precision], str)
     variants = []
-    for label, kind, interval, measure in specs:
+    for label, kind, interval, measure in rows.training_specs(simulated,
+                                                              labels):
         model = copy.deepcopy(base)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-5)
         variants.append(TorchStep(
@@ -200,8 +198,8 @@ def target_variants(name, shape, device):
     (a GradientScaler's forward pre-hook, which saves the buffers a
     skipped step puts back, would run in every variant of one copy)."""
     base, inputs = build_case(name, shape, device)
-    specs = [(TARGET_BASELINE, 'gradscaler', NEVER),
-             (TARGET_BASELINE_AA, 'gradscaler', NEVER),
+    specs = [(TARGET_BASELINE, 'dynamic', NEVER),
+             (TARGET_BASELINE_AA, 'dynamic', NEVER),
              ('gs-cached', 'gs', NEVER), ('gs@1', 'gs', 1)]
     variants = []
     for label, kind, interval in specs:
