@@ -123,15 +123,19 @@ def test_gs_scales_before_nvfp4_stores_with_the_gs_tensor_scale():
         if operand == 'gy':
             recorded.append((array.copy(), kwargs['tensor_scale']))
         return store(array, kind, gemm, operand, **kwargs)
+    # The recipe is the registry's own (shared): the spy is removed after.
     object.__setattr__(sim.recipe, 'store', spy)
     link = L.Linear(40, 8)
     rng = np.random.default_rng(2)
     x = chainer.Variable(rng.standard_normal((4, 40)).astype(np.float32))
     c = (rng.standard_normal((4, 8)) * 2.0 ** -12).astype(np.float32)
     gs = GradientScaling(target=link, recipe=config.recipe)
-    with sim:
-        with gs:
-            F.sum(link(x) * c).backward()
+    try:
+        with sim:
+            with gs:
+                F.sum(link(x) * c).backward()
+    finally:
+        object.__delattr__(sim.recipe, 'store')
     # GS calls the simulation's backward once per scale: the data GEMM
     # reads gy at alpha * beta (beta: Theorem 1 for the data gradient), the
     # weight GEMM at alpha (the paper keeps the incoming scale on the weight
