@@ -29,7 +29,7 @@ recipe                 what it is
 ``mxfp8`` is the default MXFP8 recipe: ``mxfp8-e4m3``, the OCP floor
 scale, which results/block_scaling.md measured to lose fewer gradient
 values than the rounded-up one in all three of its tasks (0.035% against
-0.038%, 0.020% against 0.023%, 0.020% against 0.023%; final metrics within
+0.038%, 0.020% against 0.023%, 0.025% against 0.028%; final metrics within
 seed noise): rounding the scale up spares a block's maximum from clipping
 but gives up one binade at the bottom, where more values live.
 
