@@ -103,7 +103,8 @@ PY312_TESTS := tests/test_formats.py tests/test_underflow.py \
 	tests/test_recipes.py tests/test_serialization.py tests/test_block_formats.py \
 	tests/test_block_formats_casts.py tests/test_block_formats_recipes.py \
 	tests/test_block_formats_tiling.py tests/test_lost_values.py \
-	tests/test_block_simulation.py tests/test_example_data.py
+	tests/test_block_simulation.py tests/test_example_data.py \
+	tests/test_docstring_examples.py
 test-py312:
 	$(MAKE) test PYTHON=$(PY312) PYTEST_ARGS='$(PY312_TESTS) $(PYTEST_ARGS)'
 
