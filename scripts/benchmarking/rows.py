@@ -52,6 +52,12 @@ def column(header, fmt='{}'):
 _RATIO, _SECONDS, _SPREAD = '{:.3f}', '{:.4f}', '{0[0]:.3f}-{0[1]:.3f}'
 
 
+def _met(ratio, target, shown=_RATIO):
+    """Whether ``ratio``, as its column shows it (``shown``), meets
+    ``target``: a table must not say 1.020 and "no" to <= 1.02."""
+    return 'yes' if float(shown.format(ratio)) <= target else 'no'
+
+
 @dataclasses.dataclass
 class IterationRow(object):
     """Forward + backward + update (`training.train_step`, what
@@ -338,7 +344,7 @@ def memory_rows(model, shape, precision, peaks, skips, intervals,
         rows.append(MemoryRow(
             model, shape, precision, label, peak / 1e6, ratio, skip,
             '<= {:.2f}'.format(target) if judged else '-',
-            ('yes' if ratio <= target else 'no') if judged else '-'))
+            _met(ratio, target, '{:.4f}') if judged else '-'))
     return rows
 
 
@@ -423,5 +429,5 @@ def target_rows(model, shape, precision, samples, clock,
             statistics.median(ratios(runs, base, 'wall')),
             '-' if target is None else '<= {:.2f}'.format(target),
             '-' if target is None else
-            ('yes' if min_ratio[clock] <= target else 'no')))
+            _met(min_ratio[clock], target)))
     return rows
