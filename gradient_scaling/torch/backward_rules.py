@@ -243,11 +243,12 @@ class BackwardPass(object):
             gammas = dict.fromkeys(gammas, beta)
         operands = None
         if step.refresh and names:
-            # Their finiteness, not the tensors: kept until the step is
-            # decided, the saved input would outlive the node's backward.
-            operands = tuple(None if a is None else
-                             arrays.ops_for(a).finite_witness(a)
-                             for a in site.operands())
+            # The saved input's finiteness, not the tensor: kept until the
+            # step is decided, it would outlive the node's backward. The
+            # weight is a parameter, alive anyway: read only on a failure.
+            x, weight = site.operands()
+            operands = (None if x is None else
+                        arrays.ops_for(x).finite_witness(x), weight)
             if incoming_finite is None:
                 incoming_finite = bool(
                     arrays.ops_for(g).finite_flags([g])[0])
