@@ -367,9 +367,17 @@ def test_quick_torch_tables_against_pytorchs_own_baselines(torch_report):
     met = {r[3]: (r[11], r[12]) for r in targets}
     assert met['gs-cached'][0] == '<= 1.05' and met['gs@100'][0] == '<= 1.02'
     rows_by = {r[3]: r for r in targets}
-    # GS@100 is (refresh + 99 cached) / 100 of the timed passes.
-    assert float(rows_by['gs-cached'][6]) <= float(rows_by['gs@100'][6]) \
-        <= float(rows_by['gs@1'][6])
+    # GS@100 is (refresh + 99 cached) / 100 per round, so its minimum is
+    # never below the smaller of the two minima, and it has their rounds.
+    # (Nothing bounds it above by GS@1's minimum: where a refresh costs
+    # about what a cached pass does, the rounds' noise decides, as in a
+    # loaded CI run where GS@100 showed 0.1624 s and GS@1 0.1576 s.)
+    cached, gs1, gs100 = (rows_by[v] for v in ('gs-cached', 'gs@1',
+                                                'gs@100'))
+    for column in (5, 6):  # min wall, min CPU
+        assert float(gs100[column]) >= min(float(cached[column]),
+                                           float(gs1[column])) - 1e-4
+    assert gs100[4] == cached[4] == gs1[4]
     simulation = _table(torch_report, '## Simulation cost')
     assert [r[2] for r in simulation] == [
         'fp32', 'fp32 (again)', 'sim-fp16', 'sim-fp8-e5m2']
