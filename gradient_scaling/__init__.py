@@ -15,13 +15,15 @@ backprop from its statistics. The package has three parts:
   graph, a scaler with ``torch.amp.GradScaler``'s verbs).
 
 ``import gradient_scaling`` needs neither Chainer nor PyTorch; the Chainer
-names below are loaded on first use. It restores, first, what Chainer 7.8.1
-expects from NumPy and setuptools (:mod:`gradient_scaling.compat`), so that
-``import gradient_scaling, chainer`` works on NumPy 2 too. docs/DESIGN.md
-draws how the pieces fit.
+names below are loaded on first use. It changes nothing else: what Chainer
+7.8.1 expects from NumPy and setuptools (:mod:`gradient_scaling.compat`) is
+restored only right before Chainer or ChainerCV is first imported, so that
+``import gradient_scaling, chainer`` works on NumPy 2 too and a PyTorch
+user's NumPy is left alone. docs/DESIGN.md draws how the pieces fit.
 """
 
-from gradient_scaling import compat  # NOQA: before anything imports chainer
+import importlib
+import sys
 
 from gradient_scaling.core import formats  # NOQA
 from gradient_scaling.core import statistics  # NOQA
@@ -48,7 +50,53 @@ def __getattr__(name):
     if module is None:
         raise AttributeError('module {!r} has no attribute {!r}'.format(
             __name__, name))
-    import importlib
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
+
+
+#: The packages that need :mod:`gradient_scaling.compat` before they load.
+_NEED_COMPAT = frozenset(['chainer', 'chainercv'])
+
+
+class _CompatBeforeChainer(object):
+
+    """Imports :mod:`gradient_scaling.compat` right before Chainer loads.
+
+    A finder on ``sys.meta_path`` that finds nothing: asked where
+    ``chainer`` or ``chainercv`` is, which Python asks once, before their
+    code first runs (``import chainer.functions`` asks it too, and so does
+    ``importlib.util.find_spec('chainer')``), it imports the compat module,
+    whose import restores the missing names, and lets the ordinary finders
+    go on. It touches nothing else, NumPy included.
+
+    .. admonition:: Example
+
+        >>> import sys
+        >>> import gradient_scaling
+        >>> [type(finder).__name__ for finder in sys.meta_path
+        ...  if type(finder).__name__ == '_CompatBeforeChainer']
+        ['_CompatBeforeChainer']
+        >>> gradient_scaling._CompatBeforeChainer().find_spec('json') is None
+        True
+
+    """
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname in _NEED_COMPAT:
+            importlib.import_module('gradient_scaling.compat')
+        return None
+
+
+def _install_compat_finder():
+    if any(sys.modules.get(name) is not None for name in _NEED_COMPAT):
+        # Chainer came first: too late to precede it, not too late for the
+        # names it looks up at run time (np.bool in ChainerCV's VOC loader).
+        importlib.import_module('gradient_scaling.compat')
+    if not any(type(finder).__name__ == _CompatBeforeChainer.__name__
+               for finder in sys.meta_path):
+        # First, or the finder that would find chainer runs before it.
+        sys.meta_path.insert(0, _CompatBeforeChainer())
+
+
+_install_compat_finder()
