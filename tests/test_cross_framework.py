@@ -87,12 +87,12 @@ def test_the_two_frameworks_scale_alike(precision, interval):
                 # PyTorch's GEMM computes the weight gradient from the
                 # scaled input, which it keeps (exact in FP32 and wider):
                 # the data path's local scale on top of Chainer's.
-                ratio = torch_hook.scale_of(param) / \
+                ratio = torch_hook.landed_scales[param] / \
                     internals.param_loss_scale(link.W)
                 assert math.frexp(ratio)[0] == 0.5, name
             else:  # the simulated GEMM keeps the paper's weight path
                 assert internals.param_loss_scale(link.W) == \
-                    torch_hook.scale_of(param), name
+                    torch_hook.landed_scales[param], name
             ours = param.grad.numpy() / torch_hook.scale_of(param)
             theirs = link.W.grad / internals.param_loss_scale(link.W)
             if precision == 'float64':

@@ -333,8 +333,9 @@ def _gs_and_plain(name, c_scale, gradient_tensor_scale=None):
             gradient_tensor_scale=recipe.gradient_tensor_scale), hook:
         y = net(x)
         (y * c).sum().backward()
-    scaled = {n: p.grad / hook.scale_of(p) for n, p in net.named_parameters()}
-    scales = {n: hook.scale_of(p) for n, p in net.named_parameters()}
+    # The gradients landed unscaled; landed_scales: what each carried.
+    scaled = {n: p.grad.clone() for n, p in net.named_parameters()}
+    scales = {n: hook.landed_scales[p] for n, p in net.named_parameters()}
     net.zero_grad(set_to_none=True)
     with BlockScaledSimulation(recipe, seed=4,
                                gradient_tensor_scale=gradient_tensor_scale):

@@ -1,4 +1,5 @@
-"""GradientScaler on two gloo ranks (CPU processes): one decision for all."""
+"""GradientScaler on two gloo ranks (CPU processes): one decision for all,
+under DistributedDataParallel and FSDP2, exactly as plain training."""
 
 import json
 import os
@@ -47,3 +48,21 @@ def test_a_persistent_fault_on_one_rank_ends_both(tmp_path):
         assert '3 steps in a row' in r['error']
         assert r['seconds'] < 60
     assert ranks[0]['parameters'] == ranks[1]['parameters']
+
+
+@pytest.mark.parametrize('scenario', ['ddp', 'fsdp'])
+def test_gs_equals_plain_data_parallel_training(tmp_path, scenario):
+    # Each rank its own data, float64, the loss times 2**-24: GS's scales
+    # reach 2**15 and more, yet the gradients DDP / FSDP2 average landed
+    # unscaled, so every step (refreshes at steps 0, 2, 4; cached scales
+    # between) equals plain training to the bit, and the scaler adds no
+    # collective over the gradients (DDP's overlap is kept).
+    ranks = run(scenario, tmp_path)
+    for r in ranks:
+        assert r['differences'] == [0.0] * 5, r['differences']
+        assert min(r['scales']) >= 2 ** 15
+        assert r['gradient_reductions'] == 0
+    # one decision, the same committed scales, identical replicas
+    assert ranks[0]['scaler'] == ranks[1]['scaler']
+    if scenario == 'ddp':
+        assert ranks[0]['parameters'] == ranks[1]['parameters']

@@ -43,7 +43,7 @@ def test_exact_on_every_construct(every_construct, passes, interval):
     actual = gradients(net, loss_fn, hook, passes)
     for name, ref in expected.items():
         assert torch.equal(actual[name], ref), name  # 0 relative error
-    scales = {hook.scale_of(p) for p in net.parameters()}
+    scales = {hook.landed_scales[p] for p in net.parameters()}
     # Meaningful only if the scales differ from 1 and from each other.
     assert len(scales) >= 3 and max(scales) >= 2 ** 15
     assert all(is_power_of_two(s) for s in scales)
@@ -88,17 +88,34 @@ def test_bare_hook_decides_each_pass_and_a_data_fault_changes_nothing(
     assert hook.guard.skips == {'data': 1, 'scale': 0}
 
 
-def test_refuses_double_backprop_grad_and_inputs(every_construct):
+def test_refuses_double_backprop_and_inputs(every_construct):
     net, loss_fn = every_construct
     with GradientScaling(net):
         with pytest.raises(RuntimeError, match='double backprop'):
             loss_fn().backward(create_graph=True)
-        with pytest.raises(RuntimeError, match='autograd.grad'):
-            torch.autograd.grad(loss_fn(), [net.fc.weight])
         with pytest.raises(RuntimeError, match='inputs='):
             loss_fn().backward(inputs=[net.fc.weight])
+        loss = loss_fn()
+        with pytest.raises(RuntimeError, match='not leaves'):
+            # an activation's gradient would come back with its scale
+            torch.autograd.grad(loss, [loss])
     # PyTorch is its own again after the with block.
     assert torch.autograd.grad(loss_fn(), [net.fc.weight])[0] is not None
+
+
+def test_autograd_grad_of_parameters_returns_true_gradients(
+        every_construct):
+    net, loss_fn = every_construct
+    params = list(net.parameters())
+    expected = torch.autograd.grad(loss_fn() * 2.0 ** -24, params)
+    hook = GradientScaling(net, update_interval=1)
+    with hook:
+        actual = torch.autograd.grad(loss_fn() * 2.0 ** -24, params)
+    assert all(p.grad is None for p in params)
+    for a, e in zip(actual, expected):
+        assert torch.equal(a, e)  # 0 relative error
+    # ... although the scales differed from 1 inside the backward
+    assert max(hook.landed_scales.values()) >= 2 ** 15
 
 
 def test_two_active_hooks_refused(every_construct):
@@ -142,7 +159,8 @@ def test_autocast_fp16_sites_and_the_cast_before_the_softmax():
     for p in net.parameters():
         assert p.grad.dtype == torch.float32
         assert torch.isfinite(p.grad).all()
-        assert is_power_of_two(hook.scale_of(p))
+        assert is_power_of_two(hook.landed_scales[p])
+        assert hook.scale_of(p) == 1.0  # .grad holds the true gradient
     plain = first_layer_gradient()
 
     def error(g):

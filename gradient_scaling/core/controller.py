@@ -52,7 +52,8 @@ __all__ = ['ScaleController', 'StepPayload', 'ControllerViews']
 @dataclasses.dataclass
 class StepPayload(object):
 
-    """What one rank's step contributes to the decision (picklable).
+    """What one rank's step contributes to the decision (plain values:
+    :meth:`to_dict` is what ranks exchange, as JSON, never pickled).
 
     Attributes:
         result (~gradient_scaling.core.step.PassResult): The rank's own
@@ -67,6 +68,24 @@ class StepPayload(object):
     result: PassResult
     staged: scale_state.StagedScales
     weight_maxima: dict
+
+    def quiet(self):
+        """Whether the step has nothing to tell the other ranks beyond
+        being finite (a cached pass)."""
+        return self.result.finite and not self.staged and \
+            not self.weight_maxima
+
+    def to_dict(self):
+        """Plain values (JSON): what a rank sends the others."""
+        return {'result': self.result.to_dict(),
+                'staged': self.staged.to_dict(),
+                'weight_maxima': dict(self.weight_maxima)}
+
+    @classmethod
+    def from_dict(cls, values):
+        return cls(PassResult.from_dict(values['result']),
+                   scale_state.StagedScales.from_dict(values['staged']),
+                   {k: float(v) for k, v in values['weight_maxima'].items()})
 
 
 class ScaleController(object):

@@ -155,6 +155,23 @@ class StagedScales(object):
         if signature is not None:
             self.signatures[key] = signature
 
+    def __bool__(self):
+        return bool(self.scales or self.amax)
+
+    def to_dict(self):
+        """Plain values (JSON): what a rank sends the others."""
+        return {'scales': dict(self.scales),
+                'signatures': dict(self.signatures),
+                'amax': dict(self.amax)}
+
+    @classmethod
+    def from_dict(cls, values):
+        staged = cls()
+        staged.scales = {k: float(v) for k, v in values['scales'].items()}
+        staged.signatures = dict(values['signatures'])
+        staged.amax = {k: float(v) for k, v in values['amax'].items()}
+        return staged
+
 
 class WeightPathBackoff(object):
 

@@ -87,6 +87,16 @@ class PassResult(object):
         return cls(finite=False, cause=cause, parameters=union('parameters'),
                    sites=union('sites'), weight_paths=union('weight_paths'))
 
+    def to_dict(self):
+        """Plain values (JSON): what a rank sends the others."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values):
+        return cls(finite=bool(values['finite']), cause=values['cause'],
+                   **{f: tuple(values[f]) for f in (
+                       'parameters', 'sites', 'weight_paths')})
+
     def describe(self, limit=8):
         """One line for warnings and errors."""
         if self.finite:

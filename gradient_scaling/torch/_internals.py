@@ -19,22 +19,25 @@ What the autograd-graph hook needs that PyTorch's public API does not give:
   kernel per device instead of an operation per tensor).
 * ``torch._foreach_copy_``: one call copies every buffer a skipped step
   puts back.
-* ``Node._sequence_nr``: the order in which the engine runs ready nodes
-  (the later created first).
-* ``torch.autograd.backward`` and ``torch.autograd.grad``: while a hook is
-  active (``with hook:``), the former is wrapped so that the hook attaches
-  to the graph of ``loss.backward()`` and the latter refuses (its
-  gradients would stay scaled), as the Chainer adapter refuses
-  ``chainer.grad``.
+* ``torch.autograd.backward`` and ``torch.autograd.grad``: routed to the
+  hook while it is active (``with hook:``) and while a scaler's pass runs,
+  so that the hook attaches to the graph of ``loss.backward()`` and walks
+  a backward run from inside one of its nodes (a reentrant checkpoint).
+* ``torch._C._current_autograd_node``: the node such a nested backward
+  runs from.
+* FSDP2's ``FSDPParam._unsharded_param`` (through ``_get_fsdp_state()``):
+  which parameter name an unsharded parameter in the graph stands for.
+* ``Node._raw_saved_<name>.unpack_hook``: whether a saved tensor is packed
+  by hooks (a checkpoint's): such a tensor is never unpacked by the hook.
 """
 
 import torch
 
 from gradient_scaling.core import patches
 
-__all__ = ['input_dtype', 'saved', 'queue_end_of_backward', 'install',
-           'uninstall', 'active_handler', 'check_and_unscale', 'copy_all',
-           'sequence_number']
+__all__ = ['input_dtype', 'input_shape', 'saved', 'queue_end_of_backward',
+           'install', 'uninstall', 'active_handler', 'check_and_unscale',
+           'copy_all']
 
 
 
@@ -44,13 +47,48 @@ def input_dtype(node, slot):
     return node._input_metadata[slot].dtype
 
 
+def input_shape(node, slot):
+    """The shape of gradient slot ``slot`` of ``node``."""
+    return tuple(node._input_metadata[slot].shape)
+
+
 def saved(node, name):
-    """``node._saved_<name>``, or None if the node has no such field or
-    has freed it."""
+    """``node._saved_<name>``, or None if the node has no such field, has
+    freed it, or saved it through hooks (``torch.utils.checkpoint``'s
+    non-reentrant variant, ``save_on_cpu``): unpacking such a tensor has
+    effects (a recomputation that may run once), so only the node itself
+    does it."""
+    raw = getattr(node, '_raw_saved_' + name, None)
+    if raw is not None and getattr(raw, 'unpack_hook', None) is not None:
+        return None
     try:
         return getattr(node, '_saved_' + name)
     except (AttributeError, RuntimeError):
         return None
+
+
+def unsharded_names(module):
+    """FSDP2 (``fully_shard``): the unsharded parameter that a sharded
+    module puts in its graph -> the sharded parameter's qualified name
+    (``FSDPParam._unsharded_param``, made at its first all-gather)."""
+    sharded = {p: n for n, p in module.named_parameters()}
+    names = {}
+    for m in module.modules():
+        state = getattr(m, '_get_fsdp_state', None)
+        if state is None:
+            continue
+        for group in getattr(state(), '_fsdp_param_groups', ()):
+            for fsdp_param in group.fsdp_params:
+                unsharded = getattr(fsdp_param, '_unsharded_param', None)
+                name = sharded.get(fsdp_param.sharded_param)
+                if unsharded is not None and name is not None:
+                    names[unsharded] = name
+    return names
+
+
+def current_node():
+    """The autograd node the engine runs now on this thread, or None."""
+    return torch._C._current_autograd_node()
 
 
 def saved_int(node, name):
@@ -89,10 +127,6 @@ def copy_all(destinations, sources):
 LINEAR = torch._C._nn.linear
 
 
-def sequence_number(node):
-    return node._sequence_nr()
-
-
 def queue_end_of_backward(callback):
     """Runs ``callback()`` when the current backward pass ends."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
@@ -104,10 +138,8 @@ def _backward(*args, **kwargs):
 
 
 def _grad(*args, **kwargs):
-    raise RuntimeError(
-        'GradientScaling only supports loss.backward() and '
-        'torch.autograd.backward (not torch.autograd.grad): the gradients '
-        'it returns would stay scaled.')
+    return _patches.handler.grad(
+        _patches.original(torch.autograd, 'grad'), *args, **kwargs)
 
 
 _patches = patches.Patches([(torch.autograd, 'backward', _backward),

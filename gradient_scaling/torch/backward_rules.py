@@ -26,11 +26,18 @@ moving tensors:
   before the producer sees them, so each consumer's post-hook keeps its
   contribution and the last to arrive returns their sum at the common scale
   (line 17); a node with several used outputs unifies them in its pre-hook;
-* a parameter's accumulation node brings an existing ``.grad`` (a previous
-  backward of the same step) to a common scale with the new one.
+* every leaf's gradient (a parameter's, or an input's with
+  ``requires_grad``) *lands unscaled*: a tensor hook on the leaf divides it
+  by the scale it carries, in FP32, before the engine accumulates it into
+  ``.grad`` and before anything else reads it (``DistributedDataParallel``'s
+  reducer, FSDP's reduce-scatter, ``torch.autograd.grad``'s result, an
+  accumulation over several backward passes). ``.grad`` always holds the
+  true gradient; scales live only inside the backward, as Algorithm 1 has
+  them.
 """
 
 import collections
+import functools
 
 from gradient_scaling.core import arrays
 from gradient_scaling.torch import graph
@@ -57,11 +64,16 @@ class BackwardPass(object):
         loss_scale (float): The scale the roots' gradients carry.
         losses (list): The tensors backward starts from (their finiteness
             decides a data fault).
+        nested (bool): The backward runs from inside a node of another
+            pass (a reentrant checkpoint's recomputed segment).
 
     """
 
-    def __init__(self, hook, roots, loss_scale, losses):
+    def __init__(self, hook, roots, loss_scale, losses, nested=False):
         self.hook = hook
+        #: A backward run from inside another pass's node.
+        self.nested = nested
+        self.inner_leaves = []  # parameters of nested passes, to check
         self.step = hook.controller.step
         self.plan = graph.walk([node for node, _ in roots],
                                hook.recipe.cast_rule)
@@ -75,6 +87,15 @@ class BackwardPass(object):
         self.posts = set()  # GEMM nodes with a post-hook
         self.stashes = {slot: _Stash(len(edges))
                         for slot, edges in self.plan.branches.items()}
+        #: leaf tensor -> its accumulation node (where its gradient lands).
+        self.leaves = {var: node for node, var in
+                       self.plan.accumulators.items()}
+        #: leaf tensor -> the scale its last gradient carried, divided out
+        #: as it landed.
+        self.landed = {}
+        #: (leaf, 0-d finiteness witness) of what landed, when the hook
+        #: checks on landing.
+        self.witnesses = []
         self.handles = []
         self._register()
 
@@ -114,21 +135,24 @@ class BackwardPass(object):
         return known if known is not None else self.slot_scale(
             *self._own_slot(node))
 
-    def parameter_scales(self):
-        """``{parameter: scale}`` of the gradients this pass gave them."""
-        scales, plan = {}, self.plan
-        for node, param in plan.accumulators.items():
-            if node not in plan.used_slots:
-                continue
-            scale = self.node_scales.get(node)
-            if scale is None:
-                edges = plan.consumers[node, 0]
-                # A GEMM's parameter: the edge scale its pre-hook set.
-                scale = self.edge_scales.get(edges[0]) if len(edges) == 1 \
-                    else None
-            scales[param] = scale if scale is not None else \
-                self.slot_scale(node, 0)
-        return scales
+    def checked_leaves(self):
+        """The leaves whose gradients the pass's result checks: its own
+        and the parameters of the nested passes it ran."""
+        return list(self.leaves) + self.inner_leaves
+
+    def absorb(self, inner):
+        """Takes over what a nested pass (run from one of this pass's
+        nodes) landed."""
+        self.landed.update(inner.landed)
+        self.witnesses.extend(inner.witnesses)
+        self.inner_leaves.extend(inner.inner_leaves)
+        self.inner_leaves.extend(
+            leaf for leaf in inner.leaves
+            if self.hook._lands_unscaled_in_nested(leaf))
+
+    def landing_scale(self, leaf):
+        """The scale of the gradient reaching ``leaf`` in this pass."""
+        return self.slot_scale(self.leaves[leaf], 0)
 
     # -- registration -------------------------------------------------------
 
@@ -154,22 +178,32 @@ class BackwardPass(object):
                 consumers[node].append((i, slot))
         for node, edges in consumers.items():
             on(node.register_hook(self._contribute(node, edges)))
-        for node, param in plan.accumulators.items():
-            if param.grad is not None:
-                on(node.register_prehook(self._accumulate(node, param)))
+        lands = self.hook.land
+        for leaf in self.leaves:
+            if not self.hook.lands_itself(leaf):
+                on(leaf.register_hook(functools.partial(lands, leaf)))
 
     def remove(self):
         for handle in self.handles:
             handle.remove()
         self.handles = []
 
+    def entering_scale(self, node):
+        """The scale of the gradients ``node``'s backward is given (its
+        outputs' slots, unified where it has several)."""
+        known = self.node_scales.get(node)
+        return known if known is not None else self.slot_scale(
+            *self._own_slot(node))
+
     def _started(self, grad_outputs):
         if not self.started:
             self.started = True
+            self.hook.pass_started(self)
             self.hook.queue_end(self._finished)
 
     def _finished(self):
         self.finished = True
+        self.hook.pass_ended(self)
 
     # -- the rules ------------------------------------------------------------
 
@@ -223,8 +257,8 @@ class BackwardPass(object):
         beta, record, incoming_finite = 1.0, None, None
         if site.data is not None or shares:
             beta, record, incoming_finite = step.gemm(
-                step.gemm_key(self.hook.site_name(site.weight)), g,
-                site.weight, lambda: site.accumulation_length, alpha,
+                step.gemm_key(self.hook.site_name(site.weight, site.part)), g,
+                site.weight_values(), lambda: site.accumulation_length, alpha,
                 lambda: site.data_gradient(g))
         named = step.refresh or self.hook.controller.backoff.scales
         names = {edge: self.hook.parameter_name(param) if named else None
@@ -327,24 +361,6 @@ class BackwardPass(object):
             g = _times(g, common / s) if s != common else g
             total = g if total is None else total + g
         return total
-
-    def _accumulate(self, node, param):
-        def pre(grad_outputs):
-            g = grad_outputs[0]
-            if g is None or param.grad is None:
-                return None
-            new, old = self.slot_scale(node, 0), \
-                self.hook.param_scales.get(param, 1.0)
-            if new == old:
-                self.node_scales[node] = new
-                return None
-            common = self.step.branch([old, new], [param.grad, g])
-            self.node_scales[node] = common
-            if old != common:
-                param.grad = _times(param.grad, common / old)
-            return (_times(g, common / new),) if new != common else None
-        return pre
-
 
 def _times(tensor, ratio):
     """``tensor * ratio`` (a power of two), a new tensor unless it is 1."""

@@ -3,14 +3,17 @@
 :func:`walk` reads the graph a backward pass will run, from its roots
 (``loss.grad_fn``), once per pass (about 0.3 us a node), and returns a
 :class:`Plan`: the GEMM sites (the backward nodes of linear / addmm / mm /
-bmm / matmul and of convolutions, keyed by their weight parameter), the
-casts before a softmax, the gradient slots that several consumers feed
-(branches, residual adds), the nodes with several used outputs (split,
-chunk, unbind), the parameters' accumulation nodes, and, for every other
-node, where the scale of its gradient comes from. The hook
-(:mod:`gradient_scaling.torch.hook`) puts callbacks on the nodes that scale
-or unify and nowhere else: a plain node's gradient has the scale of the
-gradient that reached it.
+bmm / matmul and of convolutions, keyed by their weight parameter, or by
+the part of it they multiply by: the q, k, v projections of a packed
+``in_proj_weight``), the casts before a softmax (the gradient of a
+softmax is followed through shape-only nodes and through adds to their
+same-shape operands: a bias added apart from its GEMM), the gradient
+slots that several consumers feed (branches, residual adds), the nodes
+with several used outputs (split, chunk, unbind), the parameters'
+accumulation nodes, and, for every other node, where the scale of its
+gradient comes from. The hook (:mod:`gradient_scaling.torch.hook`) puts
+callbacks on the nodes that scale or unify and nowhere else: a plain
+node's gradient has the scale of the gradient that reached it.
 
 A *slot* ``(node, k)`` is output ``k`` of a node's forward, i.e. gradient
 input ``k`` of its backward; an *edge* ``(node, i)`` is input ``i`` of its
@@ -50,7 +53,25 @@ _TO_PARAMETER = frozenset([
     'PermuteBackward0', 'TransposeBackward0', 'ExpandBackward0',
     'SqueezeBackward0', 'SqueezeBackward1', 'UnsqueezeBackward0',
     'CloneBackward0', 'AliasBackward0'])
+# Nodes that take a part of their input (rows of a weight, ``w.chunk(3)``),
+# with the saved fields that tell which: a GEMM that multiplies by the part
+# is a site of the parameter's.
+_PART_FIELDS = {
+    'SliceBackward0': ('dim', 'start', 'end', 'step'),
+    'SplitBackward0': ('dim', 'split_size'),
+    'UnsafeSplitBackward0': ('dim', 'split_size'),
+    'SplitWithSizesBackward0': ('dim', 'split_sizes'),
+    'UnsafeSplitWithSizesBackward0': ('dim', 'split_sizes'),
+}
+# Between a part and its parameter: nodes that keep the shape, so that the
+# part's coordinates are the parameter's.
+_SAME_SHAPE = frozenset(['ToCopyBackward0', 'CloneBackward0',
+                         'AliasBackward0'])
 _CAST_NODE = 'ToCopyBackward0'
+# Adds and subtractions: their backward hands the gradient to an input of
+# the output's shape and dtype as it is (or negated); a broadcast input's
+# is a sum, a narrower input's a cast (the add up-casts it).
+_ADDS = frozenset(['AddBackward0', 'SubBackward0'])
 _ACCUMULATE = 'AccumulateGrad'
 
 
@@ -74,13 +95,22 @@ class GemmSite(object):
         scales_itself (bool): The node applies the data and weight scales
             it is given (``node.gradient_scales``; the simulation's GEMMs),
             instead of the hook scaling its input and output.
+        part (str or None): Which part of ``weight`` the GEMM multiplies
+            by, when it is a slice of it (``'q'``, ``'k'``, ``'v'``, ``'kv'``
+            of a packed ``in_proj_weight``, otherwise its index, ``'0:64'``
+            or ``':,0:64'``); the site is then named ``in_proj_weight[q]``.
+        weight_index (tuple or None): That part: a ``range`` per axis of
+            ``weight`` (None: the whole weight).
 
     """
 
     def __init__(self, node, weight, data, parameters, accumulation_length,
-                 scales_itself=False, weight_edge=None):
+                 scales_itself=False, weight_edge=None, part=None,
+                 weight_index=None):
         self.node = node
         self.weight = weight
+        self.part = part
+        self.weight_index = weight_index
         self.data = data
         self.parameters = parameters
         self._length = accumulation_length
@@ -93,11 +123,19 @@ class GemmSite(object):
             self._length = self._length()
         return self._length
 
+    def weight_values(self):
+        """What the GEMM multiplies by: ``weight``, or the part of it."""
+        if self.weight_index is None:
+            return self.weight
+        return self.weight.detach()[tuple(
+            slice(r.start, r.stop, r.step) for r in self.weight_index)]
+
     def operands(self):
-        """The forward's (input, weight), for telling a data fault from an
-        overflow (read while the node has not run)."""
+        """The forward's (input, weight or its part), for telling a data
+        fault from an overflow (read while the node has not run)."""
         return (internals.saved(self.node, _INPUT_FIELD[
-            type(self.node).__name__, self.weight_edge]), self.weight)
+            type(self.node).__name__, self.weight_edge]),
+            self.weight_values())
 
     def data_gradient(self, grad):
         """The data gradient the node's GEMM gives for ``grad``, computed
@@ -141,7 +179,9 @@ class Plan(object):
         roots (list): The nodes backward starts from.
         gemms (dict): node -> :class:`GemmSite`.
         casts (set): Cast sites (an up-cast feeding a softmax, or every
-            up-cast for ``cast_rule='all'``).
+            up-cast for ``cast_rule='all'``; an add that promotes an
+            operand of its output's shape, ``bf16_logits + fp32_bias``, is
+            an up-cast too).
         softmax_gemms (set): GEMM nodes whose incoming gradient is a
             softmax gradient in FP32 or wider: in a model without a cast
             before its softmax (a simulation), the entry of the logits'
@@ -152,6 +192,9 @@ class Plan(object):
             gradients (their scales are unified before the backward).
         accumulators (dict): AccumulateGrad node -> its parameter.
         used_slots (dict): node -> the slots that receive gradients.
+        compiled (list): Backward nodes of ``torch.compile``d regions
+            (plain nodes: their gradients pass at the scale they enter
+            with; the parameters inside land unscaled like any other).
 
     """
 
@@ -165,13 +208,18 @@ class Plan(object):
         self.multi_output = set()
         self.accumulators = {}
         self.used_slots = {}
+        self.compiled = []
 
 
 _EXTRA_GEMMS = []  # (predicate, site factory)
 # Node class -> what the walk does with its nodes (asked once per class).
 _ROLES = {}
-_PLAIN, _GEMM, _EXTRA, _CAST, _SOFTMAX, _ACCUMULATE_ROLE = (
-    'plain', 'gemm', 'extra gemm', 'cast', 'softmax', 'accumulate')
+_PLAIN, _GEMM, _EXTRA, _CAST, _SOFTMAX, _ACCUMULATE_ROLE, _COMPILED = (
+    'plain', 'gemm', 'extra gemm', 'cast', 'softmax', 'accumulate',
+    'compiled')
+#: The backward of a ``torch.compile``d region: one node, its inside not
+#: seen by the walk.
+COMPILED_NODE = 'CompiledFunctionBackward'
 
 
 def register_gemm_kind(predicate, site):
@@ -189,9 +237,10 @@ def _role(node):
     if role is None:
         name = cls.__name__
         role = _ACCUMULATE_ROLE if name == _ACCUMULATE else \
-            _CAST if name == _CAST_NODE else \
+            _CAST if name == _CAST_NODE or name in _ADDS else \
             _GEMM if name in GEMM_NODES else \
-            _SOFTMAX if name in SOFTMAX_NODES else _PLAIN
+            _SOFTMAX if name in SOFTMAX_NODES else \
+            _COMPILED if name == COMPILED_NODE else _PLAIN
         if role == _PLAIN:
             for predicate, site in _EXTRA_GEMMS:
                 if predicate(node):
@@ -228,6 +277,8 @@ def walk(roots, cast_rule='softmax'):
                 casts.append(node)
             elif role == _SOFTMAX:
                 softmax_nodes.append(node)
+            elif role == _COMPILED:
+                plan.compiled.append(node)
             else:
                 gemms.append((node, role))
         for i, slot in enumerate(node.next_functions):
@@ -252,8 +303,10 @@ def walk(roots, cast_rule='softmax'):
     softmax = _softmax_gradients(softmax_nodes, plan) \
         if cast_rule != 'none' else ()
     if cast_rule != 'none':
-        plan.casts.update(c for c in casts if _is_up_cast(c) and (
-            cast_rule == 'all' or c in softmax))
+        # (Every add is a candidate: its dtypes are read only where it
+        # takes a softmax gradient.)
+        plan.casts.update(c for c in casts if (
+            cast_rule == 'all' or c in softmax) and _is_up_cast(c))
     for node, role in gemms:
         site = _native_gemm(node, type(node).__name__) if role == _GEMM \
             else role[1](node)
@@ -268,9 +321,10 @@ def walk(roots, cast_rule='softmax'):
 
 def _softmax_gradients(softmax_nodes, plan):
     """Nodes whose incoming gradient is a softmax gradient: every edge
-    into them comes from a softmax node, or from a shape-only node whose
-    own incoming gradient is one. Followed from the softmax nodes; a node
-    is looked at again whenever one of its consumers joins the set."""
+    into them comes from a softmax node, or from a node whose own incoming
+    gradient is one and that hands it on to that edge (:func:`_hands_on`).
+    Followed from the softmax nodes; a node is looked at again whenever
+    one of its consumers joins the set."""
     softmax = set()
     todo = [p for s in softmax_nodes for p, _ in s.next_functions
             if p is not None]
@@ -282,27 +336,57 @@ def _softmax_gradients(softmax_nodes, plan):
                  for e in plan.consumers[node, k]]
         if edges and all(
                 type(c).__name__ in SOFTMAX_NODES or
-                (_passes_values(c) and c in softmax) for c, _ in edges):
+                (c in softmax and _hands_on(c, i)) for c, i in edges):
             softmax.add(node)
-            if _passes_values(node):
-                todo.extend(p for p, _ in node.next_functions
-                            if p is not None)
+            todo.extend(p for i, (p, _) in enumerate(node.next_functions)
+                        if p is not None and _hands_on(node, i))
     return softmax
 
 
-def _passes_values(node):
-    """Whether a node's backward hands on the values it gets, only moved
-    or exactly converted: shape-only nodes, and casts that do not widen (a
-    widening cast is a cast site itself), as in the Chainer adapter."""
+def _hands_on(node, i):
+    """Whether a node's backward hands the values it gets on to its input
+    ``i``, only moved, exactly converted or negated: shape-only nodes and
+    casts that do not widen (a widening cast is a cast site itself), as in
+    the Chainer adapter; and adds and subtractions to an input of their
+    output's shape and dtype (the gradient of ``a + b`` with respect to
+    each is the output's; a broadcast input's is a sum over the broadcast
+    axes, a narrower input's a cast, which makes the add a cast site),
+    which the Chainer adapter does not follow (its Linear adds its bias in
+    the GEMM's node)."""
     name = type(node).__name__
-    return name in SHAPE_ONLY_NODES or (name == _CAST_NODE and
-                                        not _is_up_cast(node))
+    if name in SHAPE_ONLY_NODES:
+        return True
+    if name == _CAST_NODE:
+        return not _is_up_cast(node)
+    if name in _ADDS:
+        producer, k = node.next_functions[i]
+        # The second operand's gradient is alpha times the output's.
+        return producer is not None and _same_shape(node, i) and \
+            internals.input_dtype(producer, k) == \
+            internals.input_dtype(node, 0) and \
+            (i == 0 or internals.saved(node, 'alpha') == 1)
+    return False
+
+
+def _same_shape(node, i):
+    producer, k = node.next_functions[i]
+    return internals.input_shape(producer, k) == \
+        internals.input_shape(node, 0)
 
 
 def _is_up_cast(node):
-    producer, k = node.next_functions[0]
-    if producer is None:
-        return False
+    """A cast that widens a floating-point gradient's type; an add or a
+    subtraction that widens an input of its output's shape (type
+    promotion: ``bf16_logits + fp32_bias``) is one too."""
+    if type(node).__name__ in _ADDS:
+        return any(p is not None and _widens(node, i) and
+                   _same_shape(node, i)
+                   for i, (p, _) in enumerate(node.next_functions))
+    return node.next_functions[0][0] is not None and _widens(node, 0)
+
+
+def _widens(node, i):
+    producer, k = node.next_functions[i]
     before, after = internals.input_dtype(producer, k), \
         internals.input_dtype(node, 0)
     return (before.is_floating_point and after.is_floating_point
@@ -311,43 +395,116 @@ def _is_up_cast(node):
 
 def parameter_behind(node, depth=16):
     """The ``torch.nn.Parameter`` an edge's node leads to through views,
-    transposes and casts, or None."""
+    transposes, casts and parts (``split``, ``chunk``, slices), or
+    None."""
+    return _behind(node, 0, depth)[0]
+
+
+def _behind(node, k, depth=16):
+    """``(parameter, index)`` slot ``k`` of ``node`` leads to, the index
+    (a ``range`` per axis of the parameter) None for the whole parameter;
+    ``(None, None)`` if it leads to none. Between a part and its parameter
+    only shape-keeping nodes (casts, copies) may come: then the part's
+    coordinates are the parameter's."""
+    parts = []  # (axis, slice), from the GEMM towards the parameter
     while node is not None and depth:
         name = type(node).__name__
         if name == _ACCUMULATE:
             variable = node.variable
-            return variable if isinstance(variable, torch.nn.Parameter) \
-                else None
-        if name not in _TO_PARAMETER:
-            return None
-        following = [n for n, _ in node.next_functions if n is not None]
+            if not isinstance(variable, torch.nn.Parameter):
+                return None, None
+            return variable, _index(variable.shape, parts)
+        if name in _PART_FIELDS:
+            taken = _part_taken(node, name, k)
+            if taken is None:
+                return None, None
+            parts.append(taken)
+        elif name not in (_SAME_SHAPE if parts else _TO_PARAMETER):
+            return None, None
+        following = [(n, j) for n, j in node.next_functions if n is not None]
         if len(following) != 1:
-            return None
-        node, depth = following[0], depth - 1
-    return None
+            return None, None
+        (node, k), depth = following[0], depth - 1
+    return None, None
+
+
+def _part_taken(node, name, k):
+    """``(axis, slice)`` of its input that output ``k`` of a split or
+    slice node is (None where the node did not save it)."""
+    fields = {f: internals.saved_int(node, f) for f in _PART_FIELDS[name]}
+    if None in fields.values():
+        return None
+    if name == 'SliceBackward0':
+        taken = slice(fields['start'], fields['end'], fields['step'])
+    elif 'split_size' in fields:
+        size = fields['split_size']
+        taken = slice(k * size, (k + 1) * size)
+    else:
+        start = sum(fields['split_sizes'][:k])
+        taken = slice(start, start + fields['split_sizes'][k])
+    return fields['dim'], taken
+
+
+def _index(shape, parts):
+    """The ranges of ``shape`` that ``parts`` (met from the last taken to
+    the first) select, or None if they select all of it."""
+    if not parts:
+        return None
+    ranges = [range(n) for n in shape]
+    for axis, taken in reversed(parts):  # in the forward's order
+        ranges[axis] = ranges[axis][taken]
+    if all(len(r) == n for r, n in zip(ranges, shape)):
+        return None
+    return tuple(ranges)
+
+
+def _part_name(weight, index):
+    """``'q'``, ``'k'``, ``'v'`` (``'kv'``...) for whole row blocks of a
+    packed ``(3E, E)`` projection weight (``nn.MultiheadAttention``'s
+    ``in_proj_weight``, q, k, v stacked in that order); otherwise the
+    index (``'0:64'``, ``':,0:64'``)."""
+    if index is None:
+        return None
+    full = [len(r) == n for r, n in zip(index, weight.shape)]
+    rows, e = index[0], int(weight.shape[-1])
+    if weight.dim() == 2 and weight.shape[0] == 3 * e and full[1] and \
+            rows.step == 1 and rows.start % e == 0 and len(rows) % e == 0:
+        return 'qkv'[rows.start // e:rows.stop // e]
+    text = [':' if whole else '{}:{}'.format(r.start, r.stop) if
+            r.step == 1 else '{}:{}:{}'.format(r.start, r.stop, r.step)
+            for r, whole in zip(index, full)]
+    while text[-1] == ':':
+        text.pop()
+    return ','.join(text)
 
 
 def _native_gemm(node, name):
-    behind = [parameter_behind(n) for n, _ in node.next_functions]
+    behind = [_behind(n, k) for n, k in node.next_functions]
+    params = [p for p, _ in behind]
     if name == 'ConvolutionBackward0':
         data, weight_edge = 0, 1
     elif name == 'AddmmBackward0':  # (bias, mat1, mat2)
-        data, weight_edge = (2, 1) if behind[1] is not None and \
-            behind[2] is None else (1, 2)
+        data, weight_edge = (2, 1) if params[1] is not None and \
+            params[2] is None else (1, 2)
     else:  # (self, mat2)
-        data, weight_edge = (1, 0) if behind[0] is not None and \
-            behind[1] is None else (0, 1)
-    weight = behind[weight_edge]
+        data, weight_edge = (1, 0) if params[0] is not None and \
+            params[1] is None else (0, 1)
+    weight, index = behind[weight_edge]
     if weight is None:
         return None  # a product of activations: no weight, no site
-    parameters = {i: p for i, p in enumerate(behind)
+    # The bias may be a part too (``in_proj_bias.chunk(3)``): an edge's
+    # gradient is then its part's, which its split node puts together.
+    parameters = {i: p for i, p in enumerate(params)
                   if p is not None and i != data}
     if node.next_functions[data][0] is None:
         data = None
+    shape = tuple(weight.shape) if index is None else tuple(
+        len(r) for r in index)
     return GemmSite(node, weight, data, parameters,
                     lambda: _accumulation_length(node, name, weight_edge,
-                                                 weight),
-                    weight_edge=weight_edge)
+                                                 shape),
+                    weight_edge=weight_edge, part=_part_name(weight, index),
+                    weight_index=index)
 
 
 # (node, edge of the weight) -> (the other factor's saved sizes, the axis
@@ -361,18 +518,20 @@ _GEMM_SUMS = {
 }
 
 
-def _accumulation_length(node, name, weight_edge, weight):
+def _accumulation_length(node, name, weight_edge, shape):
+    """N of the data GEMM; ``shape``: that of the weight, or of the part
+    of it the GEMM multiplies by."""
     if name == 'ConvolutionBackward0':
-        kernel = math.prod(weight.shape[2:])
+        kernel = math.prod(shape[2:])
         groups = internals.saved_int(node, 'groups') or 1
         if internals.saved(node, 'transposed'):
-            return int(weight.shape[1]) * kernel
-        return int(weight.shape[0]) // groups * kernel
+            return int(shape[1]) * kernel
+        return int(shape[0]) // groups * kernel
     if name == 'BmmBackward0':
         factor = internals.saved(node, 'mat2' if weight_edge == 1
                                  else 'self')
-        shape = tuple(weight.shape) if factor is None else tuple(
-            factor.shape)
+        if factor is not None:
+            shape = tuple(factor.shape)
         return int(shape[-1] if weight_edge == 1 else shape[-2])
     field, axis = _GEMM_SUMS[name, weight_edge]
     sizes = internals.saved_int(node, field)

@@ -10,6 +10,10 @@ recipes, rules and state machines as the Chainer adapter. Every private
 PyTorch touch is in :mod:`gradient_scaling.torch._internals`.
 """
 
+import functools
+import warnings
+import weakref
+
 import torch
 
 from gradient_scaling.core import arrays
@@ -38,9 +42,16 @@ class GradientScaling(ControllerViews):
     model the logits' GEMM); tensors with several consumers (branches,
     residual adds) and nodes with several outputs (split, chunk, unbind).
 
-    After a backward pass, :meth:`scale_of` a parameter is the scale of its
-    ``.grad``: ``p.grad / hook.scale_of(p)`` is the plain gradient (the
-    scaler's ``unscale_`` divides them, in FP32).
+    Gradients land unscaled: a parameter's (or any leaf's) gradient is
+    divided by the scale it carries, in FP32, before it is accumulated into
+    ``.grad``, so ``.grad`` always holds the true gradient, whatever reads
+    it (``DistributedDataParallel``, FSDP, ``torch.autograd.grad``, gradient
+    accumulation, clipping). :attr:`landed_scales` says which scale each
+    parameter's last gradient carried. A gradient that reaches a parameter
+    through a backward the hook did not walk while its pass runs (an
+    engine it cannot see) raises one clear error; nested backward passes
+    (``torch.utils.checkpoint(use_reentrant=True)``) are walked and scaled
+    as part of the pass.
 
     .. admonition:: Example
 
@@ -78,44 +89,158 @@ class GradientScaling(ControllerViews):
     def __init__(self, model=None, recipe=None, **settings):
         self._take_recipe(recipe, settings)
         self.model = model
-        self._names = {} if model is None else {
-            p: name for name, p in model.named_parameters()}
-        #: Scale of each parameter's ``.grad`` as the last pass left it.
-        self.param_scales = {}
-        #: Set by :class:`~gradient_scaling.torch.GradientScaler`: each pass
-        #: ends with its gradients divided by their scales in place and
-        #: checked in the same read (GradScaler's fused unscale), so that a
-        #: step reads every gradient once.
-        self.unscale_each_pass = False
+        module = unwrapped(model)
+        self._names = {} if module is None else {
+            p: name for name, p in module.named_parameters()}
+        self._unnamed = set()  # parameters looked for in vain
+        self._warned_compiled = False
+        #: The scale each parameter's (or leaf's) last gradient carried when
+        #: it landed (divided out before ``.grad`` saw it).
+        self.landed_scales = {}
+        #: Check each gradient's finiteness as it lands (a 0-d witness,
+        #: no host read), before anything averages it over ranks: set by
+        #: the scaler under ``torch.distributed``, so that a rank's result
+        #: is its own (one rank's NaN, all-reduced, is every rank's).
+        self.check_on_landing = False
         self._pass = None
+        self._running = []  # passes whose backward runs now, innermost last
+        self._bare = False  # active as ``with hook:``
+        self._patched = False  # torch.autograd.backward routed here
+        # A tensor hook on every parameter of the model, for the hook's
+        # life: the gradient lands unscaled however it comes (another
+        # graph's nested backward included); removed when the hook is
+        # collected.
+        self._landing = {}
+        for param in self._names:
+            if param.requires_grad:
+                self._landing[param] = param.register_hook(
+                    functools.partial(_land_weakly, weakref.ref(self), param))
+        weakref.finalize(self, _remove_all, list(self._landing.values()))
 
     # -- names -----------------------------------------------------------
 
     def parameter_name(self, param):
-        """A parameter's qualified name (``layer1.0.conv1.weight``)."""
+        """A parameter's qualified name (``layer1.0.conv1.weight``; for
+        the unsharded parameter of an FSDP2 module, the sharded one's)."""
         name = self._names.get(param)
-        return name if name is not None else 'param@{:x}'.format(id(param))
+        if name is None:
+            if self.model is not None and param not in self._unnamed and \
+                    isinstance(param, torch.nn.Parameter):
+                self._names.update(internals.unsharded_names(
+                    unwrapped(self.model)))
+                name = self._names.get(param)
+            if name is None:
+                self._unnamed.add(param)
+                return 'param@{:x}'.format(id(param))
+        return name
 
-    def site_name(self, weight):
-        return self.parameter_name(weight)
+    def site_name(self, weight, part=None):
+        """A GEMM site's name: its weight's, with the part of the weight
+        it multiplies by (``in_proj_weight[q]``) when it is a slice."""
+        name = self.parameter_name(weight)
+        return name if part is None else '{}[{}]'.format(name, part)
 
     def scale_of(self, param):
-        """The scale of ``param.grad`` (1.0 if none was recorded)."""
-        return self.param_scales.get(param, 1.0)
+        """The factor on ``param.grad``: 1, since gradients land unscaled
+        (what each carried in the backward: :attr:`landed_scales`)."""
+        return 1.0
+
+    # -- where gradients land ------------------------------------------------
+
+    def lands_itself(self, leaf):
+        """Whether ``leaf`` has the hook's own landing hook (a parameter
+        of the model); a pass hooks the other leaves of its graph."""
+        return leaf in self._landing
+
+    def land(self, leaf, grad):
+        """A leaf's gradient before it is accumulated: divided by the
+        scale it carries in the running pass (None: unchanged).
+
+        Raises:
+            RuntimeError: When a pass runs but none walked the graph this
+                gradient came through.
+
+        """
+        if not self._running:
+            return None  # a backward the hook does not scale
+        for current in reversed(self._running):
+            if leaf in current.leaves:
+                break
+        else:
+            raise RuntimeError(
+                'GradientScaling: the gradient of {} reached it through a '
+                'backward pass the hook did not walk (a nested '
+                'torch.autograd.backward or autograd.grad that was not '
+                'routed through torch.autograd, another autograd engine, a '
+                'second hook), so the scale it carries is unknown and '
+                '.grad would be wrong. Call backward through '
+                'torch.autograd (loss.backward(), torch.autograd.backward), '
+                'or keep that region out of the scaled backward.'.format(
+                    self.parameter_name(leaf)))
+        if current.nested and not self._lands_unscaled_in_nested(leaf):
+            return None  # handed back to the outer pass with its scale
+        scale = current.landing_scale(leaf)
+        current.landed[leaf] = scale
+        if scale != 1.0:
+            grad = unscaled(grad, scale)
+        if self.check_on_landing:
+            current.witnesses.append(
+                (leaf, arrays.ops_for(grad).finite_witness(grad)))
+        return None if scale == 1.0 else grad
+
+    def _lands_unscaled_in_nested(self, leaf):
+        """In a nested backward, parameters land unscaled; the other
+        leaves (a checkpoint's detached inputs) hand their gradient back to
+        the outer pass, which knows their scale."""
+        return leaf in self._landing or isinstance(leaf, torch.nn.Parameter)
+
+    def pass_started(self, current):
+        self._running.append(current)
+
+    def pass_ended(self, current):
+        if current in self._running:
+            self._running.remove(current)
+        if not self._running and not self._bare:
+            self._unpatch()
+
+    def _patch(self):
+        """Routes ``torch.autograd.backward`` here while a scaler's pass
+        is attached (nested backward passes are then walked); another
+        hook's active routing is left as it is."""
+        if not self._patched and internals.active_handler() is None:
+            internals.install(self)
+            self._patched = True
+
+    def _unpatch(self):
+        if self._patched:
+            internals.uninstall(self)
+            self._patched = False
 
     # -- the bare hook: with hook: loss.backward() -------------------------
 
     def __enter__(self):
-        internals.install(self)
+        if not self._patched:
+            internals.install(self)
+        self._patched = self._bare = True
         return self
 
     def __exit__(self, *exc):
-        internals.uninstall(self)
+        self._bare = False
+        self._unpatch()
 
     def backward(self, original, tensors, grad_tensors=None,
                  retain_graph=None, create_graph=False, grad_variables=None,
                  inputs=None):
         """``torch.autograd.backward`` while the hook is active."""
+        node = internals.current_node()
+        if self._running and node is not None:
+            return self._nested(self._running[-1], node, original, tensors,
+                                grad_tensors, retain_graph, create_graph,
+                                inputs)
+        if not self._bare:  # a scaler attached the pass: run it as called
+            extra = {} if inputs is None else {'inputs': inputs}
+            return original(tensors, grad_tensors, retain_graph,
+                            create_graph, grad_variables, **extra)
         if create_graph:
             raise RuntimeError(
                 'GradientScaling does not support double backpropagation '
@@ -134,6 +259,76 @@ class GradientScaling(ControllerViews):
             raise
         self.finish_pass()
 
+    def grad(self, original, outputs, inputs, *args, **kwargs):
+        """``torch.autograd.grad`` while the hook is active: the gradients
+        of leaves (parameters) land unscaled, as for backward; those of
+        other tensors would come back scaled, so they are refused. A call
+        from inside a running pass (a compiler tracing a compiled region's
+        backward, a custom backward's own) runs as called."""
+        if self._running:
+            return original(outputs, inputs, *args, **kwargs)
+        tensors = [inputs] if isinstance(inputs, torch.Tensor) \
+            else list(inputs)
+        inner = [t for t in tensors if t.grad_fn is not None]
+        if inner:
+            raise RuntimeError(
+                'GradientScaling: torch.autograd.grad with inputs that are '
+                'not leaves ({} of them) would return gradients that carry '
+                'their scale; ask for leaves (parameters, or tensors with '
+                'requires_grad made by you) only'.format(len(inner)))
+        if kwargs.get('create_graph') or (len(args) > 2 and args[2]):
+            raise RuntimeError(
+                'GradientScaling does not support double backpropagation '
+                '(create_graph=True): the scaled gradients would become '
+                'part of the graph.')
+        if not self._bare:
+            return original(outputs, inputs, *args, **kwargs)
+        self.attach(outputs)
+        try:
+            result = original(outputs, inputs, *args, **kwargs)
+        except BaseException:
+            self.abort()
+            raise
+        self.finish_pass()
+        return result
+
+    def _nested(self, outer, node, original, tensors, grad_tensors,
+                retain_graph, create_graph, inputs):
+        """A backward run from inside the running pass's node ``node``
+        (``torch.utils.checkpoint``'s reentrant variant recomputes its
+        segment and backpropagates through it): walked and scaled as part
+        of the pass. Its gradients enter at the scale ``node`` was given;
+        its parameters' land unscaled; the other leaves' (the segment's
+        inputs) are brought to one scale, which ``node`` then returns."""
+        if create_graph or inputs is not None:
+            raise RuntimeError(
+                'GradientScaling: a nested backward with create_graph or '
+                'inputs cannot be scaled')
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) \
+            else list(tensors)
+        roots = [(t.grad_fn, t.output_nr) for t in tensors
+                 if t.grad_fn is not None]
+        entering = outer.entering_scale(node)
+        inner = BackwardPass(self, roots, entering, [], nested=True)
+        try:
+            original(tensors, grad_tensors, retain_graph, create_graph)
+        finally:
+            inner.remove()
+            if inner in self._running:  # it raised before its end
+                self._running.remove(inner)
+        outer.absorb(inner)
+        handed = [(leaf, inner.landing_scale(leaf))
+                  for leaf in inner.leaves
+                  if leaf.grad is not None and
+                  not self._lands_unscaled_in_nested(leaf)]
+        if handed:
+            common = self.controller.step.branch(
+                [s for _, s in handed], [leaf.grad for leaf, _ in handed])
+            for leaf, scale in handed:
+                if scale != common:
+                    leaf.grad = _times(leaf.grad, common / scale)
+            outer.node_scales[node] = common
+
     # -- passes ------------------------------------------------------------
 
     def hold_step(self):
@@ -149,18 +344,33 @@ class GradientScaling(ControllerViews):
             else list(outputs)
         roots = [(t.grad_fn, t.output_nr) for t in tensors
                  if t.grad_fn is not None]
-        for param in self._names:
-            if param.grad is None:
-                self.param_scales.pop(param, None)
         self.controller.begin_pass()
         self._pass = BackwardPass(self, roots, float(loss_scale),
                                   [t.detach() for t in tensors])
+        if self._pass.plan.compiled and not self._warned_compiled:
+            self._warned_compiled = True
+            plan = self._pass.plan
+            warnings.warn(
+                'GradientScaling: the backward has {} torch.compile\'d '
+                'region(s), which the hook cannot see into: no site inside '
+                'them is scaled (each passes its gradients on at the scale '
+                'they entered with; the gradients of its parameters land '
+                'unscaled, so they stay exact). Scaled sites outside: {}. '
+                'To scale inside, leave the layers that need it uncompiled '
+                '(torch.compile the blocks between them).'.format(
+                    len(plan.compiled), len(plan.gemms) + len(plan.casts)),
+                RuntimeWarning)
+        if not self._bare:
+            self._patch()
 
     def queue_end(self, callback):
         internals.queue_end_of_backward(callback)
 
     def abort(self):
         """The backward pass raised: forget its step."""
+        self._running = []
+        if not self._bare:
+            self._unpatch()
         if self._pass is not None:
             self._pass.remove()
             self._pass = None
@@ -175,28 +385,28 @@ class GradientScaling(ControllerViews):
         if current is None:
             return
         current.remove()
+        if current in self._running:  # its backward did not end
+            self._running.remove(current)
+        if not self._running and not self._bare:
+            self._unpatch()
         if not current.finished:
             self.controller.abort_pass()
             return
-        self.param_scales.update(current.parameter_scales())
-        grads = [(p, p.grad) for p in current.plan.accumulators.values()
-                 if p.grad is not None]
-        if self.unscale_each_pass and self._unscaled_and_finite(current,
-                                                                grads):
+        self.landed_scales.update(current.landed)
+        if self.check_on_landing:  # what landed here, before any average
+            grads = current.witnesses
+        else:
+            grads = [(p, p.grad) for p in current.checked_leaves()
+                     if p.grad is not None]
+        # The gradients landed unscaled: one fused read checks them and the
+        # losses (GradScaler's check, with nothing left to divide).
+        if unscaling.unscale([(g, 1.0) for _, g in grads], current.losses,
+                             check=True):
             result = step_module.PassResult()
         else:
             result = self._result(current, grads)
         if self.controller.end_pass(result):
             self.controller.conclude([self.controller.payload()])
-
-    def _unscaled_and_finite(self, current, grads):
-        """Divides the pass's gradients by their scales (they then carry
-        1) and tells whether they and the losses are finite: one read."""
-        finite = unscaling.unscale(
-            [(g, self.scale_of(p)) for p, g in grads], current.losses,
-            check=True)
-        self.param_scales.update((p, 1.0) for p, _ in grads)
-        return finite
 
     def _result(self, current, grads):
         """The pass's :class:`~gradient_scaling.core.step.PassResult`."""
@@ -236,8 +446,32 @@ class GradientScaling(ControllerViews):
         self.controller.load_state_dict(state)
 
 
-def unscaled_gradient(param, scale):
-    """``param.grad / scale`` in FP32 (a new tensor)."""
-    grad = param.grad.float() if param.grad.dtype in (
-        torch.float16, torch.bfloat16) else param.grad
-    return arrays.ops_for(grad).scaled(grad, 1.0 / scale)
+def unwrapped(model):
+    """The module a ``DistributedDataParallel`` (or any wrapper with a
+    ``module`` it forwards to) wraps, else ``model``: its parameters'
+    names are the plain model's."""
+    while isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model = model.module
+    return model
+
+
+def unscaled(grad, scale):
+    """``grad / scale`` (a power of two) computed in FP32 at least, in
+    ``grad``'s dtype (a new tensor)."""
+    if grad.dtype in (torch.float16, torch.bfloat16):
+        return _times(grad.float(), 1.0 / scale).to(grad.dtype)
+    return _times(grad, 1.0 / scale)
+
+
+def _times(tensor, ratio):
+    return arrays.ops_for(tensor).scaled(tensor, ratio)
+
+
+def _land_weakly(hook_ref, param, grad):
+    hook = hook_ref()
+    return None if hook is None else hook.land(param, grad)
+
+
+def _remove_all(handles):
+    for handle in handles:
+        handle.remove()

@@ -45,6 +45,12 @@ class ModuleState(object):
         self._places = [(m, name) for m in module.modules()
                         for name, _ in m.named_buffers(recurse=False)]
 
+    def owners(self):
+        """The module itself and every submodule that holds buffers
+        (where a capture before the forward may be triggered)."""
+        owners = list(dict.fromkeys(m for m, _ in self._places))
+        return owners if self.module in owners else [self.module] + owners
+
     def _buffers(self):
         return [b for b in (getattr(m, name) for m, name in self._places)
                 if b is not None]

@@ -46,8 +46,10 @@ from gradient_scaling.core import recipes
 from gradient_scaling.core import step as step_module
 from gradient_scaling.core import telemetry
 from gradient_scaling.core.step import PassResult
+from gradient_scaling.torch import agreement
 from gradient_scaling.torch import strategies
 from gradient_scaling.torch import unscaling
+from gradient_scaling.torch.hook import unwrapped
 from gradient_scaling.torch.module_state import ModuleState
 
 __all__ = ['GradientScaler', 'MODES']
@@ -71,9 +73,13 @@ class GradientScaler(object):
             ``init_scale``, ``growth_interval``, ...).
         process_group: A ``torch.distributed`` group; by default the
             world, when ``torch.distributed`` is initialized with several
-            ranks. Every rank then takes the same decision and the scaler
-            averages the (unscaled) gradients itself, after the backward:
-            do not wrap the model in ``DistributedDataParallel``.
+            ranks. Every rank then takes the same decision and commits the
+            same scales (:mod:`~gradient_scaling.torch.agreement`). The
+            gradients are averaged by what the model is trained with, as
+            with GradScaler: ``DistributedDataParallel`` (the scaler may
+            be given the wrapper or its module) or FSDP's
+            ``fully_shard``; under GS they land unscaled, so these read
+            true gradients.
 
     """
 
@@ -92,18 +98,18 @@ class GradientScaler(object):
                 recipe = recipes.for_mode(mode, **settings)
         elif settings:
             raise ValueError('pass a recipe or settings, not both')
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            raise ValueError('GradientScaler averages the gradients itself, '
-                             'once they are unscaled: pass the module, not a '
-                             'DistributedDataParallel wrapper')
         self.model = model
         self.recipe = recipe
-        self.strategy = strategies.make(recipe, model)
+        self.strategy = strategies.make(recipe, unwrapped(model))
         self.process_group = process_group
-        self.state = ModuleState(model)
+        self.state = ModuleState(unwrapped(model))
         self._stages = {}
         self._decided = None  # (payloads, result) of the step
-        self._capture = model.register_forward_pre_hook(self._forward)
+        # The buffers are captured before the first module that has some
+        # runs in a step, whoever calls it (a LightningModule's
+        # training_step calling self.net(x), a DDP wrapper).
+        self._capture = [m.register_forward_pre_hook(self._forward)
+                         for m in self.state.owners()]
         self._model_params = set(model.parameters())
 
     @property
@@ -126,7 +132,7 @@ class GradientScaler(object):
 
     def scale(self, outputs):
         """The loss (or losses) to call ``backward`` on."""
-        return self.strategy.scale(outputs)
+        return self.strategy.scale(outputs, ranked=self._world() is not None)
 
     def unscale_(self, optimizer):
         """Decides the step, which leaves every gradient of the model
@@ -186,20 +192,16 @@ class GradientScaler(object):
                            self.strategy.scale_text)
 
     def _decide(self):
-        """Every rank's payload and the combined result, once per step;
-        with several ranks, the (unscaled) gradients are averaged.
-        """
+        """Every rank's payload and the combined result, once per step
+        (the same on every rank)."""
         if self._decided is None:
             payload = self.strategy.payload(self.model)
             group = self._world()
             if group is None or not self.strategy.checks:
                 payloads = [payload]
             else:
-                payloads = [None] * dist.get_world_size(group)
-                dist.all_gather_object(payloads, payload, group=group)
+                payloads = agreement.exchange(payload, group)
             result = PassResult.combine(p.result for p in payloads)
-            if result.finite and group is not None:
-                _average_gradients(self.model, group)
             self._decided = (payloads, result)
         return self._decided
 
@@ -237,22 +239,3 @@ def _check_dtype(param):
         raise ValueError('Attempting to unscale FP16 gradients: keep the '
                          'parameters in FP32 (torch.autocast casts them '
                          'where it computes in low precision)')
-
-
-def _average_gradients(model, group):
-    """Averages the (unscaled) gradients over the ranks: one all-reduce
-    of the gradients of each dtype."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    world = dist.get_world_size(group)
-    by_dtype = {}
-    for p in params:
-        by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p)
-    for group_params in by_dtype.values():
-        flat = torch.cat([p.grad.reshape(-1) for p in group_params])
-        dist.all_reduce(flat, group=group)
-        flat.mul_(1.0 / world)
-        offset = 0
-        for p in group_params:
-            n = p.grad.numel()
-            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-            offset += n

@@ -32,10 +32,20 @@ __all__ = ['Unscaled', 'FixedScale', 'DynamicScale', 'PerTensor', 'make']
 
 
 class _Payload(object):
-    """A loss-scaled step's contribution to the decision (picklable)."""
+    """A loss-scaled step's contribution to the decision."""
 
     def __init__(self, result):
         self.result = result
+
+    def quiet(self):
+        return self.result.finite
+
+    def to_dict(self):
+        return {'result': self.result.to_dict()}
+
+    @classmethod
+    def from_dict(cls, values):
+        return cls(PassResult.from_dict(values['result']))
 
 
 class Unscaled(object):
@@ -54,7 +64,7 @@ class Unscaled(object):
 
     loss_scale = 1.0
 
-    def scale(self, outputs):
+    def scale(self, outputs, ranked=False):
         self._losses.extend(_tensors(outputs))
         return outputs if self.loss_scale == 1.0 else _times(
             outputs, self.loss_scale)
@@ -158,11 +168,13 @@ class PerTensor(object):
     def __init__(self, recipe, model):
         self.recipe = recipe
         self.hook = GradientScaling(model, recipe=recipe)
-        self.hook.unscale_each_pass = True
         self.guard = self.hook.guard
 
-    def scale(self, outputs):
+    def scale(self, outputs, ranked=False):
+        """Attaches the hook to ``outputs``' graph (with several ranks,
+        each gradient is checked as it lands, before it is averaged)."""
         self.hook.hold_step()
+        self.hook.check_on_landing = ranked
         self.hook.attach(outputs)
         return outputs
 
@@ -176,7 +188,7 @@ class PerTensor(object):
         return self.hook.controller.transition(payloads, result)
 
     def after_update(self):
-        self.hook.param_scales.clear()
+        """Nothing: the gradients landed unscaled."""
 
     def scale_text(self):
         return self.hook.controller.scale_text()
