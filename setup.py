@@ -38,6 +38,11 @@ extras_require = {
     'gpu': ['cupy-cuda13x>=13'],
     # gradient_scaling.torch (imports without Chainer)
     'torch': ['torch>=2.4'],
+    # The frameworks GradientScaler's drop-in tests run in
+    # (tests/test_torch_frameworks.py); the Makefile's TORCH_FRAMEWORKS
+    # installs these pins beside torch==2.13.0, which none of them replaces.
+    'torch-frameworks': ['torch>=2.4', 'lightning==2.6.6',
+                         'accelerate==1.16.0', 'transformers==5.24.0'],
 }
 
 setup(

@@ -143,7 +143,7 @@ def compare(device, steps=60, batch=64, dtype=torch.float16):
             name, losses[0], losses[-1], ms, _scale_text(scaler)))
         assert all(math.isfinite(v) for v in losses[1:]), name
         if name == 'gs':
-            sites = scaler.get_scale()
+            sites = scaler.site_scales()
             assert sites and all(math.frexp(s)[0] == 0.5
                                  for s in sites.values()), sites
     gs, reference = results['gs'], results['torch.amp.GradScaler']
@@ -157,7 +157,7 @@ def compare(device, steps=60, batch=64, dtype=torch.float16):
 
 
 def _scale_text(scaler):
-    scale = scaler.get_scale()
+    scale = scaler.site_scales() or scaler.get_scale()
     if isinstance(scale, dict):
         logs = sorted(math.log2(s) for s in scale.values())
         return '{} sites, log2 {:g} .. {:g}'.format(len(logs), logs[0],

@@ -107,9 +107,10 @@ scaler = GradientScaler(model, update_interval=1)
 loss = torch.nn.functional.cross_entropy(
     model(torch.randn(16, 4)), torch.randint(0, 3, (16,))) * 1e-7
 scaler.scale(loss).backward()
-taken = scaler.step(optimizer)
+scaler.step(optimizer)
+taken = scaler.step_taken
 scaler.update()
-print(json.dumps({'taken': taken, 'sites': sorted(scaler.get_scale()),
+print(json.dumps({'taken': taken, 'sites': sorted(scaler.site_scales()),
                   'chainer': sys.modules.get('chainer') is not None}))
 '''
 

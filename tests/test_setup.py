@@ -1,5 +1,6 @@
 """``make setup`` (what ``make demo`` needs) and ``make setup-test`` (what
-``make test`` adds: mpi4py, PyTorch): one line per stage, the rest in the
+``make test`` adds: mpi4py, PyTorch, Lightning, Accelerate and
+transformers): one line per stage, the rest in the
 log; a failed stage shows the log's last lines and its path.
 
 The Makefile's recipe runs here with a stand-in for ``python`` that prints
@@ -55,7 +56,9 @@ STAGES = ['setup: creating the venv {venv}',
           'setup: checking the import']
 DONE = 'setup: done, chainer 7.8.1 chainercv 0.13.1 (log: {})'
 TEST_STAGES = ['setup: mpi4py (for the MPI tests)',
-               'setup: PyTorch (torch==2.13.0, CPU)']
+               'setup: PyTorch (torch==2.13.0, CPU)',
+               'setup: Lightning, Accelerate, transformers (lightning==2.6.6 '
+               'accelerate==1.16.0 transformers==5.24.0)']
 
 
 def test_one_line_per_stage_and_everything_else_in_the_log(make_setup):
@@ -80,7 +83,7 @@ def test_one_line_per_stage_and_everything_else_in_the_log(make_setup):
     proc, logged = run(target='setup-test')
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == TEST_STAGES
-    assert len([ln for ln in logged if ln.startswith('Collecting')]) == 9
+    assert len([ln for ln in logged if ln.startswith('Collecting')]) == 10
     assert (venv / '.installed-test').exists()
     proc, _ = run(target='setup-test')
     assert 'setup:' not in proc.stdout
@@ -114,4 +117,15 @@ def test_mpi4py_is_optional(make_setup):
         TEST_STAGES[0],
         'setup: mpi4py not installed (it needs an MPI library, e.g. Debian: '
         'openmpi-bin libopenmpi-dev): the MPI tests will be skipped (see '
-        '{})'.format(log), TEST_STAGES[1]]
+        '{})'.format(log)] + TEST_STAGES[1:]
+
+
+def test_the_frameworks_are_optional(make_setup):
+    run, venv, log = make_setup
+    proc, _ = run(fail_at='lightning==', target='setup-test')
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[6:] == TEST_STAGES + [
+        'setup: the frameworks not installed: tests/test_torch_frameworks.py '
+        'skips its Lightning, Accelerate and transformers tests (see '
+        '{})'.format(log)]
+    assert (venv / '.installed-test').exists()

@@ -92,7 +92,8 @@ def test_checkpointed_segments_exact_with_the_scaler(reentrant, interval):
         landed = scaler.strategy.hook.landed_scales
         assert landed[model.a.weight] >= 2 ** 15
         assert landed[model.b.weight] >= 2 ** 15
-        assert scaler.step(optimizer) is True
+        scaler.step(optimizer)
+        assert scaler.step_taken is True
         plain_optimizer.step()
         scaler.update()
     sites = {r.name for r in scaler.report()}
@@ -259,7 +260,8 @@ def test_a_skipped_step_puts_back_buffers_of_modules_called_directly(mode):
     scaler.scale(task.training_step(bad, t)).backward()
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')
-        assert not scaler.step(optimizer)
+        assert scaler.step(optimizer) is None
+        assert scaler.step_taken is False
         scaler.update()
     for n, b in task.named_buffers():
         assert torch.equal(b, buffers[n]), n  # num_batches_tracked too

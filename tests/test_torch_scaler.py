@@ -30,7 +30,8 @@ def train_step(model, optimizer, scaler, x, t):
     optimizer.zero_grad()
     loss = model(x, t)
     scaler.scale(loss).backward()
-    taken = scaler.step(optimizer)
+    scaler.step(optimizer)
+    taken = scaler.step_taken
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')
         scaler.update()
@@ -48,8 +49,10 @@ def state_of(model, optimizer, scaler):
 def scales(scaler_state):
     """The scaler state that sets scales: not its counters and telemetry
     (the pass counter, the sites' records, the overflow guard)."""
-    return {k: v for k, v in scaler_state['state'].items()
-            if k != 'iteration' and not k.startswith(('records/', 'guard'))}
+    own = 'gradient_scaling/'
+    return {k[len(own):]: v for k, v in scaler_state.items()
+            if k.startswith(own) and k[len(own):] != 'iteration' and
+            not k[len(own):].startswith(('records/', 'guard'))}
 
 
 def assert_same(a, b):
@@ -147,7 +150,8 @@ def test_the_verbs_refuse_a_wrong_order():
     scaler.unscale_(optimizer)
     with pytest.raises(RuntimeError, match='already been called'):
         scaler.unscale_(optimizer)
-    assert scaler.step(optimizer) is True
+    scaler.step(optimizer)
+    assert scaler.step_taken is True
     with pytest.raises(RuntimeError, match='after step'):
         scaler.unscale_(optimizer)
     with pytest.raises(RuntimeError, match='step\\(\\) has already'):
@@ -205,14 +209,16 @@ def test_get_scale_per_site_and_state_dict_is_plain_data():
     model, optimizer, scaler = build('gs', update_interval=1)
     x, t = batches(1)[0]
     train_step(model, optimizer, scaler, x, t)
-    scales = scaler.get_scale()
+    scales = scaler.site_scales()
     # conv's input needs no gradient: fc is the site (the fault layer
     # between the logits and the softmax hides the softmax gradient)
     assert set(scales) == {'fc.weight'}
     assert all(isinstance(v, float) and v > 0 for v in scales.values())
+    # the factor on .grad: the gradients landed unscaled
+    assert scaler.get_scale() == 1.0
     state = scaler.state_dict()
-    assert state['mode'] == 'gs'
-    assert math.isfinite(sum(v for v in state['state'].values()
+    assert state['gradient_scaling/mode'] == 'gs'
+    assert math.isfinite(sum(v for v in state.values()
                              if isinstance(v, (int, float))))
 
 
@@ -250,7 +256,8 @@ def test_a_cached_step_reads_the_device_once_and_the_cast_cap_once_more(
         counts.clear()
         optimizer.zero_grad()
         scaler.scale(loss_of(model(x))).backward()
-        assert scaler.step(optimizer)
+        scaler.step(optimizer)
+        assert scaler.step_taken
         scaler.update()
         per_step.append(sum(counts.values()))
     assert per_step[0] > reads  # the refresh
@@ -282,5 +289,6 @@ def test_a_refresh_keeps_no_activation_past_its_backward():
         del loss
         assert kept() is None, 'step {}: the activation outlived the ' \
             'backward pass'.format(step)
-        assert scaler.step(optimizer)
+        scaler.step(optimizer)
+        assert scaler.step_taken
         scaler.update()

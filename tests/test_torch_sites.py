@@ -111,7 +111,8 @@ def scaled_gradients_are_exact(model, loss_fn):
             assert p.grad is None, name
             continue
         assert torch.equal(p.grad, q.grad), name
-    assert scaler.step(optimizer)
+    scaler.step(optimizer)
+    assert scaler.step_taken
     scaler.update()
     return scaler
 

@@ -175,7 +175,16 @@ class DynamicLossScalingRecipe(Recipe):
 class GradScalerRecipe(Recipe):
 
     """Dynamic loss scaling with ``torch.amp.GradScaler``'s semantics, with a
-    floor and a ceiling (see the scalers' transition tables)."""
+    floor and a ceiling (see the scalers' transition tables).
+
+    ``bounded=False`` is GradScaler exactly: no floor and no ceiling (the
+    scale may reach 0 or overflow float32), every skipped step backs off
+    (GradScaler cannot tell a data fault), and no number of skips raises.
+    The default keeps ``min_scale`` <= scale <= ``max_scale``, leaves the
+    scale alone on a data fault, and raises
+    :class:`~gradient_scaling.core.step.GradientOverflowError` after
+    ``patience`` skips in a row with nothing left to lower.
+    """
 
     modes = ('dynamic-gradscaler',)
     checks_steps = True
@@ -188,6 +197,7 @@ class GradScalerRecipe(Recipe):
     min_scale: float = setting(2.0 ** -24, _validate.positive)
     max_scale: float = setting(2.0 ** 24, _validate.positive)
     patience: int = setting(10, _validate.count)
+    bounded: bool = setting(True, _flag)
 
     def __post_init__(self):
         super().__post_init__()

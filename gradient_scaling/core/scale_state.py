@@ -267,7 +267,9 @@ class WeightPathBackoff(object):
 
 class DynamicLossScale(object):
 
-    """Dynamic loss scaling with GradScaler semantics, a floor and a ceiling.
+    """Dynamic loss scaling with GradScaler semantics, a floor and a ceiling
+    (``recipe.bounded=False``: none, and a data fault backs off too, as
+    GradScaler does).
 
     Transition table:
 
@@ -300,20 +302,23 @@ class DynamicLossScale(object):
     def transition(self, result):
         """The step's transition; returns whether the scale was lowered."""
         recipe = self.recipe
+        bounded = getattr(recipe, 'bounded', True)
         if result.finite:
             self.clean_steps += 1
             if self.clean_steps >= recipe.growth_interval:
-                self.loss_scale = min(self.loss_scale * recipe.growth_factor,
-                                      recipe.max_scale)
+                self.loss_scale = self.loss_scale * recipe.growth_factor
+                if bounded:
+                    self.loss_scale = min(self.loss_scale, recipe.max_scale)
                 self.clean_steps = 0
             return False
-        if result.cause == 'data':
+        if result.cause == 'data' and bounded:
             return False
         before = self.loss_scale
-        self.loss_scale = max(self.loss_scale * recipe.backoff_factor,
-                              recipe.min_scale)
+        self.loss_scale = self.loss_scale * recipe.backoff_factor
+        if bounded:
+            self.loss_scale = max(self.loss_scale, recipe.min_scale)
         self.clean_steps = 0
-        return self.loss_scale < before
+        return self.loss_scale < before or not bounded
 
     def state_dict(self):
         return {'loss_scale': self.loss_scale,

@@ -156,13 +156,15 @@ class OverflowGuard(object):
 
     Args:
         mode (str): Scaling mode, for messages.
-        patience (int): Stalled skips in a row before raising.
+        patience (int): Stalled skips in a row before raising (None:
+            never, as ``torch.amp.GradScaler``).
 
     """
 
     def __init__(self, mode, patience=10):
         self.mode = mode
-        self.patience = _validate.count(patience, 'patience')
+        self.patience = None if patience is None else \
+            _validate.count(patience, 'patience')
         self.stalled = 0
         self.skips = {cause: 0 for cause in CAUSES}
 
@@ -194,7 +196,7 @@ class OverflowGuard(object):
             .format(self.mode, result.describe(),
                     '; ' + scale_text if scale_text else '',
                     self.skips['data'], self.skips['scale'])
-        if self.stalled >= self.patience:
+        if self.patience is not None and self.stalled >= self.patience:
             hint = ('fix the data or the forward pass (in mixed16 an '
                     'activation may overflow FP16)' if result.cause == 'data'
                     else 'no scale is left to lower')

@@ -25,6 +25,8 @@ What the autograd-graph hook needs that PyTorch's public API does not give:
   a backward run from inside one of its nodes (a reentrant checkpoint).
 * ``torch._C._current_autograd_node``: the node such a nested backward
   runs from.
+* ``Tensor._values``: a sparse gradient's values, in place (what
+  GradScaler unscales).
 * FSDP2's ``FSDPParam._unsharded_param`` (through ``_get_fsdp_state()``):
   which parameter name an unsharded parameter in the graph stands for.
 * ``Node._raw_saved_<name>.unpack_hook``: whether a saved tensor is packed
@@ -35,10 +37,10 @@ import torch
 
 from gradient_scaling.core import patches
 
-__all__ = ['input_dtype', 'input_shape', 'saved', 'queue_end_of_backward',
+__all__ = ['input_dtype', 'input_shape', 'saved', 'unsharded_names',
+           'sparse_values', 'current_node', 'queue_end_of_backward',
            'install', 'uninstall', 'active_handler', 'check_and_unscale',
            'copy_all']
-
 
 
 def input_dtype(node, slot):
@@ -84,6 +86,13 @@ def unsharded_names(module):
                 if unsharded is not None and name is not None:
                     names[unsharded] = name
     return names
+
+
+def sparse_values(tensor):
+    """The values of a sparse COO tensor, coalesced or not, as a tensor
+    sharing its storage (``Tensor._values``; the public ``values`` needs a
+    coalesced tensor)."""
+    return tensor._values()
 
 
 def current_node():
@@ -148,3 +157,56 @@ _patches = patches.Patches([(torch.autograd, 'backward', _backward),
 install = _patches.install
 uninstall = _patches.uninstall
 active_handler = _patches.active_handler
+
+
+# -- torch.compile (gradient_scaling/torch/compile_backend.py) ---------------
+# AOTAutograd's backend factory, Inductor's decompositions and its compiler
+# of one FX graph, and the aten/prims operations the backend's rewrite of a
+# backward graph recognises by identity (several have private names).
+
+
+def aot_autograd(**kwargs):
+    """``torch._dynamo.backends.common.aot_autograd(**kwargs)``."""
+    from torch._dynamo.backends.common import aot_autograd as factory
+    return factory(**kwargs)
+
+
+def inductor_decompositions():
+    """Inductor's decomposition table (a new dict)."""
+    from torch._inductor.decomposition import select_decomp_table
+    return dict(select_decomp_table())
+
+
+def inductor_compile(gm, example_inputs, is_backward=False):
+    """``torch._inductor.compile_fx.compile_fx_inner``: one FX graph of
+    aten operations, compiled (a boxed function)."""
+    from torch._inductor.compile_fx import compile_fx_inner
+    return compile_fx_inner(gm, example_inputs, is_backward=is_backward)
+
+
+def compile_ops():
+    """The operations the compile backend's rewrite tells apart, by role."""
+    aten, prims = torch.ops.aten, torch.ops.prims
+    return {
+        'softmax_backward': (aten._softmax_backward_data.default,
+                             aten._log_softmax_backward_data.default),
+        'convert': (prims.convert_element_type.default,
+                    aten._to_copy.default),
+        'views': (aten.t.default, aten.permute.default,
+                  aten.transpose.int, aten.view.default,
+                  aten._unsafe_view.default, aten.reshape.default,
+                  aten.expand.default, aten.alias.default,
+                  aten.detach.default, aten.clone.default,
+                  aten.squeeze.dim, aten.squeeze.dims,
+                  aten.unsqueeze.default),
+    }
+
+
+def decompose(gm, example_inputs, table):
+    """``gm`` traced again with ``table``'s decompositions, under the fake
+    mode of ``example_inputs`` (what a ``bw_compiler`` is given)."""
+    from torch._guards import detect_fake_mode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    mode = detect_fake_mode(example_inputs)
+    with mode:
+        return make_fx(gm, decomposition_table=table)(*example_inputs)

@@ -23,7 +23,7 @@ import json
 import torch
 import torch.distributed as dist
 
-__all__ = ['exchange']
+__all__ = ['exchange', 'all_true']
 
 
 def exchange(payload, group):
@@ -55,6 +55,14 @@ def exchange(payload, group):
     return [type(payload).from_dict(json.loads(
         g[:int(n.item())].cpu().numpy().tobytes().decode('utf-8')))
         for g, n in zip(gathered, sizes)]
+
+
+def all_true(flag, group):
+    """Whether ``flag`` is true on every rank (one all-reduce)."""
+    value = torch.tensor([1 if flag else 0], dtype=torch.int64,
+                         device=_device(group))
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
+    return bool(value.item())
 
 
 def _device(group):

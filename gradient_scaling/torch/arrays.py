@@ -152,6 +152,8 @@ class TorchOps(arrays.ArrayOps):
     def finite_flags(self, tensors):
         if not tensors:
             return []
+        tensors = [internals.sparse_values(t) if t.is_sparse else t
+                   for t in tensors]
         device = tensors[0].device
         if all(t.dtype in _FUSED and t.device == device for t in tensors):
             # GradScaler's fused check (unscaling by 1 leaves every value

@@ -92,7 +92,7 @@ class GradientScaling(ControllerViews):
         module = unwrapped(model)
         self._names = {} if module is None else {
             p: name for name, p in module.named_parameters()}
-        self._unnamed = set()  # parameters looked for in vain
+        self._unnamed = {}  # parameters not the model's -> their names
         self._warned_compiled = False
         #: The scale each parameter's (or leaf's) last gradient carried when
         #: it landed (divided out before ``.grad`` saw it).
@@ -124,14 +124,20 @@ class GradientScaling(ControllerViews):
         the unsharded parameter of an FSDP2 module, the sharded one's)."""
         name = self._names.get(param)
         if name is None:
-            if self.model is not None and param not in self._unnamed and \
+            name = self._unnamed.get(param)
+            if name is None and self.model is not None and \
                     isinstance(param, torch.nn.Parameter):
                 self._names.update(internals.unsharded_names(
                     unwrapped(self.model)))
                 name = self._names.get(param)
             if name is None:
-                self._unnamed.add(param)
-                return 'param@{:x}'.format(id(param))
+                if not isinstance(param, torch.nn.Parameter):
+                    return 'tensor@{:x}'.format(id(param))  # an input
+                # Not the model's: named in the order first asked (the
+                # order the backward meets the GEMMs: the same every step
+                # and on every rank).
+                name = self._unnamed.setdefault(
+                    param, 'param#{}'.format(len(self._unnamed)))
         return name
 
     def site_name(self, weight, part=None):
@@ -206,10 +212,16 @@ class GradientScaling(ControllerViews):
     def _patch(self):
         """Routes ``torch.autograd.backward`` here while a scaler's pass
         is attached (nested backward passes are then walked); another
-        hook's active routing is left as it is."""
-        if not self._patched and internals.active_handler() is None:
+        hook's active routing is left as it is, unless it only waits for a
+        backward that is not running."""
+        if not self._patched and _free_routing():
             internals.install(self)
             self._patched = True
+
+    def _idle(self):
+        """Whether the routing this hook holds only waits for a backward
+        that has not started (another may take it over)."""
+        return not self._bare and not self._running
 
     def _unpatch(self):
         if self._patched:
@@ -220,6 +232,7 @@ class GradientScaling(ControllerViews):
 
     def __enter__(self):
         if not self._patched:
+            _free_routing()
             internals.install(self)
         self._patched = self._bare = True
         return self
@@ -238,9 +251,14 @@ class GradientScaling(ControllerViews):
                                 grad_tensors, retain_graph, create_graph,
                                 inputs)
         if not self._bare:  # a scaler attached the pass: run it as called
+            self._root_at(tensors)
             extra = {} if inputs is None else {'inputs': inputs}
-            return original(tensors, grad_tensors, retain_graph,
-                            create_graph, grad_variables, **extra)
+            try:
+                return original(tensors, grad_tensors, retain_graph,
+                                create_graph, grad_variables, **extra)
+            except BaseException:
+                self.abort()
+                raise
         if create_graph:
             raise RuntimeError(
                 'GradientScaling does not support double backpropagation '
@@ -282,7 +300,12 @@ class GradientScaling(ControllerViews):
                 '(create_graph=True): the scaled gradients would become '
                 'part of the graph.')
         if not self._bare:
-            return original(outputs, inputs, *args, **kwargs)
+            self._root_at(outputs)
+            try:
+                return original(outputs, inputs, *args, **kwargs)
+            except BaseException:
+                self.abort()
+                raise
         self.attach(outputs)
         try:
             result = original(outputs, inputs, *args, **kwargs)
@@ -337,16 +360,35 @@ class GradientScaling(ControllerViews):
         self.controller.hold()
 
     def attach(self, outputs, loss_scale=1.0):
-        """Prepares the next backward of ``outputs`` (a tensor or tensors),
-        whose gradients carry ``loss_scale``."""
+        """Prepares the next backward of ``outputs`` (a tensor, or nested
+        lists and tuples of them), whose gradients carry ``loss_scale``."""
         self.finish_pass()
-        tensors = [outputs] if isinstance(outputs, torch.Tensor) \
-            else list(outputs)
-        roots = [(t.grad_fn, t.output_nr) for t in tensors
-                 if t.grad_fn is not None]
+        tensors = flat_tensors(outputs)
         self.controller.begin_pass()
-        self._pass = BackwardPass(self, roots, float(loss_scale),
+        self._pass = BackwardPass(self, _roots(tensors), float(loss_scale),
                                   [t.detach() for t in tensors])
+        self._warn_compiled()
+        if not self._bare:
+            self._patch()
+
+    def _root_at(self, tensors):
+        """The backward the scaler's pass was attached for starts from
+        other tensors (built on the scaled outputs: ``sum(scaled).
+        backward()``, a term added after ``scale``): the pass walks the
+        graph from them instead, so that it sees every gradient the
+        backward makes (the gradients reaching the outputs are true ones,
+        at scale 1, as the user's own operations made them)."""
+        current = self._pass
+        if current is None or current.started or current.nested:
+            return
+        roots = _roots(flat_tensors(tensors))
+        if set(roots) <= set(current.root_slot.items()):
+            return
+        current.remove()
+        self._pass = BackwardPass(self, roots, 1.0, current.losses)
+        self._warn_compiled()
+
+    def _warn_compiled(self):
         if self._pass.plan.compiled and not self._warned_compiled:
             self._warned_compiled = True
             plan = self._pass.plan
@@ -360,8 +402,6 @@ class GradientScaling(ControllerViews):
                 '(torch.compile the blocks between them).'.format(
                     len(plan.compiled), len(plan.gemms) + len(plan.casts)),
                 RuntimeWarning)
-        if not self._bare:
-            self._patch()
 
     def queue_end(self, callback):
         internals.queue_end_of_backward(callback)
@@ -446,6 +486,30 @@ class GradientScaling(ControllerViews):
         self.controller.load_state_dict(state)
 
 
+def _free_routing():
+    """Whether no hook holds ``torch.autograd.backward``'s routing, after
+    taking it back from one whose scaler pass is attached but not running
+    (a ``scale()`` whose backward never came)."""
+    holder = internals.active_handler()
+    if holder is not None and holder._idle():
+        holder._unpatch()
+        holder = None
+    return holder is None
+
+
+def flat_tensors(outputs):
+    """The tensors of ``outputs`` (a tensor, or nested lists and tuples
+    of them), in order."""
+    if isinstance(outputs, torch.Tensor):
+        return [outputs]
+    return [t for o in outputs for t in flat_tensors(o)]
+
+
+def _roots(tensors):
+    return [(t.grad_fn, t.output_nr) for t in tensors
+            if t.grad_fn is not None]
+
+
 def unwrapped(model):
     """The module a ``DistributedDataParallel`` (or any wrapper with a
     ``module`` it forwards to) wraps, else ``model``: its parameters'
@@ -458,9 +522,17 @@ def unwrapped(model):
 def unscaled(grad, scale):
     """``grad / scale`` (a power of two) computed in FP32 at least, in
     ``grad``'s dtype (a new tensor)."""
+    inverse = 1.0 / scale
     if grad.dtype in (torch.float16, torch.bfloat16):
-        return _times(grad.float(), 1.0 / scale).to(grad.dtype)
-    return _times(grad, 1.0 / scale)
+        return _times(grad.float(), inverse).to(grad.dtype)
+    if _NORMAL_FLOAT32[0] <= inverse <= _NORMAL_FLOAT32[1]:
+        return grad * inverse  # one exact multiplication
+    return _times(grad, inverse)
+
+
+# The powers of two that are normal float32 numbers: a multiplication by
+# one is exact wherever the product is normal.
+_NORMAL_FLOAT32 = (2.0 ** -126, 2.0 ** 127)
 
 
 def _times(tensor, ratio):

@@ -1,4 +1,4 @@
-"""GradientScaler: ``torch.amp.GradScaler``'s verbs for every scaling mode.
+"""GradientScaler: ``torch.amp.GradScaler`` with per-tensor gradient scaling.
 
 Replace ``torch.amp.GradScaler`` by it and change nothing else::
 
@@ -10,34 +10,52 @@ Replace ``torch.amp.GradScaler`` by it and change nothing else::
         scaler.scale(loss).backward()
         scaler.unscale_(optimizer)                 # optional: clipping
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        taken = scaler.step(optimizer)             # True if not skipped
+        scaler.step(optimizer)                     # None when skipped
         scaler.update()
 
+It takes GradScaler's constructor (``GradientScaler('cuda',
+init_scale=...)``), has every public method of GradScaler with its
+meaning, and reads and writes GradScaler's ``state_dict`` keys, so that a
+GradScaler checkpoint resumes into ``mode='dynamic'`` and back. Where GS
+has no single loss scale, the meaning is the one that keeps user code
+right: the gradients land in ``.grad`` unscaled, so the factor on them,
+:meth:`get_scale`, is 1 (each site's own scale: :meth:`site_scales`).
+
 The step, as in the Chainer adapter (docs/DESIGN.md, 6): the backward's
-result is decided once (combined over ``torch.distributed`` ranks before
-anyone acts on it); a finite step is unscaled (each gradient divided by
-its own scale, in FP32) and taken; a non-finite one is skipped and changes
-nothing: parameters, optimizer state, and every buffer of every module
-(BatchNorm's running statistics, which the forward pass already moved, are
-put back). A data fault (a non-finite loss, input or forward activation)
-changes no scale; a scale fault backs off what overflowed; ``patience``
-skips in a row with nothing left to back off raise
-:class:`~gradient_scaling.core.step.GradientOverflowError`, on every rank.
+result is decided once (the same on every ``torch.distributed`` rank); a
+finite step is taken; a non-finite one is skipped and changes nothing:
+parameters, optimizer state, and every buffer of every module of the
+model (BatchNorm's running statistics, which the forward pass already
+moved, are put back). A data fault (a non-finite loss, input or forward
+activation) changes no scale; a scale fault backs off what overflowed;
+``patience`` skips in a row with nothing left to back off raise
+:class:`~gradient_scaling.core.step.GradientOverflowError`, on every rank
+(``mode='dynamic', bounded=False``: GradScaler's own behaviour, never).
 
 Per optimizer, as GradScaler's ``OptState``:
 
 =============  ==============================  =================================
 stage          call                            then
 =============  ==============================  =================================
-``ready``      :meth:`unscale_`                ``unscaled`` (the step decided)
+``ready``      :meth:`unscale_`                ``unscaled`` (its step decided)
 ``ready``      :meth:`step`                    ``stepped`` (unscaled first)
 ``unscaled``   :meth:`step`                    ``stepped``
 any            :meth:`update`                  every optimizer ``ready`` again
 =============  ==============================  =================================
 
 ``unscale_`` twice, ``unscale_`` after ``step``, ``step`` twice, or
-``update`` with no ``step`` since the last one raise ``RuntimeError``.
+``update`` with no ``step`` since the last one raise ``RuntimeError``. A
+loss-scaled mode decides per optimizer (GradScaler: an optimizer whose own
+gradients are finite steps); gradient scaling decides per step (one
+backward, one set of scales: every optimizer steps or none).
 """
+
+import dataclasses
+import functools
+import inspect
+import math
+import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -57,68 +75,129 @@ __all__ = ['GradientScaler', 'MODES']
 #: PyTorch's modes: ``dynamic`` is GradScaler's own semantics.
 MODES = ('fp32', 'none', 'fixed', 'dynamic', 'gs', 'amax-delayed',
          'amax-current')
+#: GradScaler's growth settings and their defaults.
+GROWTH = (('init_scale', 2.0 ** 16), ('growth_factor', 2.0),
+          ('backoff_factor', 0.5), ('growth_interval', 2000))
+#: Where a GradientScaler keeps its own entries in ``state_dict()``.
+PREFIX = 'gradient_scaling/'
 
 
 class GradientScaler(object):
 
-    """Gradient scaling (or a baseline) with GradScaler's verbs.
+    """Gradient scaling (or a baseline) as a ``torch.amp.GradScaler``.
 
     Args:
-        model (torch.nn.Module): The model trained (names the sites; its
-            buffers are put back when a step is skipped).
-        mode (str): One of :data:`MODES`.
+        model (torch.nn.Module): The model trained, optional: names the
+            sites (``layer1.0.conv1.weight``; without it, in the order the
+            backward meets them: ``param#0``, ...) and has its buffers put
+            back when a step is skipped. A ``DistributedDataParallel``
+            wrapper or its module. Positionally: ``GradientScaler(model)``,
+            ``GradientScaler(model, 'dynamic')``; or GradScaler's order,
+            ``GradientScaler('cuda', 2.0 ** 16, ...)``.
+        mode (str): One of :data:`MODES` (default ``'gs'``).
+        device, init_scale, growth_factor, backoff_factor,
+            growth_interval, enabled: GradScaler's. ``mode='dynamic'``
+            grows and backs off with them; gradient scaling keeps them
+            (its getters and ``state_dict`` report them) and has no use for
+            them. ``enabled=False``: nothing is scaled or checked,
+            ``step`` always steps, as GradScaler.
         recipe (~gradient_scaling.core.recipes.Recipe): Every setting at
             once, or ``**settings``: the recipe's fields (``underflow_rate``,
             ``update_interval``, ``fmt``, ``estimator``, ``loss_scale``,
-            ``init_scale``, ``growth_interval``, ...).
+            ``bounded``, ``patience``, ...).
         process_group: A ``torch.distributed`` group; by default the
             world, when ``torch.distributed`` is initialized with several
             ranks. Every rank then takes the same decision and commits the
             same scales (:mod:`~gradient_scaling.torch.agreement`). The
             gradients are averaged by what the model is trained with, as
-            with GradScaler: ``DistributedDataParallel`` (the scaler may
-            be given the wrapper or its module) or FSDP's
+            with GradScaler: ``DistributedDataParallel`` or FSDP's
             ``fully_shard``; under GS they land unscaled, so these read
             true gradients.
 
     """
 
-    def __init__(self, model, mode='gs', recipe=None, process_group=None,
+    def __init__(self, device=None, init_scale=2.0 ** 16, growth_factor=2.0,
+                 backoff_factor=0.5, growth_interval=2000, enabled=True, *,
+                 model=None, mode='gs', recipe=None, process_group=None,
                  **settings):
+        if isinstance(device, torch.nn.Module):
+            # GradientScaler(model[, mode]): the project's own short form
+            model, device = device, None
+            if isinstance(init_scale, str):
+                mode, init_scale = init_scale, 2.0 ** 16
+        if device is not None and str(device).startswith('cuda') and \
+                enabled and not torch.cuda.is_available():
+            warnings.warn('GradientScaler is enabled for {!r}, but CUDA is '
+                          'not available. Disabling.'.format(device))
+            enabled = False
+        if growth_factor <= 1.0:
+            raise ValueError('The growth factor must be > 1.0, got {!r}'
+                             .format(growth_factor))
+        if backoff_factor >= 1.0:
+            raise ValueError('The backoff factor must be < 1.0, got {!r}'
+                             .format(backoff_factor))
+        self._device = 'cuda' if device is None else str(device)
+        self._enabled = bool(enabled)
+        self._growth = {'init_scale': float(init_scale),
+                        'growth_factor': float(growth_factor),
+                        'backoff_factor': float(backoff_factor),
+                        'growth_interval': int(growth_interval)}
+        self._settings = dict(settings)
         if recipe is None:
-            if mode not in MODES:
-                raise ValueError('mode must be one of {}, got {!r}'.format(
-                    ', '.join(MODES), mode))
-            mode = 'dynamic-gradscaler' if mode == 'dynamic' else mode
-            if mode in ('gs', 'amax-delayed', 'amax-current'):
-                recipe = recipes.hook_recipe(
-                    estimator=settings.pop('estimator', 'model')
-                    if mode == 'gs' else mode, **settings)
-            else:
-                recipe = recipes.for_mode(mode, **settings)
+            recipe = self._recipe(mode, settings)
         elif settings:
             raise ValueError('pass a recipe or settings, not both')
         self.model = model
         self.recipe = recipe
-        self.strategy = strategies.make(recipe, unwrapped(model))
         self.process_group = process_group
-        self.state = ModuleState(unwrapped(model))
+        self._build()
+
+    def _recipe(self, mode, settings):
+        if mode not in MODES:
+            raise ValueError('mode must be one of {}, got {!r}'.format(
+                ', '.join(MODES), mode))
+        if not self._enabled:
+            return recipes.for_mode('none')
+        if mode in ('gs', 'amax-delayed', 'amax-current'):
+            settings = dict(settings)
+            return recipes.hook_recipe(
+                estimator=settings.pop('estimator', 'model')
+                if mode == 'gs' else mode, **settings)
+        if mode == 'dynamic':
+            growth = dict(self._growth)
+            if 'init_scale' not in settings and growth['init_scale'] > \
+                    settings.get('max_scale', 2.0 ** 24) and \
+                    settings.get('bounded', True):
+                growth['init_scale'] = settings.get('max_scale', 2.0 ** 24)
+            return recipes.for_mode('dynamic-gradscaler',
+                                    **dict(growth, **settings))
+        return recipes.for_mode(mode, **settings)
+
+    def _build(self):
+        """The strategy, buffers and stages for ``self.model`` (also after
+        unpickling, which drops the model)."""
+        module = unwrapped(self.model)
+        self.strategy = strategies.make(self.recipe, module)
+        self.state = None if module is None else ModuleState(module)
         self._stages = {}
-        self._decided = None  # (payloads, result) of the step
+        self._decided = {}  # optimizer id -> (payloads, result)
+        self._step = None  # (payloads, result) of a per-step strategy
+        #: Whether the last :meth:`step` was taken (None before any).
+        self.step_taken = None
         # The buffers are captured before the first module that has some
         # runs in a step, whoever calls it (a LightningModule's
         # training_step calling self.net(x), a DDP wrapper).
-        self._capture = [m.register_forward_pre_hook(self._forward)
-                         for m in self.state.owners()]
-        self._model_params = set(model.parameters())
+        # (Through a weak reference: a deep copy of the model, an EMA
+        # twin, must not copy the scaler with it.)
+        capture = functools.partial(_capture_weakly, weakref.ref(self))
+        self._capture = [] if self.state is None else [
+            m.register_forward_pre_hook(capture)
+            for m in self.state.owners()]
 
     @property
     def guard(self):
+        """The overflow policy (skip counts, patience)."""
         return self.strategy.guard
-
-    def _forward(self, module, inputs):
-        if not self.state.captured:
-            self.state.capture()
 
     def _world(self):
         if self.process_group is not None:
@@ -128,84 +207,237 @@ class GradientScaler(object):
             return dist.group.WORLD
         return None
 
-    # -- the verbs ---------------------------------------------------------
+    # -- GradScaler's verbs ------------------------------------------------
 
     def scale(self, outputs):
         """The loss (or losses) to call ``backward`` on."""
+        if not self._enabled:
+            return outputs
         return self.strategy.scale(outputs, ranked=self._world() is not None)
 
     def unscale_(self, optimizer):
-        """Decides the step, which leaves every gradient of the model
-        divided by its scale (in FP32 for FP32 parameters); divides those
-        of ``optimizer``'s other parameters by theirs."""
+        """Decides ``optimizer``'s step; its ``.grad`` then hold the true
+        gradients (under GS they already did: it only checks)."""
+        if not self._enabled:
+            return
         stage = self._stages.get(id(optimizer), 'ready')
         if stage == 'unscaled':
             raise RuntimeError('unscale_() has already been called on this '
-                               'optimizer since the last update()')
+                               'optimizer since the last update().')
         if stage == 'stepped':
-            raise RuntimeError('unscale_() is being called after step()')
-        for group in optimizer.param_groups:
-            for param in group['params']:
-                if param.grad is not None:
-                    _check_dtype(param)
-        payloads, result = self._decide()
-        if result.finite:
-            unscaling.unscale(
-                (p.grad, self.strategy.scale_of(p))
-                for group in optimizer.param_groups for p in group['params']
-                if p.grad is not None and p not in self._model_params)
+            raise RuntimeError('unscale_() is being called after step().')
+        params = _params(optimizer)
+        for param in params:
+            if param.grad is not None and param.grad.dtype == torch.float16:
+                raise ValueError('Attempting to unscale FP16 gradients.')
+        self._decide(optimizer, params)
         self._stages[id(optimizer)] = 'unscaled'
 
     def step(self, optimizer, *args, **kwargs):
-        """Takes ``optimizer``'s step if the backward was finite; returns
-        whether it did. A skipped step puts the modules' buffers back."""
+        """``optimizer.step(*args, **kwargs)`` if its gradients are finite;
+        returns what it returns, None when skipped. :attr:`step_taken`
+        says which. An optimizer that handles the scaling itself
+        (``_step_supports_amp_scaling``) gets what GradScaler gives it:
+        the scaler (``grad_scaler=``) or ``grad_scale`` and ``found_inf``."""
+        if not self._enabled:
+            self.step_taken = True
+            return optimizer.step(*args, **kwargs)
+        if 'closure' in kwargs:
+            raise RuntimeError('Closure use is not currently supported if '
+                               'GradScaler is enabled.')
         stage = self._stages.get(id(optimizer), 'ready')
         if stage == 'stepped':
             raise RuntimeError('step() has already been called since the '
-                               'last update()')
+                               'last update().')
+        if getattr(optimizer, '_step_supports_amp_scaling', False):
+            return self._step_itself(optimizer, stage, args, kwargs)
         if stage == 'ready':
             self.unscale_(optimizer)
-        _, result = self._decided
+        _, result = self._decided[id(optimizer)]
         self._stages[id(optimizer)] = 'stepped'
-        if result.finite:
-            optimizer.step(*args, **kwargs)
-            return True
-        self.state.restore()
-        return False
+        self.step_taken = result.finite
+        return optimizer.step(*args, **kwargs) if result.finite else None
 
-    def update(self):
-        """The mode's transition for the decided step (grow, back off,
-        commit the scales staged); every optimizer is ready again.
+    def _step_itself(self, optimizer, stage, args, kwargs):
+        """GradScaler's contract with an optimizer that unscales and skips
+        inside its own step (fused Adam)."""
+        if 'grad_scaler' in inspect.signature(optimizer.step).parameters:
+            warnings.warn(
+                'GradScaler is going to stop passing itself as a keyword '
+                'argument to the passed optimizer. In the near future '
+                'GradScaler registers `grad_scale: Tensor` and `found_inf: '
+                'Tensor` to the passed optimizer and let the optimizer use '
+                'them directly.', FutureWarning, stacklevel=3)
+            retval = optimizer.step(*args, **dict(kwargs, grad_scaler=self))
+            self._stages[id(optimizer)] = 'stepped'
+            return retval
+        params = _params(optimizer)
+        if stage == 'ready':
+            # Decided without unscaling: the optimizer divides by
+            # grad_scale itself.
+            decided = self._decide(optimizer, params, unscale=False)
+            factor = self.strategy.grad_factor()
+        else:
+            decided = self._decided[id(optimizer)]
+            factor = 1.0
+        device = next((p.device for p in params), torch.device('cpu'))
+        optimizer.grad_scale = torch.full((), factor, device=device)
+        optimizer.found_inf = torch.full(
+            (), 0.0 if decided[1].finite else 1.0, device=device)
+        try:
+            retval = optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf
+        self._stages[id(optimizer)] = 'stepped'
+        self.step_taken = decided[1].finite
+        return retval
+
+    def update(self, new_scale=None):
+        """The mode's transition for the step (grow, back off, commit the
+        scales staged); every optimizer is ready again. When every
+        optimizer's step was skipped, the modules' buffers are put back.
+        ``new_scale`` (``mode='dynamic'``) sets the loss scale instead.
 
         Raises:
             GradientOverflowError: When overflow persists.
 
         """
-        if self._decided is None or 'stepped' not in self._stages.values():
+        if not self._enabled:
+            return
+        if new_scale is not None:
+            self._set_scale(new_scale)
+            return
+        if 'stepped' not in self._stages.values():
             raise RuntimeError('update() needs a step() since the last '
                                'update()')
-        payloads, _ = self._decided
-        self._decided, self._stages = None, {}
-        self.state.captured = False
-        self.strategy.after_update()
+        decided = list(self._decided.values())
+        if self.state is not None and decided and \
+                all(not result.finite for _, result in decided):
+            self.state.restore()  # no optimizer stepped: as if unseen
+        payloads = self._step[0] if self.strategy.per_step else \
+            [p for ps, _ in decided for p in ps]
+        self._reset_stages()
         step_module.decide(payloads, self.guard, self.strategy.transition,
                            self.strategy.scale_text)
 
-    def _decide(self):
-        """Every rank's payload and the combined result, once per step
-        (the same on every rank)."""
-        if self._decided is None:
-            payload = self.strategy.payload(self.model)
-            group = self._world()
-            if group is None or not self.strategy.checks:
-                payloads = [payload]
-            else:
-                payloads = agreement.exchange(payload, group)
-            result = PassResult.combine(p.result for p in payloads)
-            self._decided = (payloads, result)
-        return self._decided
+    def _reset_stages(self):
+        self._stages, self._decided, self._step = {}, {}, None
+        if self.state is not None:
+            self.state.captured = False
+        self.strategy.after_update()
 
-    # -- state ---------------------------------------------------------------
+    def _set_scale(self, new_scale):
+        if not isinstance(self.strategy, strategies.DynamicScale):
+            raise ValueError(
+                'update(new_scale) sets a single loss scale; mode {!r} has '
+                'none ({})'.format(self.recipe.mode,
+                                   'every site has its own'
+                                   if self.strategy.per_step else
+                                   'it does not change'))
+        if isinstance(new_scale, torch.Tensor):
+            if new_scale.numel() != 1 or new_scale.requires_grad:
+                raise ValueError('new_scale should be a float or a '
+                                 '1-element tensor with requires_grad=False')
+            new_scale = float(new_scale.item())
+        self.strategy.dynamic.loss_scale = float(new_scale)
+        self._reset_stages()
+
+    def _decide(self, optimizer, params, unscale=True):
+        """``optimizer``'s payloads (every rank's) and result, the same on
+        every rank. A loss-scaled mode unscales (unless ``unscale`` is
+        False) and checks the optimizer's gradients. Gradient scaling
+        decides once per step; when that step is not finite, an optimizer
+        whose own gradients are finite still steps (GradScaler's decision
+        per optimizer), its scales' transition being the step's."""
+        if self.strategy.per_step:
+            if self._step is None:
+                self._step = self._exchange(self.strategy.payload())
+            payloads, result = self._step
+            if not result.finite and self._finite(params):
+                result = PassResult()
+            decided = payloads, result
+        else:
+            names = self._names()
+            named = [(names.get(p, 'param#{}'.format(i)), p)
+                     for i, p in enumerate(params)]
+            decided = self._exchange(
+                self.strategy.payload(named) if unscale else
+                self.strategy.checked(named))
+        self._decided[id(optimizer)] = decided
+        return decided
+
+    def _finite(self, params):
+        """Whether every gradient of ``params`` is finite, on every rank."""
+        finite = unscaling.unscale(
+            [(p.grad, 1.0) for p in params if p.grad is not None],
+            check=True) is not False
+        group = self._world()
+        if group is not None:
+            return agreement.all_true(finite, group)
+        return finite
+
+    def _exchange(self, payload):
+        group = self._world()
+        if group is None or not self.strategy.checks:
+            payloads = [payload]
+        else:
+            payloads = agreement.exchange(payload, group)
+        return payloads, PassResult.combine(p.result for p in payloads)
+
+    def _names(self):
+        module = unwrapped(self.model)
+        return {} if module is None else {
+            p: n for n, p in module.named_parameters()}
+
+    # -- GradScaler's accessors --------------------------------------------
+
+    def get_scale(self):
+        """The factor on the gradients after the backward: the loss scale
+        of a loss-scaled mode; 1.0 for gradient scaling, whose gradients
+        land unscaled (and when disabled)."""
+        if not self._enabled:
+            return 1.0
+        return float(self.strategy.grad_factor())
+
+    def site_scales(self):
+        """Gradient scaling: the committed local scale of every site
+        (``{'layer1.0.conv1.weight': 256.0, 'cast#0': 2048.0, ...}``);
+        empty for a loss-scaled mode."""
+        return self.strategy.site_scales()
+
+    def is_enabled(self):
+        return self._enabled
+
+    def get_growth_factor(self):
+        return self._growth['growth_factor']
+
+    def set_growth_factor(self, new_factor):
+        self._retune(growth_factor=float(new_factor))
+
+    def get_backoff_factor(self):
+        return self._growth['backoff_factor']
+
+    def set_backoff_factor(self, new_factor):
+        self._retune(backoff_factor=float(new_factor))
+
+    def get_growth_interval(self):
+        return self._growth['growth_interval']
+
+    def set_growth_interval(self, new_interval):
+        self._retune(growth_interval=int(new_interval))
+
+    def _retune(self, **growth):
+        self._growth.update(growth)
+        if isinstance(self.strategy, strategies.DynamicScale):
+            self.recipe = dataclasses.replace(self.recipe, **growth)
+            self.strategy.retune(self.recipe)
+
+    def _get_growth_tracker(self):
+        if isinstance(self.strategy, strategies.DynamicScale):
+            return self.strategy.dynamic.clean_steps
+        return 0
+
+    # -- telemetry -----------------------------------------------------------
 
     def report(self):
         """Gradient scaling's telemetry, one record per site as of its
@@ -217,25 +449,102 @@ class GradientScaler(object):
         text."""
         return telemetry.write_csv(self.report(), file)
 
-    def get_scale(self):
-        """The loss scale (a float), or, for gradient scaling, the
-        committed local scale of every site (a dict)."""
-        return self.strategy.get_scale()
+    # -- state ---------------------------------------------------------------
 
     def state_dict(self):
-        """The mode's state between steps (plain Python values)."""
-        return {'mode': self.recipe.mode,
-                'state': self.strategy.state_dict()}
+        """GradScaler's entries (``scale``, ``growth_factor``,
+        ``backoff_factor``, ``growth_interval``, ``_growth_tracker``;
+        ``scale`` is :meth:`get_scale`) and the mode's own state under
+        ``gradient_scaling/`` (plain Python values); empty when disabled,
+        as GradScaler's."""
+        if not self._enabled:
+            return {}
+        state = {'scale': self.get_scale(),
+                 'growth_factor': self._growth['growth_factor'],
+                 'backoff_factor': self._growth['backoff_factor'],
+                 'growth_interval': self._growth['growth_interval'],
+                 '_growth_tracker': self._get_growth_tracker(),
+                 PREFIX + 'mode': self.recipe.mode}
+        state.update((PREFIX + k, v)
+                     for k, v in self.strategy.state_dict().items())
+        return state
 
-    def load_state_dict(self, state):
-        if state.get('mode') != self.recipe.mode:
+    def load_state_dict(self, state_dict):
+        """Restores :meth:`state_dict`, or a ``torch.amp.GradScaler``'s
+        (into ``mode='dynamic'``: its scale, growth settings and tracker).
+
+        Raises:
+            ValueError: For another mode's state, or a GradScaler's in a
+                mode without a single loss scale.
+
+        """
+        if not self._enabled:
+            return
+        state = state_dict
+        if len(state) == 0:
+            raise RuntimeError('The source state dict is empty, possibly '
+                               'because it was saved from a disabled '
+                               'instance of GradScaler.')
+        if 'state' in state and 'mode' in state:  # this project's older form
+            state = dict({PREFIX + 'mode': state['mode']},
+                         **{PREFIX + k: v for k, v in state['state'].items()})
+        mode = state.get(PREFIX + 'mode')
+        dynamic = isinstance(self.strategy, strategies.DynamicScale)
+        if mode is None and not dynamic:
+            raise ValueError(
+                "a torch.amp.GradScaler state (one loss scale, {:g}) cannot "
+                "resume mode {!r}; load it into GradientScaler(mode="
+                "'dynamic')".format(state.get('scale', math.nan),
+                                    self.recipe.mode))
+        if mode is not None and mode != self.recipe.mode:
             raise ValueError('a state of mode {!r}, this scaler is {!r}'
-                             .format(state.get('mode'), self.recipe.mode))
-        self.strategy.load_state_dict(state['state'])
+                             .format(mode, self.recipe.mode))
+        growth = {k: state[k] for k, _ in GROWTH[1:] if k in state}
+        if growth:
+            self._retune(**growth)
+        own = {k[len(PREFIX):]: v for k, v in state.items()
+               if k.startswith(PREFIX) and k != PREFIX + 'mode'}
+        if mode is None:  # GradScaler's
+            own = {'scale': float(state['scale']),
+                   'clean_steps': int(state.get('_growth_tracker', 0))}
+        self.strategy.load_state_dict(own)
+
+    def __getstate__(self):
+        """What pickling keeps: the settings and the state, not the model
+        (nor hooks on it); at the beginning of an iteration or after
+        :meth:`update`, as GradScaler."""
+        if self._stages or self._decided or self._step is not None:
+            raise RuntimeError('A GradientScaler may only be pickled at the '
+                               'beginning of an iteration, or at the end '
+                               'after update().')
+        return {'recipe': self.recipe, 'device': self._device,
+                'enabled': self._enabled, 'growth': dict(self._growth),
+                'settings': dict(self._settings),
+                'state': self.state_dict()}
+
+    def __setstate__(self, pickled):
+        """An unpickled scaler has no model: it scales the graphs it is
+        given and checks the gradients of the optimizers it steps."""
+        self._device = pickled['device']
+        self._enabled = pickled['enabled']
+        self._growth = pickled['growth']
+        self._settings = pickled['settings']
+        self.recipe = pickled['recipe']
+        self.model = None
+        self.process_group = None
+        self._build()
+        if pickled['state']:
+            self.load_state_dict(pickled['state'])
 
 
-def _check_dtype(param):
-    if param.grad.dtype in (torch.float16, torch.bfloat16):
-        raise ValueError('Attempting to unscale FP16 gradients: keep the '
-                         'parameters in FP32 (torch.autocast casts them '
-                         'where it computes in low precision)')
+def _capture_weakly(scaler_ref, module, inputs):
+    """Before a module with buffers runs: the scaler captures the
+    buffers once per step."""
+    scaler = scaler_ref()
+    if scaler is not None and scaler.state is not None and \
+            not scaler.state.captured:
+        scaler.state.capture()
+
+
+def _params(optimizer):
+    return [p for group in optimizer.param_groups for p in group['params']]

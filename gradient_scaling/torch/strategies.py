@@ -2,11 +2,9 @@
 
 One class per kind of recipe (:mod:`gradient_scaling.core.recipes`); the
 :class:`~gradient_scaling.torch.scaler.GradientScaler` holds one and never
-asks which: each says how the loss is scaled, which scale a parameter's
-gradient carries, what a step contributes to the decision and how its
-state moves when the step is decided. Every strategy's payload leaves the
-model's gradients unscaled, read once (:mod:`~gradient_scaling.torch.
-unscaling`: the check of a checked mode is the same read).
+asks which: each says how the loss is scaled, what the scale on a
+parameter's ``.grad`` is, what a step contributes to the decision and how
+its state moves when the step is decided.
 
 =========================  =====================================================
 recipe                     strategy
@@ -14,9 +12,18 @@ recipe                     strategy
 none / fp32                :class:`Unscaled`: nothing scaled, never checked
 fixed                      :class:`FixedScale`: ``loss * S``, never checked
 dynamic, dynamic-          :class:`DynamicScale`: ``torch.amp.GradScaler``'s
-gradscaler                 growth and backoff, with a floor and a ceiling
+gradscaler                 growth and backoff (with a floor and a ceiling
+                           unless ``bounded=False``)
 gs, amax-*                 :class:`PerTensor`: the gradient-scaling hook
 =========================  =====================================================
+
+A loss-scaled mode decides per optimizer, as GradScaler does: its
+:meth:`~Unscaled.payload` unscales and checks that optimizer's gradients
+(every parameter it steps, in the model or not) in one fused read. Gradient
+scaling decides per step: its gradients landed unscaled during the
+backward, and its pass result covers every leaf of the graph, so one
+decision (and one set of scales, and the buffers put back) serves every
+optimizer.
 """
 
 import torch
@@ -53,6 +60,8 @@ class Unscaled(object):
     """No scaling and no check (``GradScaler(enabled=False)``)."""
 
     checks = False
+    per_step = False
+    loss_scale = 1.0
 
     def __init__(self, recipe, model):
         self.recipe = recipe
@@ -60,45 +69,43 @@ class Unscaled(object):
                                                getattr(recipe, 'patience',
                                                        10))
         self._losses = []
-        self._params = list(model.named_parameters())
-
-    loss_scale = 1.0
 
     def scale(self, outputs, ranked=False):
         self._losses.extend(_tensors(outputs))
         return outputs if self.loss_scale == 1.0 else _times(
             outputs, self.loss_scale)
 
-    def scale_of(self, param):
-        """The scale of a gradient the payload did not unscale (of a
-        parameter outside the model)."""
+    def grad_factor(self):
+        """The factor on ``.grad`` after the backward (before unscaling)."""
         return self.loss_scale
 
-    def payload(self, model):
-        """Unscales the model's gradients (unchecked)."""
-        self._losses = []
-        unscaling.unscale(self._grads())
+    def payload(self, named_params):
+        """Unscales the gradients of ``named_params`` ((name, parameter)
+        pairs: one optimizer's), unchecked."""
+        unscaling.unscale((p.grad, self.loss_scale)
+                          for _, p in named_params if p.grad is not None)
         return _Payload(PassResult())
 
-    def _grads(self):
-        return [(p.grad, self.loss_scale) for _, p in self._params
-                if p.grad is not None]
+    def checked(self, named_params):
+        """As :meth:`payload`, the gradients left as they are (an
+        optimizer that unscales them itself)."""
+        return _Payload(PassResult())
 
     def transition(self, payloads, result):
         return False
 
     def after_update(self):
-        """Called once the gradients are unscaled (a loss scale is no
-        longer on them)."""
+        """The step is over: the losses it scaled are forgotten."""
+        self._losses = []
 
     def scale_text(self):
         return 'loss scale {:g}'.format(self.loss_scale)
 
-    def get_scale(self):
-        return self.loss_scale
-
     def report(self):
         return []
+
+    def site_scales(self):
+        return {}
 
     def state_dict(self):
         return {}
@@ -122,26 +129,44 @@ class DynamicScale(Unscaled):
     floor and a ceiling (the Chainer adapter's
     :class:`~gradient_scaling.chainer.scalers.GradScalerLossScaling`
     transition table). A data fault (a non-finite loss) skips and changes
-    no scale."""
+    no scale. ``recipe.bounded=False`` is GradScaler exactly: no floor, no
+    ceiling, every skip backs off, no error however many."""
 
     checks = True
 
     def __init__(self, recipe, model):
         super().__init__(recipe, model)
         self.dynamic = scale_state.DynamicLossScale(recipe)
+        if not recipe.bounded:
+            self.guard = step_module.OverflowGuard(recipe.mode, None)
 
-    loss_scale = property(lambda self: self.dynamic.loss_scale)
+    @property
+    def loss_scale(self):
+        return self.dynamic.loss_scale
 
-    def payload(self, model):
-        """Unscales and checks the model's gradients in one read."""
-        losses, self._losses = [t.detach() for t in self._losses], []
-        if unscaling.unscale(self._grads(), losses, check=True):
+    def payload(self, named_params):
+        """Unscales and checks one optimizer's gradients in one read."""
+        losses = [t.detach() for t in self._losses]
+        grads = [(n, p.grad) for n, p in named_params if p.grad is not None]
+        if unscaling.unscale([(g, self.loss_scale) for _, g in grads],
+                             losses, check=True):
             return _Payload(PassResult())
-        return _Payload(step_module.pass_result(
-            losses, [(n, p.grad) for n, p in self._params]))
+        return _Payload(step_module.pass_result(losses, grads))
+
+    def checked(self, named_params):
+        losses = [t.detach() for t in self._losses]
+        grads = [(n, p.grad) for n, p in named_params if p.grad is not None]
+        if unscaling.unscale([(g, 1.0) for _, g in grads], losses,
+                             check=True):
+            return _Payload(PassResult())
+        return _Payload(step_module.pass_result(losses, grads))
 
     def transition(self, payloads, result):
         return self.dynamic.transition(result)
+
+    def retune(self, recipe):
+        """New growth settings (``set_growth_factor``...), the state kept."""
+        self.recipe = self.dynamic.recipe = recipe
 
     def state_dict(self):
         return dict({'scale': self.dynamic.loss_scale,
@@ -152,18 +177,21 @@ class DynamicScale(Unscaled):
     def load_state_dict(self, state):
         self.dynamic.load_state_dict({'loss_scale': state['scale'],
                                       'clean_steps': state['clean_steps']})
-        self.guard.load_state_dict({k[len('guard/'):]: v
-                                    for k, v in state.items()
-                                    if k.startswith('guard/')})
+        guard = {k[len('guard/'):]: v for k, v in state.items()
+                 if k.startswith('guard/')}
+        if guard:  # (a GradScaler's state has none: the counts start anew)
+            self.guard.load_state_dict(guard)
 
 
 class PerTensor(object):
 
     """Gradient scaling (and Transformer Engine's amax recipes): the
     :class:`~gradient_scaling.torch.hook.GradientScaling` hook attaches to
-    the loss's graph; every parameter's gradient has its own scale."""
+    the loss's graph; every gradient tensor has its own scale inside the
+    backward, and the gradients land in ``.grad`` unscaled."""
 
     checks = True
+    per_step = True
 
     def __init__(self, recipe, model):
         self.recipe = recipe
@@ -178,10 +206,12 @@ class PerTensor(object):
         self.hook.attach(outputs)
         return outputs
 
-    def scale_of(self, param):
-        return self.hook.scale_of(param)
+    def grad_factor(self):
+        return 1.0
 
-    def payload(self, model):
+    def payload(self, named_params=None):
+        """The step's payload (its passes' results, the scales staged):
+        one for every optimizer."""
         return self.hook.step_payload()
 
     def transition(self, payloads, result):
@@ -196,7 +226,7 @@ class PerTensor(object):
     def report(self):
         return self.hook.report()
 
-    def get_scale(self):
+    def site_scales(self):
         """The committed local scale of every site."""
         return dict(self.hook.table.scales)
 
@@ -217,7 +247,8 @@ _STRATEGIES = {
 
 
 def make(recipe, model):
-    """The strategy that applies ``recipe`` to ``model``."""
+    """The strategy that applies ``recipe`` to ``model`` (None: the sites
+    are named from the graph)."""
     cls = _STRATEGIES.get(type(recipe))
     if cls is None:
         raise ValueError('{} has no PyTorch strategy (Chainer\'s own Dyn-LS '

@@ -51,6 +51,10 @@ def unscale(grads_and_scales, losses=(), check=False):
     """
     groups = {}
     for grad, scale in grads_and_scales:
+        if grad.is_sparse:
+            # Its values, in place (duplicate indices need no coalescing:
+            # scaling and checking each is scaling and checking their sum).
+            grad = internals.sparse_values(grad)
         fused = grad.dtype in _FUSED and _normal_inverse(scale)
         groups.setdefault((scale, grad.device, fused), []).append(grad)
     if not groups and not check:

@@ -120,7 +120,8 @@ class TorchStep(object):
         if self.scaler is None:
             self.optimizer.step()
         elif isinstance(self.scaler, GradientScaler):
-            self.skips += not self.scaler.step(self.optimizer)
+            self.scaler.step(self.optimizer)
+            self.skips += not self.scaler.step_taken
             self.scaler.update()
         else:
             before = self.scaler.get_scale()

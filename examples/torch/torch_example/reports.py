@@ -34,10 +34,10 @@ _COLUMNS = ('iteration', 'site', 'kind', 'local_scale', 'output_scale',
 
 def largest_scale(scaler):
     """The loss scale, or the largest committed local scale of any site."""
-    scale = scaler.get_scale()
-    if isinstance(scale, dict):
-        return max(scale.values(), default=1.0)
-    return float(scale)
+    sites = scaler.site_scales()
+    if sites:
+        return max(sites.values())
+    return float(scaler.get_scale())
 
 
 class Log(object):

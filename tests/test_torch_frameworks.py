@@ -1,0 +1,398 @@
+"""GradientScaler inside the frameworks users train with: PyTorch
+Lightning 2.6, Hugging Face Accelerate and Hugging Face ``transformers``
+models (installed by ``make test`` as an optional stage; each part is
+skipped, saying why, where its framework does not import).
+
+Each test runs with the kinds of dropin_scalers where it means something
+for them: ``torch.amp.GradScaler`` (the reference, which proves the
+test), ``GradientScaler(mode='dynamic')`` and ``mode='gs'``, built with
+the model and without GradScaler's settings in mode 'gs' (which takes
+them and has no use for them; test_gradscaler_dropin.py passes them).
+Every kind must pass every test (issue 34): none is marked, and a test is
+skipped only where its framework does not import.
+"""
+
+import functools
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip('torch')
+
+from dropin_scalers import (GRADSCALER, GS, cases,  # NOQA
+                            loss_scale_settings, make)
+
+
+def framework(name):
+    """The module, or a skip that says what is missing and how to get
+    it (``make test`` installs it on Python 3.11)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        pytest.skip('{} is not importable ({}): make setup-test installs it '
+                    '(the Makefile\'s TORCH_FRAMEWORKS)'.format(name, e))
+
+
+# -- PyTorch Lightning ------------------------------------------------------
+
+@pytest.fixture(scope='module')
+def lightning_runs(tmp_path_factory):
+    """torch_lightning_runs, imported once Lightning is known to import;
+    ``runs.cached(kind, **fit_kwargs)``: a run with loss_scale_settings,
+    computed once (the tests only read it)."""
+    framework('lightning')
+    import torch_lightning_runs as runs
+    root = tmp_path_factory.mktemp('lightning')
+
+    @functools.lru_cache(maxsize=None)
+    def cached(kind, **kwargs):
+        return runs.fit(builder(kind), root, **kwargs)
+    runs.cached = cached
+    return runs
+
+
+def builder(kind, **settings):
+    """make_scaler for torch_lightning_runs.fit: ``kind``'s scaler for the
+    module, with ``settings`` or else loss_scale_settings."""
+    return lambda module: make(kind, module,
+                               **(settings or loss_scale_settings(kind)))
+
+
+def epoch_means(losses, n=4):
+    return [sum(losses[i:i + n]) / n for i in range(0, len(losses), n)]
+
+
+def assert_close_modules(a, b, **tolerances):
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        torch.testing.assert_close(p, q, msg=name, **tolerances)
+
+
+@pytest.mark.parametrize('kind', cases())
+def test_lightning_16_mixed_trains_as_with_gradscaler(kind, lightning_runs):
+    """Trainer with MixedPrecision('16-mixed', 'cpu', scaler=...): every
+    step taken, the loss down by 3x over 3 epochs, the weights those of
+    GradScaler's run (the scales are powers of two: only fp16 rounding
+    of the scaled backward differs)."""
+    module, record, _ = lightning_runs.cached(kind)
+    means = epoch_means(record.losses)
+    assert len(means) == 3 and means[-1] < means[0] / 3
+    assert all(record.moved)
+    reference = lightning_runs.cached(GRADSCALER)[0]
+    assert_close_modules(module, reference, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize('kind', cases())
+def test_lightning_resumes_through_ckpt_path_with_the_scalers_state(
+        kind, lightning_runs, tmp_path):
+    """2 epochs, a checkpoint, then a new Trainer and a scaler built
+    otherwise resumed through ckpt_path to 3 epochs: the scaler starts
+    from the checkpoint's state, and the run ends as an unbroken one,
+    bit for bit."""
+    ckpt = tmp_path / 'two-epochs.ckpt'
+    _, _, first = lightning_runs.fit(builder(kind), tmp_path, max_epochs=2,
+                                     save=ckpt)
+    saved = lightning_runs.plain(first.state_dict())
+    other = {'init_scale': 2.0 ** 5} if kind.single_scale else {}
+    module, record, _ = lightning_runs.fit(
+        builder(kind, **other), tmp_path, max_epochs=3, ckpt_path=str(ckpt))
+    assert record.scaler_state_at_start == saved
+    assert len(record.losses) == lightning_runs.N_BATCHES
+    unbroken = lightning_runs.cached(kind)[0]
+    assert_close_modules(module, unbroken, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize('kind', cases())
+def test_lightning_accumulates_gradients(kind, lightning_runs):
+    """accumulate_grad_batches=2: the weights move every second batch
+    only, and end as with GradScaler."""
+    module, record, _ = lightning_runs.cached(kind,
+                                              accumulate_grad_batches=2)
+    assert record.moved == [False, True] * 6
+    reference = lightning_runs.cached(GRADSCALER,
+                                      accumulate_grad_batches=2)[0]
+    assert_close_modules(module, reference, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize('kind', cases())
+def test_lightning_skipped_step_puts_back_batchnorm_of_an_inner_module(
+        kind, lightning_runs, tmp_path):
+    """A batch that overflows in fp16 (BatchNorm, inside ``self.net``,
+    sees inf): the step is skipped and, with GradientScaler given the
+    LightningModule, the inner BatchNorm's running statistics are put
+    back, finite. GradScaler skips the step too but leaves them as the
+    forward left them: not finite (the difference GS makes)."""
+    _, record, _ = lightning_runs.fit(builder(kind), tmp_path, max_epochs=1,
+                                      fault_step=1)
+    assert record.moved == [True, False, True, True]
+    before, after = record.around_watch
+    stats = ('1.running_mean', '1.running_var', '1.num_batches_tracked')
+    for name in before:
+        if name not in stats:
+            assert torch.equal(after[name], before[name]), name
+    finite = all(after[s].isfinite().all() for s in stats)
+    if kind is GRADSCALER:
+        assert not finite
+        assert after['1.num_batches_tracked'] == 2
+    else:
+        assert finite
+        for s in stats:
+            assert torch.equal(after[s], before[s]), s
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('kind', cases())
+def test_lightning_ddp_on_two_cpu_processes(kind, tmp_path):
+    """strategy='ddp', two processes (gloo), each rank its own data and
+    losses; an fp16 overflow on rank 1 only: both ranks skip that step,
+    take every other, and end with the same weights."""
+    framework('lightning')
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(here, 'torch_lightning_runs.py'),
+         kind.name, str(tmp_path)], capture_output=True, text=True,
+        timeout=600, cwd=str(tmp_path),
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [here, os.path.dirname(here)]), OMP_NUM_THREADS='1'))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / 'rank{}.json'.format(r)).read_text())
+             for r in (0, 1)]
+    steps = 2 * 4   # 2 epochs of 8 batches, 4 on each rank
+    for rank in ranks:
+        assert rank['moved'] == [i != 2 for i in range(steps)]
+        assert all(abs(b) < float('inf') for b in rank['buffers'])
+    assert ranks[0]['weights'] == ranks[1]['weights']
+    assert ranks[0]['losses'] != ranks[1]['losses']
+
+
+# -- Hugging Face Accelerate ------------------------------------------------
+
+@pytest.fixture(scope='module')
+def accelerate():
+    """accelerate. Its state is process-wide (AcceleratorState): every
+    Accelerator here is built alike, ``cpu=True, mixed_precision='fp16'``,
+    which Accelerate allows again and again."""
+    return framework('accelerate')
+
+
+def accelerate_batches(n=4, fault=2):
+    """Regression batches; batch ``fault`` overflows in fp16."""
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for i in range(n):
+        x = torch.randn(16, 8, generator=g)
+        batches.append((x * 1e6 if i == fault else x, x.sum(1, keepdim=True)))
+    return batches
+
+
+def regression_net(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                               torch.nn.Linear(16, 1))
+
+
+MAX_NORM = 0.5   # below these gradients' norms: the clip acts
+
+
+def fp16_accelerator(accelerate, scaler):
+    """``Accelerator(cpu=True, mixed_precision='fp16')``, which on the
+    CPU makes no scaler and no autocast, given what it gives itself on a
+    GPU (accelerator.py: ``self.scaler``, ``self.native_amp``) before
+    ``prepare``, which hands the scaler to the optimizer it wraps."""
+    accelerator = accelerate.Accelerator(cpu=True, mixed_precision='fp16')
+    assert accelerator.scaler is None and not accelerator.native_amp
+    accelerator.scaler = scaler
+    accelerator.native_amp = True     # autocast, unscale before clipping
+    return accelerator
+
+
+@pytest.mark.parametrize('kind', cases())
+def test_accelerate_backward_clip_step_with_the_scaler(kind, accelerate,
+                                                       tmp_path):
+    """accelerator.backward, clip_grad_norm_ and the prepared optimizer's
+    step through the scaler: the norms clipped are those of the true
+    gradients (a plain fp32 run's, not 1024 times them), the fp16
+    overflow's step is skipped (step_was_skipped), the weights end as the
+    plain run's; save_state/load_state carry the scaler's state into a
+    scaler built otherwise."""
+    batches = accelerate_batches()
+    control = regression_net()
+    opt_control = torch.optim.SGD(control.parameters(), lr=0.05)
+    norms_control = []
+    for i, (x, y) in enumerate(batches):
+        if i == 2:
+            continue
+        opt_control.zero_grad()
+        torch.nn.functional.mse_loss(control(x), y).backward()
+        norms_control.append(float(torch.nn.utils.clip_grad_norm_(
+            control.parameters(), MAX_NORM)))
+        opt_control.step()
+
+    model = regression_net()
+    accelerator = fp16_accelerator(accelerate, builder(kind)(model))
+    model, optimizer = accelerator.prepare(
+        model, torch.optim.SGD(model.parameters(), lr=0.05))
+    norms, skipped = [], []
+    for x, y in batches:
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        accelerator.backward(loss)
+        norms.append(float(accelerator.clip_grad_norm_(model.parameters(),
+                                                       MAX_NORM)))
+        optimizer.step()
+        skipped.append(optimizer.step_was_skipped)
+    assert skipped == [False, False, True, False]
+    del norms[2]
+    assert norms == pytest.approx(norms_control, rel=1e-2)
+    for p, c in zip(model.parameters(), control.parameters()):
+        torch.testing.assert_close(p, c, rtol=1e-2, atol=1e-3)
+
+    accelerator.save_state(str(tmp_path / 'state'))
+    saved = json.dumps(accelerator.scaler.state_dict(), sort_keys=True)
+    fresh = regression_net(seed=1)
+    other = {'init_scale': 2.0 ** 5} if kind.single_scale else {}
+    accelerator = fp16_accelerator(accelerate, builder(kind, **other)(fresh))
+    fresh, _ = accelerator.prepare(
+        fresh, torch.optim.SGD(fresh.parameters(), lr=0.05))
+    accelerator.load_state(str(tmp_path / 'state'))
+    assert json.dumps(accelerator.scaler.state_dict(), sort_keys=True) == \
+        saved
+    for p, q in zip(fresh.parameters(), model.parameters()):
+        assert torch.equal(p, q)
+
+
+# -- Hugging Face transformers ------------------------------------------------
+
+def gpt2(transformers):
+    """GPT-2: its Conv1D is addmm with an untransposed weight; wte is tied
+    to the LM head."""
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=16,
+        resid_pdrop=0., embd_pdrop=0., attn_pdrop=0., bos_token_id=0,
+        eos_token_id=0))
+
+
+def bert(transformers):
+    """BERT, masked LM (word embeddings tied to the decoder)."""
+    return transformers.BertForMaskedLM(transformers.BertConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, vocab_size=64, max_position_embeddings=16,
+        hidden_dropout_prob=0., attention_probs_dropout_prob=0.))
+
+
+def llama(transformers):
+    """Llama: RMSNorm, rotary position embeddings, a gated MLP."""
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, vocab_size=64,
+        max_position_embeddings=16, bos_token_id=0, eos_token_id=0))
+
+
+def vit(transformers):
+    """ViT: a convolution embeds the 4x4 patches."""
+    return transformers.ViTForImageClassification(transformers.ViTConfig(
+        image_size=8, patch_size=4, num_channels=3, hidden_size=32,
+        num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        num_labels=5, hidden_dropout_prob=0.,
+        attention_probs_dropout_prob=0.))
+
+
+def transformers_batch(name, step):
+    g = torch.Generator().manual_seed(step)
+    if name == 'vit':
+        return {'pixel_values': torch.randn(2, 3, 8, 8, generator=g,
+                                            dtype=torch.float64),
+                'labels': torch.randint(0, 5, (2,), generator=g)}
+    ids = torch.randint(0, 64, (2, 12), generator=g)
+    return {'input_ids': ids, 'labels': ids}
+
+
+MODELS = {'gpt2': gpt2, 'bert': bert, 'llama': llama, 'vit': vit}
+
+# The parameters of 2 or more dimensions that are no sites: they are no
+# matrix product's weight, or, the patch embedding, one whose input is
+# the data (no gradient leaves it to scale).
+NOT_SITES = {
+    'gpt2': ['transformer.wpe.weight'],
+    'bert': ['bert.embeddings.position_embeddings.weight',
+             'bert.embeddings.token_type_embeddings.weight'],
+    'llama': ['model.embed_tokens.weight'],
+    'vit': ['vit.embeddings.cls_token',
+            'vit.embeddings.patch_embeddings.projection.weight',
+            'vit.embeddings.position_embeddings']}
+# Their Linear and Conv1D weights: 4 per block (GPT-2, tied head), 6 per
+# block and the MLM transform (BERT, tied decoder), 7 per block and the
+# head (Llama), 6 per block and the classifier (ViT).
+GEMMS = {'gpt2': 9, 'bert': 14, 'llama': 15, 'vit': 13}
+
+
+@pytest.fixture(scope='module')
+def transformers():
+    module = framework('transformers')
+    module.logging.set_verbosity_error()
+    return module
+
+
+def gemm_weights(transformers, model):
+    """The names of the weights of every Linear and GPT-2 Conv1D (a tied
+    head's under the name of the table it shares)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    gemms = (torch.nn.Linear, transformers.pytorch_utils.Conv1D)
+    return sorted({names[id(m.weight)] for m in model.modules()
+                   if isinstance(m, gemms)})
+
+
+@functools.lru_cache(maxsize=None)
+def train_against_plain(kind, transformers, name, steps=2):
+    """``steps`` steps of ``name`` in float64 with the loss times 2**-24,
+    through the scaler; after each unscale_ the gradients must equal a
+    plain backward's on a copy, bit for bit. Returns the model and the
+    scaler (once per arguments: the sites test reads GS's run)."""
+    torch.manual_seed(0)
+    model = MODELS[name](transformers).double()
+    plain = MODELS[name](transformers).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = make(kind, model, **loss_scale_settings(kind))
+    for step in range(steps):
+        plain.load_state_dict(model.state_dict())
+        batch = transformers_batch(name, step)
+        (plain(**batch).loss * 2.0 ** -24).backward()
+        optimizer.zero_grad()
+        scaler.scale(model(**batch).loss * 2.0 ** -24).backward()
+        scaler.unscale_(optimizer)
+        expected = dict(plain.named_parameters())
+        for n, p in model.named_parameters():
+            assert torch.equal(p.grad, expected[n].grad), (step, n)
+        scaler.step(optimizer)
+        scaler.update()
+        plain.zero_grad()
+    return model, scaler
+
+
+@pytest.mark.parametrize('name', sorted(MODELS))
+@pytest.mark.parametrize('kind', cases())
+def test_transformers_gradients_after_unscale_are_the_plain_ones(
+        kind, transformers, name):
+    """float64, the loss times 2**-24: two steps whose unscaled gradients
+    equal a plain backward's exactly (every scale is a power of two)."""
+    train_against_plain(kind, transformers, name)
+
+
+@pytest.mark.parametrize('name', sorted(MODELS))
+def test_transformers_every_matrix_product_weight_is_a_site(transformers,
+                                                           name):
+    """GS in mode 'gs': every Linear and Conv1D weight (GPT-2's addmm with
+    the untransposed weight, tied heads, Llama's gated MLP, BERT's and
+    ViT's attention) names a site of ``report()``; the parameters of 2
+    or more dimensions that do not are the embedding tables and the
+    patch convolution (NOT_SITES)."""
+    model, scaler = train_against_plain(GS, transformers, name)
+    sites = {record.name for record in scaler.report()}
+    weights = gemm_weights(transformers, model)
+    assert len(weights) == GEMMS[name]
+    assert set(weights) <= sites
+    assert sorted(n for n, p in model.named_parameters()
+                  if p.dim() >= 2 and n not in sites) == NOT_SITES[name]
