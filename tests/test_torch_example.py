@@ -362,10 +362,24 @@ def torchrun(*options):
         capture_output=True, text=True, timeout=300, env=subprocess_env())
 
 
+def torchrun_failure(result, keep=3000):
+    """A failed torchrun for an assertion message: its exit status, the
+    start of stderr (the ranks' own lines: a traceback, an abort's
+    "terminate called ...") and its end (torchrun's summary: which rank
+    failed, its exit code or signal), and the end of stdout."""
+    err = result.stderr
+    if len(err) > 2 * keep:
+        err = '{}\n[... {} characters ...]\n{}'.format(
+            err[:keep], len(err) - 2 * keep, err[-keep:])
+    return 'torchrun exited with status {}\n--- stderr ---\n{}\n' \
+        '--- stdout (end) ---\n{}'.format(result.returncode, err,
+                                         result.stdout[-1000:])
+
+
 def test_two_gloo_processes_end_with_identical_replicas(tmp_path):
     # Each process its share of every batch, one decision per step.
     result = torchrun('--out', str(tmp_path / 'run'))
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, torchrun_failure(result)
     lines = result.stdout.splitlines()
     assert 'Replicas: parameters and buffers of 2 processes identical' \
         in lines

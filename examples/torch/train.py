@@ -19,7 +19,8 @@ with :class:`gradient_scaling.torch.GradientScaler` in place of
     python examples/torch/train.py --task segmentation --dataset folders \\
         --data-dir DIR
 
-    # two processes, one decision per step (gloo on CPUs, NCCL on GPUs):
+    # two processes under DistributedDataParallel, one decision per step
+    # (gloo on CPUs, NCCL on GPUs):
     torchrun --standalone --nproc_per_node 2 examples/torch/train.py
 
 ``--scaling``: fp32, none, fixed (``--loss-scale``), dynamic
@@ -77,7 +78,15 @@ def evaluation_points(iteration, interval):
 
 def main(argv=None):
     args = arguments.parse_args(argv, __doc__)
-    world = World.start(args.gpu)
+    with World.start(args.gpu) as world:
+        # run's objects (model, scaler, ...) are gone when the process
+        # group is left: it goes with its threads before the interpreter
+        # ends (torch_example.distributed.World.close)
+        return run(args, world)
+
+
+def run(args, world):
+    """The training of ``main`` in ``world``; returns the final metric."""
     task = tasks.make(args)
     train, test, label_names = task.load()  # the schedule's defaults too
     snapshot = snapshots.read(args.resume, args, world.size) \
@@ -85,7 +94,7 @@ def main(argv=None):
 
     torch.manual_seed(args.seed)
     model = task.build_model(len(label_names)).to(world.device)
-    world.broadcast_state(model)  # rank 0's initial weights everywhere
+    trained = world.data_parallel(model)  # rank 0's initial weights too
     optimizer = task.optimizer(model)
     scaler = precisions.make_scaler(model, args, world.group)
     precision = precisions.Precision(
@@ -115,8 +124,8 @@ def main(argv=None):
     for iteration in range(start + 1, args.iteration + 1):
         for group in optimizer.param_groups:
             group['lr'] = task.lr_at(iteration)
-        loss, lost = train_step(model, optimizer, scaler, precision, task,
-                                *stream.next())
+        loss, lost = train_step(trained, optimizer, scaler, precision,
+                                task, *stream.next())
         world.broadcast_state(model, parameters=False)  # BN statistics
         log.observe(dict(lost, **{'main/loss': loss}))
         history.record(iteration)
@@ -150,7 +159,6 @@ def finish(args, world, task, model, scaler, log):
                                                     'model_final.pt'))
     value = log.last(task.metric)
     world.log(reports.final_line(task.label, value, scaler.guard.total_skips))
-    world.close()
     return value
 
 
