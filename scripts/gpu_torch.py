@@ -157,7 +157,8 @@ def compare(device, steps=60, batch=64, dtype=torch.float16):
 
 
 def _scale_text(scaler):
-    scale = scaler.site_scales() or scaler.get_scale()
+    sites = getattr(scaler, 'site_scales', None)  # GradScaler has none
+    scale = (sites() if sites else None) or scaler.get_scale()
     if isinstance(scale, dict):
         logs = sorted(math.log2(s) for s in scale.values())
         return '{} sites, log2 {:g} .. {:g}'.format(len(logs), logs[0],

@@ -207,7 +207,7 @@ def test_torch_compile_regions_warn_and_stay_exact():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.warns(RuntimeWarning, match="1 torch.compile'd region"):
         scaler.scale(F.cross_entropy(model(x), t) * SMALL).backward()
-    scaler.unscale_(optimizer)
+        scaler.unscale_(optimizer)  # (the pass is concluded here)
     for p, e in zip(model.parameters(), expected):
         assert torch.equal(p.grad, e)
     scaler.step(optimizer)

@@ -55,8 +55,9 @@ def test_gs_equals_plain_data_parallel_training(tmp_path, scenario):
     # Each rank its own data, float64, the loss times 2**-24: GS's scales
     # reach 2**15 and more, yet the gradients DDP / FSDP2 average landed
     # unscaled, so every step (refreshes at steps 0, 2, 4; cached scales
-    # between) equals plain training to the bit, and the scaler adds no
-    # collective over the gradients (DDP's overlap is kept).
+    # between) equals plain training to the bit, the scaler adds no
+    # collective over the gradients (DDP's overlap is kept) and pickles
+    # nothing (the *_object collectives raise).
     ranks = run(scenario, tmp_path)
     for r in ranks:
         assert r['differences'] == [0.0] * 5, r['differences']

@@ -145,10 +145,17 @@ class _count_collectives(object):
     """Counts the Python-level collectives on floating-point tensors of
     more than 16 elements (DDP's and FSDP's own run in C++, unseen; the
     scaler's agreement sends integers and bytes): the scaler must add
-    none over the gradients."""
+    none over the gradients. The collectives that pickle raise."""
 
     def __init__(self, record):
         self.originals = {}
+        for name in ('all_gather_object', 'broadcast_object_list',
+                     'gather_object', 'scatter_object_list'):
+            self.originals[name] = getattr(dist, name)
+
+            def pickles(*args, _name=name, **kwargs):
+                raise AssertionError('the step pickled: ' + _name)
+            setattr(dist, name, pickles)
         for name in ('all_reduce', 'all_gather', 'reduce_scatter',
                      'all_gather_into_tensor', 'reduce_scatter_tensor'):
             original = getattr(dist, name)

@@ -96,6 +96,9 @@ class BackwardPass(object):
         #: (leaf, 0-d finiteness witness) of what landed, when the hook
         #: checks on landing.
         self.witnesses = []
+        #: Compiled regions that scaled their inside themselves
+        #: (:func:`~gradient_scaling.torch.compile_backend.compile_backend`).
+        self.self_scaled = set()
         self.handles = []
         self._register()
 

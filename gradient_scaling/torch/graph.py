@@ -192,6 +192,8 @@ class Plan(object):
             gradients (their scales are unified before the backward).
         accumulators (dict): AccumulateGrad node -> its parameter.
         used_slots (dict): node -> the slots that receive gradients.
+        softmax_gradients (set): Nodes whose incoming gradient is a
+            softmax gradient (empty for ``cast_rule='none'``).
         compiled (list): Backward nodes of ``torch.compile``d regions
             (plain nodes: their gradients pass at the scale they enter
             with; the parameters inside land unscaled like any other).
@@ -209,6 +211,7 @@ class Plan(object):
         self.accumulators = {}
         self.used_slots = {}
         self.compiled = []
+        self.softmax_gradients = set()
 
 
 _EXTRA_GEMMS = []  # (predicate, site factory)
@@ -301,7 +304,8 @@ def walk(roots, cast_rule='softmax'):
                 seen.add(producer)
                 todo.append(producer)
     softmax = _softmax_gradients(softmax_nodes, plan) \
-        if cast_rule != 'none' else ()
+        if cast_rule != 'none' else set()
+    plan.softmax_gradients = softmax
     if cast_rule != 'none':
         # (Every add is a candidate: its dtypes are read only where it
         # takes a softmax gradient.)

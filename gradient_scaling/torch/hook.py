@@ -200,6 +200,30 @@ class GradientScaling(ControllerViews):
         the outer pass, which knows their scale."""
         return leaf in self._landing or isinstance(leaf, torch.nn.Parameter)
 
+    # -- compiled regions that scale themselves ---------------------------
+
+    def region_entered(self, node):
+        """A compiled region's backward (``node``) starts, scaling its
+        inside itself: ``(scale, softmax)``, the scale its gradients enter
+        with and whether they are a softmax's; None when no pass of the
+        hook runs ``node`` (nothing to scale)."""
+        if not self._running or node is None:
+            return None
+        current = self._running[-1]
+        try:
+            scale = current.entering_scale(node)
+        except (KeyError, RuntimeError):
+            return None
+        current.self_scaled.add(node)
+        return scale, node in current.plan.softmax_gradients
+
+    def region_left(self, node, scales):
+        """The compiled region ``node`` returns its gradients with
+        ``scales`` (``{edge: scale}``)."""
+        if self._running:
+            self._running[-1].edge_scales.update(
+                ((node, i), scale) for i, scale in scales.items())
+
     def pass_started(self, current):
         self._running.append(current)
 
@@ -245,6 +269,10 @@ class GradientScaling(ControllerViews):
                  retain_graph=None, create_graph=False, grad_variables=None,
                  inputs=None):
         """``torch.autograd.backward`` while the hook is active."""
+        if torch.compiler.is_compiling():  # AOTAutograd tracing
+            extra = {} if inputs is None else {'inputs': inputs}
+            return original(tensors, grad_tensors, retain_graph,
+                            create_graph, grad_variables, **extra)
         node = internals.current_node()
         if self._running and node is not None:
             return self._nested(self._running[-1], node, original, tensors,
@@ -283,7 +311,7 @@ class GradientScaling(ControllerViews):
         other tensors would come back scaled, so they are refused. A call
         from inside a running pass (a compiler tracing a compiled region's
         backward, a custom backward's own) runs as called."""
-        if self._running:
+        if self._running or torch.compiler.is_compiling():
             return original(outputs, inputs, *args, **kwargs)
         tensors = [inputs] if isinstance(inputs, torch.Tensor) \
             else list(inputs)
@@ -367,7 +395,6 @@ class GradientScaling(ControllerViews):
         self.controller.begin_pass()
         self._pass = BackwardPass(self, _roots(tensors), float(loss_scale),
                                   [t.detach() for t in tensors])
-        self._warn_compiled()
         if not self._bare:
             self._patch()
 
@@ -386,12 +413,13 @@ class GradientScaling(ControllerViews):
             return
         current.remove()
         self._pass = BackwardPass(self, roots, 1.0, current.losses)
-        self._warn_compiled()
 
-    def _warn_compiled(self):
-        if self._pass.plan.compiled and not self._warned_compiled:
+    def _warn_compiled(self, current):
+        """Once per hook: compiled regions it could not see into."""
+        plan = current.plan
+        blind = [n for n in plan.compiled if n not in current.self_scaled]
+        if blind and not self._warned_compiled:
             self._warned_compiled = True
-            plan = self._pass.plan
             warnings.warn(
                 'GradientScaling: the backward has {} torch.compile\'d '
                 'region(s), which the hook cannot see into: no site inside '
@@ -399,8 +427,9 @@ class GradientScaling(ControllerViews):
                 'they entered with; the gradients of its parameters land '
                 'unscaled, so they stay exact). Scaled sites outside: {}. '
                 'To scale inside, leave the layers that need it uncompiled '
-                '(torch.compile the blocks between them).'.format(
-                    len(plan.compiled), len(plan.gemms) + len(plan.casts)),
+                '(torch.compile the blocks between them), or compile with '
+                'backend=gradient_scaling.torch.compile_backend(scaler).'
+                .format(len(blind), len(plan.gemms) + len(plan.casts)),
                 RuntimeWarning)
 
     def queue_end(self, callback):
@@ -432,6 +461,7 @@ class GradientScaling(ControllerViews):
         if not current.finished:
             self.controller.abort_pass()
             return
+        self._warn_compiled(current)
         self.landed_scales.update(current.landed)
         if self.check_on_landing:  # what landed here, before any average
             grads = current.witnesses

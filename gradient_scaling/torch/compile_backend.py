@@ -1,0 +1,732 @@
+"""Gradient scaling in ``torch.compile``: Algorithm 1 in the backward graph.
+
+Under ``torch.compile`` the backward of a compiled region is one autograd
+node, which the eager hook cannot see into. :func:`compile_backend` makes a
+``torch.compile`` backend, built on AOTAutograd, that rewrites the region's
+backward FX graph before it is compiled (by Inductor, or run as traced):
+
+* the sites of the eager hook, found in the graph: the GEMMs that make a
+  data gradient (``aten.mm`` / ``aten.bmm`` by a parameter or a view of
+  one, ``aten.convolution_backward`` with a weight parameter), named by the
+  weight's qualified name; the narrowing conversion that is the backward of
+  an up-cast feeding a softmax (its gradient followed from
+  ``_softmax_backward_data`` / ``_log_softmax_backward_data`` through views,
+  concatenations and adds), and, in a model without such a cast, the logits'
+  GEMM; a tensor summed from contributions at different scales (a tree of
+  ``aten.add``) or any other operation meeting them (``cat`` of a split's
+  gradients), brought to one scale;
+* each site is a call of one custom operation, ``gradient_scaling::scale``,
+  whose Python body asks the open step of the scaler's hook
+  (:class:`~gradient_scaling.core.step_scales.StepScales`: ``gemm``,
+  ``cast``, ``branch``) for the scale, as the eager hook's callbacks do, so
+  that the same core code chooses the same scales from the same tensors
+  (statistics on a refresh, the committed table on a cached pass) and the
+  same records reach ``report()``;
+* the gradients leave the graph at the scale the region was entered with
+  (1 where the whole model, loss included, is compiled): the eager hook
+  then treats the region's node as a plain one, and a parameter's gradient
+  lands in ``.grad`` exact, as in eager GS.
+
+The scale of every gradient in the graph is a *variable*, known when the
+backward runs: the graph's incoming gradients carry variable 0 (the
+region's entering scale, read from the hook's running pass); each site and
+each unification makes a new one; any other operation hands its gradient
+on at the scale it came with (as a plain node does for the eager hook). A
+region the backend cannot read (inputs it cannot map to the model's
+parameters, a rewrite that fails) runs eagerly instead, where the eager
+hook scales it: never unscaled.
+
+.. admonition:: Example
+
+    >>> import torch
+    >>> from gradient_scaling.torch import GradientScaler
+    >>> from gradient_scaling.torch.compile_backend import compile_backend
+    >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(),
+    ...                             torch.nn.Linear(4, 2))
+    >>> scaler = GradientScaler(model, update_interval=1)
+    >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> compiled = torch.compile(model, backend=compile_backend(
+    ...     scaler, inner='aot_eager'))
+    >>> loss = torch.nn.functional.cross_entropy(
+    ...     compiled(torch.ones(5, 3)), torch.zeros(5, dtype=torch.long))
+    >>> scaler.scale(loss).backward()
+    >>> scaler.step(optimizer)
+    >>> scaler.update()
+    >>> sorted(r.name for r in scaler.report())  # the logits' GEMM
+    ['2.weight', 'cast#0']
+"""
+
+import heapq
+import math
+import operator
+import re
+import warnings
+import weakref
+
+import torch
+
+from gradient_scaling.core import arrays
+from gradient_scaling.torch import _internals as internals
+from gradient_scaling.torch import arrays as torch_arrays  # NOQA: registers
+
+__all__ = ['compile_backend']
+
+_OPS = internals.compile_ops()
+_ATEN = torch.ops.aten
+_GEMMS = (_ATEN.mm.default, _ATEN.bmm.default)
+_CONVOLUTION_BACKWARD = _ATEN.convolution_backward.default
+_ADD = _ATEN.add.Tensor
+_SUMS = (_ATEN.sum.dim_IntList, _ATEN.sum.default)
+_SOFTMAX_BACKWARD = frozenset(_OPS['softmax_backward'])
+_CONVERT = frozenset(_OPS['convert'])
+_VIEWS = frozenset(_OPS['views'])
+# Operations that hand a softmax gradient on as it is (moved, negated,
+# put together): Chainer's and the eager hook's shape-only nodes.
+_HANDS_ON = _VIEWS | frozenset([
+    _ATEN.cat.default, _ATEN.split.Tensor, _ATEN.split_with_sizes.default,
+    _ATEN.slice.Tensor, _ATEN.select.int, _ATEN.stack.default,
+    _ATEN.neg.default, _ATEN.flip.default, _ATEN.repeat.default,
+    _ADD, operator.getitem])
+_PRIMAL = re.compile(r'primals_(\d+)$')
+
+
+def compile_backend(scaler_or_hook, inner='inductor'):
+    """A ``torch.compile`` backend that scales inside the backward graph.
+
+    Args:
+        scaler_or_hook: A :class:`~gradient_scaling.torch.GradientScaler`
+            or :class:`~gradient_scaling.torch.GradientScaling`: whose
+            recipe, scales and telemetry apply (its model names the sites).
+            A scaler of a loss-scaling mode has nothing to do inside the
+            graph: the backend is then ``inner`` unchanged.
+        inner (str): ``'inductor'`` (Inductor compiles the rewritten
+            graphs) or ``'aot_eager'`` (they run as traced: PyTorch's own
+            kernels, bit for bit the eager ones).
+
+    Returns:
+        callable: ``backend(gm, example_inputs)`` for
+        ``torch.compile(model, backend=...)``.
+
+    """
+    if inner not in ('inductor', 'aot_eager'):
+        raise ValueError("inner must be 'inductor' or 'aot_eager', got "
+                         '{!r}'.format(inner))
+    hook = _hook_of(scaler_or_hook)
+    if hook is None:
+        return inner
+
+    def backend(gm, example_inputs):
+        inputs = list(gm.parameters()) + list(gm.buffers()) + \
+            list(example_inputs)
+        region = _Region(hook, inputs, inner)
+        try:
+            return internals.aot_autograd(**region.settings())(
+                gm, example_inputs)
+        except _Unsupported as e:
+            warnings.warn('GradientScaling: a torch.compile\'d region runs '
+                          'eagerly (scaled by the eager hook): {}'.format(e),
+                          RuntimeWarning)
+            return gm.forward
+    return backend
+
+
+def _hook_of(scaler_or_hook):
+    """The :class:`GradientScaling` hook behind a scaler, or None."""
+    strategy = getattr(scaler_or_hook, 'strategy', None)
+    if strategy is not None:
+        return getattr(strategy, 'hook', None)
+    return scaler_or_hook
+
+
+class _Unsupported(Exception):
+    """A region the backend cannot scale inside (it then runs eagerly)."""
+
+
+# -- the operation the rewritten graph calls ---------------------------------
+
+#: What each call of ``gradient_scaling::scale`` does, by its index.
+_ACTIONS = []
+#: The region backward passes running now, innermost last.
+_CALLS = []
+
+
+def _scale(grads, operands, action):
+    """``gradient_scaling::scale``: what action ``action`` does to
+    ``grads`` in the running region backward (a copy outside one)."""
+    call = _CALLS[-1] if _CALLS else None
+    if call is None or call.step is None:
+        return [g.clone() for g in grads]  # no pass of the hook: unscaled
+    return _ACTIONS[action](call, grads, operands)
+
+
+def _scale_fake(grads, operands, action):
+    return [torch.empty_like(g) for g in grads]
+
+
+# A plain library operation (its Python kernel costs a third of a
+# ``torch.library.custom_op``'s per call: one call per site and pass).
+_LIBRARY = torch.library.Library('gradient_scaling', 'FRAGMENT')
+_LIBRARY.define('scale(Tensor[] grads, Tensor[] operands, int action) '
+                '-> Tensor[]')
+_LIBRARY.impl('scale', _scale, 'CompositeExplicitAutograd')
+torch.library.register_fake('gradient_scaling::scale', _scale_fake,
+                            lib=_LIBRARY)
+
+
+def _times(tensor, ratio):
+    """``tensor * ratio`` (a power of two) as the eager hook computes it;
+    always a new tensor (a custom operation may not return its input)."""
+    return arrays.ops_for(tensor).scaled(tensor, ratio)
+
+
+class _Call(object):
+    """One run of a region's backward: the scale of each variable, and
+    whether the gradient entering the region is a softmax gradient (the
+    loss computed outside the region: the region's logits GEMM, or its
+    up-cast, is then the cast site, as for the eager hook)."""
+
+    def __init__(self, step, alpha, softmax=False):
+        self.step = step  # None: the hook runs no pass, nothing is scaled
+        self.scales = {0: alpha}
+        self.softmax = softmax
+
+
+class _GemmAction(object):
+    """A GEMM site: the data path's scale (Theorem 1), as the eager hook's
+    GEMM pre-hook chooses it, and the data gradient's measured underflow."""
+
+    def __init__(self, hook, name, param, length, data, var_in, var_out):
+        self.hook, self.name, self.param = hook, name, param
+        self.length, self.data = length, data
+        self.var_in, self.var_out = var_in, var_out
+
+    def __call__(self, call, grads, operands):
+        g, step, hook = grads[0], call.step, self.hook()
+        alpha, weight = call.scales[self.var_in], self.param()
+        beta, record, incoming_finite = step.gemm(
+            step.gemm_key(self.name), g, weight, self.length, alpha,
+            lambda: self.data(g.detach().float(),
+                              [o.float() for o in operands]))
+        named = step.refresh or hook.controller.backoff.scales
+        if g.element_size() <= 2:
+            # One scaled low-precision input makes both paths: a
+            # weight-path backoff lowers the data path too.
+            beta = min(beta, step.weight_path(
+                self.name if named else None, alpha, beta, True))
+        scaled = _times(g, beta)
+        call.scales[self.var_out] = alpha * beta
+        if record is not None:
+            step.measure(record, self.data(scaled, operands))
+        if step.refresh:
+            if incoming_finite is None:
+                incoming_finite = bool(
+                    arrays.ops_for(g).finite_flags([g])[0])
+            step.trace(self.name, incoming_finite, (None, weight), None)
+        return [scaled]
+
+
+class _CastAction(object):
+    """A cast site before a softmax (Theorem 2); ``entering``: one only if
+    the gradient entering the region is a softmax gradient."""
+
+    def __init__(self, var_in, var_out, entering=False):
+        self.var_in, self.var_out = var_in, var_out
+        self.entering = entering
+
+    def __call__(self, call, grads, operands):
+        alpha = call.scales[self.var_in]
+        if self.entering and not call.softmax:
+            call.scales[self.var_out] = alpha
+            return [grads[0].clone()]
+        beta, record = call.step.cast(grads[0], alpha)
+        scaled = _times(grads[0], beta)
+        call.step.measure(record, scaled)
+        call.scales[self.var_out] = alpha * beta
+        return [scaled]
+
+
+class _UnifyAction(object):
+    """Contributions at different scales brought to one (line 17)."""
+
+    def __init__(self, vars_in, var_out):
+        self.vars_in, self.var_out = vars_in, var_out
+
+    def __call__(self, call, grads, operands):
+        scales = [call.scales[v] for v in self.vars_in]
+        common = call.step.branch(scales, grads)
+        call.scales[self.var_out] = common
+        return [_times(g, common / s) for g, s in zip(grads, scales)]
+
+
+class _UnscaleAction(object):
+    """The parameters' gradients leaving the graph: each divided by its
+    scale (one call for all)."""
+
+    def __init__(self, variables):
+        self.variables = variables
+
+    def __call__(self, call, grads, operands):
+        return [_times(g, 1.0 / call.scales[v])
+                for g, v in zip(grads, self.variables)]
+
+
+#: The variable of a gradient leaving unscaled.
+_UNSCALED = -1
+
+
+def _action(action):
+    _ACTIONS.append(action)
+    return len(_ACTIONS) - 1
+
+
+# -- one compiled region ------------------------------------------------------
+
+class _Region(object):
+
+    """One graph Dynamo hands the backend: its inputs' parameter names,
+    AOTAutograd's settings, and the run of its backward."""
+
+    def __init__(self, hook, inputs, inner):
+        self.hook = weakref.ref(hook)
+        self.inner = inner
+        self.params = [weakref.ref(p) if isinstance(p, torch.nn.Parameter)
+                       else None for p in inputs]
+        self.names = [hook.parameter_name(p)
+                      if isinstance(p, torch.nn.Parameter) else None
+                      for p in inputs]
+        #: Per output of the backward graph: the variable of its scale,
+        #: _UNSCALED, or None (no gradient).
+        self.output_variables = []
+
+    def settings(self):
+        if self.inner == 'inductor':
+            table = internals.inductor_decompositions()
+            for op in _SOFTMAX_BACKWARD:  # kept: they mark the cast sites
+                table.pop(op, None)
+            return dict(fw_compiler=self.compile_forward,
+                        bw_compiler=self.compile_backward,
+                        partition_fn=self.partition, decompositions=table)
+        return dict(fw_compiler=self.compile_forward,
+                    bw_compiler=self.compile_backward,
+                    partition_fn=self.partition)
+
+    def partition(self, joint, joint_inputs, **kwargs):
+        from functorch.compile import default_partition
+        from functorch.compile import min_cut_rematerialization_partition
+        split = min_cut_rematerialization_partition \
+            if self.inner == 'inductor' else default_partition
+        forward, backward = split(joint, joint_inputs, **kwargs)
+        primals = [n for n in forward.graph.nodes
+                   if n.op == 'placeholder' and _PRIMAL.match(n.name)]
+        if len(primals) != len(self.params):
+            raise _Unsupported(
+                'its {} primal inputs are not the {} inputs Dynamo gave (a '
+                'deduplicated or aliased input)'.format(
+                    len(primals), len(self.params)))
+        try:
+            _Rewrite(self, forward, backward).run()
+        except _Unsupported:
+            raise
+        except Exception as e:  # a graph it does not read: eager GS
+            raise _Unsupported('{}: {}'.format(type(e).__name__, e)) from e
+        return forward, backward
+
+    def compile_forward(self, gm, example_inputs):
+        from functorch.compile import make_boxed_func
+        if self.inner == 'inductor':
+            return internals.inductor_compile(gm, example_inputs)
+        return make_boxed_func(gm.forward)
+
+    def compile_backward(self, gm, example_inputs):
+        from functorch.compile import make_boxed_func
+        if self.inner == 'inductor':
+            # Kept for the rewrite, decomposed now (Inductor would not
+            # take them undecomposed).
+            table = internals.inductor_decompositions()
+            gm = internals.decompose(gm, example_inputs, {
+                op: table[op] for op in _SOFTMAX_BACKWARD if op in table})
+            compiled = internals.inductor_compile(gm, example_inputs,
+                                                  is_backward=True)
+        else:
+            compiled = make_boxed_func(gm.forward)
+
+        def run(*args):
+            call, running, node = self.begin()
+            _CALLS.append(call)
+            try:
+                grads = compiled(list(args))
+            finally:
+                _CALLS.pop()
+            if running:
+                self.hook().region_left(node, {
+                    i: 1.0 if v == _UNSCALED else call.scales[v]
+                    for i, v in enumerate(self.output_variables)
+                    if v is not None})
+            return grads
+        return make_boxed_func(run)
+
+    def begin(self):
+        """``(call, running, node)``: the :class:`_Call` of a backward
+        run (the hook's open step and the scale the region's node was
+        entered with), whether a pass of the hook runs it, and the node; no
+        step where the hook runs none."""
+        hook = self.hook()
+        if hook is None or hook.controller.step is None:
+            return _Call(None, 1.0), False, None
+        node = internals.current_node()
+        entered = hook.region_entered(node)
+        if entered is None:
+            return _Call(None, 1.0), False, None
+        alpha, softmax = entered
+        return _Call(hook.controller.step, alpha, softmax), True, node
+
+
+# -- the rewrite of a backward graph ------------------------------------------
+
+class _Rewrite(object):
+
+    """Algorithm 1's sites put into one backward FX graph (see the module).
+
+    ``var`` maps each gradient node to its scale variable; nodes not in it
+    hold no gradient (saved activations, recomputations, constants).
+    """
+
+    def __init__(self, region, forward, backward):
+        self.region = region
+        self.hook = region.hook()
+        self.recipe = self.hook.recipe
+        self.module = backward
+        self.graph = backward.graph
+        self.forward_nodes = {n.name: n for n in forward.graph.nodes}
+        self.var = {}
+        self.softmax = set()  # nodes whose value is a softmax gradient
+        #: nodes whose value is one if the entering gradient is
+        self.entering_softmax = set()
+        self.order = {}
+        self.pending = {}  # inner add of a tree -> (leaves, inner adds)
+        self.gradient = set()  # nodes of the graph that hold gradients
+        self.variables = 1
+
+    def run(self):
+        nodes = list(self.graph.nodes)
+        self.order = {n: i for i, n in enumerate(nodes)}
+        for node in nodes:  # which nodes will hold gradients
+            if node.op == 'placeholder' and node.name.startswith('tangents') \
+                    or node.op == 'call_function' and any(
+                        a in self.gradient for a in node.all_input_nodes):
+                self.gradient.add(node)
+        for node in nodes:
+            if node.op == 'placeholder' and node.name.startswith('tangents'):
+                self.var[node] = 0
+                self.entering_softmax.add(node)
+            elif node.op == 'call_function':
+                self.visit(node)
+            elif node.op == 'output':
+                self.leave(node)
+        _sort(self.graph)
+        self.graph.eliminate_dead_code()
+        self.graph.lint()
+        self.module.recompile()
+
+    # -- what a node is -------------------------------------------------------
+
+    def visit(self, node):
+        site = self.gemm_site(node)
+        if site is not None:
+            self.scale_gemm(node, *site)
+        elif node.target in _CONVERT and self.is_cast_site(node):
+            g = node.args[0]
+            entering = self.recipe.cast_rule != 'all' and \
+                g not in self.softmax
+            node.replace_input_with(g, self.insert(node, entering, [g]))
+        grads = [a for a in node.all_input_nodes if a in self.var]
+        if not grads:
+            return
+        if node.target is _ADD and not node.kwargs and \
+                len(node.args) == 2 and all(a in self.var
+                                            for a in node.args):
+            self.add(node)
+        else:
+            variables = {self.var[a] for a in grads}
+            if len(variables) > 1:
+                self.unify(node, grads)
+            else:
+                self.var[node] = variables.pop()
+        hands_on = node.target in _HANDS_ON or self.widens_or_keeps(node)
+        if node.target in _SOFTMAX_BACKWARD or hands_on and all(
+                a in self.softmax for a in grads):
+            self.softmax.add(node)
+        elif hands_on and all(a in self.softmax or a in self.entering_softmax
+                              for a in grads):
+            self.entering_softmax.add(node)
+
+    def gemm_site(self, node):
+        """``(gradient node, parameter index, accumulation length, data
+        function, operands)`` of a GEMM making a data gradient, or None."""
+        if node.target in _GEMMS:
+            a, b = node.args[:2]
+            for weight, g, first in ((b, a, True), (a, b, False)):
+                index = self.parameter_index(weight)
+                if index is not None and g in self.var and \
+                        weight not in self.var:
+                    shape = _value(g).shape
+                    length = int(shape[-1] if first else shape[-2])
+                    op = node.target
+                    data = (lambda g_, o, op=op: op(g_, o[0])) if first \
+                        else (lambda g_, o, op=op: op(o[0], g_))
+                    return g, index, length, data, [weight]
+            return None
+        if node.target is _CONVOLUTION_BACKWARD:
+            (g, x, weight, _, stride, padding, dilation, transposed,
+             output_padding, groups, mask) = node.args
+            index = self.parameter_index(weight)
+            if not mask[0] or index is None or g not in self.var:
+                return None
+            shape = _value(weight).shape
+            kernel = math.prod(int(k) for k in shape[2:])
+            length = int(shape[1]) * kernel if transposed else \
+                int(shape[0]) // int(groups) * kernel
+
+            def data(g_, o):
+                return _CONVOLUTION_BACKWARD(
+                    g_, o[0], o[1], None, stride, padding, dilation,
+                    transposed, output_padding, groups,
+                    [True, False, False])[0]
+            return g, index, length, data, [x, weight]
+        return None
+
+    def parameter_index(self, node):
+        """The index of the region input (a parameter of the model) that
+        ``node`` is a view of, or None."""
+        seen = 0
+        while seen < 32 and isinstance(node, torch.fx.Node):
+            seen += 1
+            if node.op == 'placeholder':
+                match = _PRIMAL.match(node.name)
+                if match is not None:
+                    index = int(match.group(1)) - 1
+                    return index if self.region.names[index] is not None \
+                        else None
+                node = self.forward_nodes.get(node.name)  # saved by forward
+                if node is None or node.op == 'placeholder':
+                    return None
+                continue
+            if node.op != 'call_function' or not (
+                    node.target in _VIEWS or node.target in _CONVERT):
+                return None
+            node = node.args[0]
+        return None
+
+    def is_cast_site(self, node):
+        """A narrowing conversion of a gradient (the backward of an
+        up-cast) that the recipe's cast rule scales."""
+        rule = self.recipe.cast_rule
+        g = node.args[0]
+        if rule == 'none' or g not in self.var:
+            return False
+        before, after = _value(g).dtype, _value(node).dtype
+        narrows = before.is_floating_point and after.is_floating_point and \
+            after.itemsize < before.itemsize
+        return narrows and (rule == 'all' or g in self.softmax or
+                            g in self.entering_softmax)
+
+    def widens_or_keeps(self, node):
+        """A conversion that does not narrow (a down-cast's backward): a
+        softmax gradient stays one through it."""
+        if node.target not in _CONVERT:
+            return False
+        return _value(node).dtype.itemsize >= \
+            _value(node.args[0]).dtype.itemsize
+
+    # -- the rules ------------------------------------------------------------
+
+    def scale_gemm(self, node, g, index, length, data, operands):
+        if (g in self.softmax or g in self.entering_softmax) and \
+                _value(g).dtype.itemsize > 2 and \
+                self.recipe.cast_rule != 'none' and \
+                not self.recipe.weight_path_shares_data_scale:
+            # No cast before the softmax: the logits' GEMM is the cast site.
+            g = self.replace_after(node, g, self.insert(
+                node, g not in self.softmax, [g]))
+        name = self.region.names[index]
+        var_in, var_out = self.var[g], self.new_variable()
+        action = _GemmAction(self.region.hook, name,
+                             self.region.params[index], length, data,
+                             var_in, var_out)
+        scaled = self.call(node, action, [g], operands)[0]
+        self.var[scaled] = var_out
+        self.replace_after(node, g, scaled)
+
+    def add(self, node):
+        """A sum of gradient contributions: a tree of adds is one branch
+        (Algorithm 1, line 17: every contribution at the common scale,
+        summed in the same order)."""
+        leaves, inner = [], []
+        for a in node.args:
+            if a in self.pending:
+                below, nodes = self.pending.pop(a)
+                leaves.extend(below)
+                inner.extend(nodes + [a])
+            else:
+                leaves.append(a)
+        users = list(node.users)
+        if len(users) == 1 and _is_gradient_add(users[0], self.gradient):
+            self.pending[node] = (leaves, inner)  # decided at the root
+            self.var[node] = self.var[leaves[0]]
+            return
+        variables = [self.var[x] for x in leaves]
+        if len(set(variables)) == 1:
+            self.var[node] = variables[0]
+            return
+        distinct = list(dict.fromkeys(leaves))
+        var_out = self.new_variable()
+        unified = self.call(node, _UnifyAction(
+            [self.var[x] for x in distinct], var_out), distinct, [])
+        by_leaf = dict(zip(distinct, unified))
+        inner_set = set(inner)
+
+        def rebuild(n):
+            new = self.graph.call_function(_ADD, tuple(
+                rebuild(a) if a in inner_set else by_leaf[a]
+                for a in n.args))
+            new.meta.update(n.meta)
+            return new
+        with self.graph.inserting_before(node):
+            root = rebuild(node)
+        node.replace_all_uses_with(root)
+        self.graph.erase_node(node)
+        for n in reversed(inner):
+            self.graph.erase_node(n)
+        self.var[root] = var_out
+        if all(x in self.softmax for x in leaves):
+            self.softmax.add(root)
+
+    def unify(self, node, grads):
+        """Gradients at different scales meeting in one operation."""
+        distinct = list(dict.fromkeys(grads))
+        var_out = self.new_variable()
+        unified = self.call(node, _UnifyAction(
+            [self.var[g] for g in distinct], var_out), distinct, [])
+        for g, u in zip(distinct, unified):
+            node.replace_input_with(g, u)
+        self.var[node] = var_out
+
+    def leave(self, output):
+        """A parameter's gradient leaves unscaled; another input's (an
+        activation's) at its own scale, which the hook's pass is told."""
+        outputs = list(output.args[0])
+        variables, unscaled = [], []
+        for i, g in enumerate(outputs):
+            if not isinstance(g, torch.fx.Node) or g not in self.var:
+                variables.append(None)
+            elif self.region.params[i] is not None:
+                unscaled.append(g)
+                variables.append(_UNSCALED)
+            else:
+                variables.append(self.var[g])
+        unscaled = list(dict.fromkeys(unscaled))
+        if unscaled:
+            left = dict(zip(unscaled, self.call(output, _UnscaleAction(
+                [self.var[g] for g in unscaled]), unscaled, [])))
+            outputs = [left.get(g, g) if variables[i] == _UNSCALED else g
+                       for i, g in enumerate(outputs)]
+        output.args = (tuple(outputs),) + tuple(output.args[1:])
+        self.region.output_variables = variables
+
+    # -- graph surgery --------------------------------------------------------
+
+    def new_variable(self):
+        self.variables += 1
+        return self.variables - 1
+
+    def insert(self, node, entering, grads):
+        """A cast site on ``grads[0]`` before ``node`` (``entering``: one
+        only if the region's entering gradient is a softmax gradient); its
+        output."""
+        var_out = self.new_variable()
+        scaled = self.call(node, _CastAction(
+            self.var[grads[0]], var_out, entering), grads, [])[0]
+        self.var[scaled] = var_out
+        return scaled
+
+    def call(self, node, action, grads, operands):
+        """``gradient_scaling::scale(grads, operands, action)`` before
+        ``node``; the nodes of its outputs."""
+        index = _action(action)
+        with self.graph.inserting_before(node):
+            op = self.graph.call_function(
+                torch.ops.gradient_scaling.scale.default,
+                (list(grads), list(operands), index))
+            op.meta['val'] = [_fake_like(_value(g)) for g in grads]
+            outs = []
+            for i, g in enumerate(grads):
+                out = self.graph.call_function(operator.getitem, (op, i))
+                out.meta['val'] = op.meta['val'][i]
+                outs.append(out)
+        return outs
+
+    def replace_after(self, node, old, new):
+        """``old`` replaced by ``new`` where the GEMM ``node``'s backward
+        reads it: in ``node`` (a convolution's backward makes all three
+        gradients) and, for ``mm``/``bmm``, in the weight gradient's GEMM
+        and the bias gradient's sum (through views). Elsewhere the
+        incoming gradient keeps its scale, as in the eager hook, whose
+        GEMM node scales only its own input: a residual contribution of the
+        same tensor is not the GEMM's."""
+        node.replace_input_with(old, new)
+        if node.target in _GEMMS:
+            for user in list(old.users):
+                if user is not new and user is not node and \
+                        self.weight_gradient_part(user):
+                    user.replace_input_with(old, new)
+        return new
+
+    def weight_gradient_part(self, node):
+        """Whether ``node`` only computes a weight or bias gradient from
+        the incoming gradient: a GEMM by no other gradient, a sum, or
+        views leading to those."""
+        if node.target in _GEMMS:
+            return sum(a in self.gradient for a in node.args[:2]) == 1
+        if node.target in _SUMS:
+            return True
+        return node.target in _VIEWS and bool(node.users) and all(
+            self.weight_gradient_part(u) for u in node.users)
+
+
+def _sort(graph):
+    """Orders ``graph`` topologically, keeping each node as early as its
+    place allows: a site's operation is put before the GEMM, and the
+    weight gradient that reads its output may come first in the graph
+    (the min-cut partitioner orders as it likes)."""
+    nodes = list(graph.nodes)
+    place = {n: i for i, n in enumerate(nodes)}
+    waiting = {n: len(n.all_input_nodes) for n in nodes}
+    ready = [(place[n], n.name) for n in nodes if not waiting[n]]
+    by_name = {n.name: n for n in nodes}
+    heapq.heapify(ready)
+    ordered = []
+    while ready:
+        node = by_name[heapq.heappop(ready)[1]]
+        ordered.append(node)
+        for user in node.users:
+            waiting[user] -= 1
+            if not waiting[user]:
+                heapq.heappush(ready, (place[user], user.name))
+    if len(ordered) != len(nodes):
+        raise _Unsupported('the rewritten backward graph has a cycle')
+    for before, after in zip(ordered, ordered[1:]):
+        before.append(after)
+
+
+def _is_gradient_add(node, gradient):
+    """Whether ``node`` adds two gradients."""
+    return node.target is _ADD and not node.kwargs and \
+        len(node.args) == 2 and all(a in gradient for a in node.args)
+
+
+def _value(node):
+    return node.meta['val']
+
+
+def _fake_like(value):
+    return torch.empty_like(value)

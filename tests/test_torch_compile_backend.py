@@ -1,0 +1,359 @@
+"""GS inside ``torch.compile`` (gradient_scaling/torch/compile_backend.py).
+
+Every model is float64 with the loss times 2**-24, so that GS's scales are
+far from 1 while the gradients are exact. The compiled GS is held to two
+bars: every scale it chooses, on refreshing and cached steps, is eager GS's
+(0 powers of two apart: each site's key and scale as the core returned them,
+and ``report()``), and its gradients are those of the same model compiled
+without GS (``aot_eager``: PyTorch's own kernels, where 0 error is the bar;
+Inductor's kernels differ from eager ones in the last bit).
+"""
+
+import importlib
+import warnings
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip('torch')
+
+import torch.nn as nn  # NOQA: after the skip
+import torch.nn.functional as F  # NOQA
+
+from gradient_scaling.core.step_scales import StepScales  # NOQA
+from gradient_scaling.torch import GradientScaler  # NOQA
+from gradient_scaling.torch import GradientScaling  # NOQA
+from gradient_scaling.torch import compile_backend  # NOQA
+
+# The module (the package's compile_backend is its function).
+backend_module = importlib.import_module(
+    'gradient_scaling.torch.compile_backend')
+
+from torch_nets import EveryConstructNet  # NOQA
+
+SMALL = 2.0 ** -24
+
+
+class TinyTransformer(nn.Module):
+    """Embedding, one pre-LN block (packed q/k/v projection split in
+    three, softmax attention, GELU MLP, two residual adds), a final
+    LayerNorm and the language-model head."""
+
+    def __init__(self, vocab=11, width=8, heads=2, length=5):
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Embedding(vocab, width)
+        self.position = nn.Parameter(torch.randn(length, width) * 0.1)
+        self.ln1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.ln2 = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+        self.ln_f = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab)
+
+    def attention(self, h):
+        b, t, c = h.shape
+        q, k, v = self.qkv(h).split(c, dim=2)
+        q, k, v = (z.reshape(b, t, self.heads, -1).transpose(1, 2)
+                   for z in (q, k, v))
+        scores = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5)
+        y = F.softmax(scores, dim=-1) @ v
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+    def logits(self, tokens):
+        h = self.embed(tokens) + self.position
+        h = h + self.attention(self.ln1(h))
+        h = h + self.down(F.gelu(self.up(self.ln2(h))))
+        return self.head(self.ln_f(h))
+
+    def forward(self, tokens, targets):
+        return F.cross_entropy(self.logits(tokens).flatten(0, 1),
+                               targets.flatten()) * SMALL
+
+
+class TinyResNet(nn.Module):
+    """A stem, a basic block and a strided block with a 1x1 projection,
+    BatchNorm after every convolution, pooling and a classifier."""
+
+    def __init__(self, n_class=5):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(4)
+        self.conv1 = nn.Conv2d(4, 4, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(4)
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(4)
+        self.down = nn.Conv2d(4, 8, 3, stride=2, padding=1, bias=False)
+        self.bn3 = nn.BatchNorm2d(8)
+        self.shortcut = nn.Conv2d(4, 8, 1, stride=2, bias=False)
+        self.fc = nn.Linear(8, n_class)
+
+    def forward(self, x, t):
+        h = F.relu(self.bn(self.stem(x)))
+        h = F.relu(h + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(h))))))
+        h = F.relu(self.bn3(self.down(h)) + self.shortcut(h))
+        return F.cross_entropy(self.fc(h.mean((2, 3))), t) * SMALL
+
+
+def transformer_batch(step):
+    g = torch.Generator().manual_seed(step)
+    return (torch.randint(0, 11, (2, 5), generator=g),
+            torch.randint(0, 11, (2, 5), generator=g))
+
+
+def resnet_batch(step):
+    g = torch.Generator().manual_seed(step)
+    return (torch.randn(2, 3, 8, 8, generator=g, dtype=torch.double),
+            torch.randint(0, 5, (2,), generator=g))
+
+
+def every_construct_batch(step):
+    g = torch.Generator().manual_seed(step)
+    return (torch.randn(4, 3, 8, 8, generator=g, dtype=torch.double),
+            torch.randint(0, 5, (4,), generator=g))
+
+
+NETS = {
+    'transformer': (TinyTransformer, transformer_batch),
+    'resnet': (TinyResNet, resnet_batch),
+    'every_construct': (lambda: EveryConstructNet(loss_factor=SMALL),
+                        every_construct_batch),
+}
+
+
+@pytest.fixture
+def scale_log(monkeypatch):
+    """Every scale the core returns, per step: ``(kind, key, scale)`` of
+    each GEMM and cast site, ``('branch', scales, common)`` of each
+    unification of different scales (cached passes included; the eager
+    hook also asks about equal ones, which change nothing)."""
+    log = []
+    site_scale, branch = StepScales._site_scale, StepScales.branch
+
+    def logged_site(self, key, kind, *args):
+        result = site_scale(self, key, kind, *args)
+        log.append((kind, key, result[0]))
+        return result
+
+    def logged_branch(self, scales, grads):
+        common = branch(self, scales, grads)
+        if len(set(scales)) > 1:
+            log.append(('branch', tuple(scales), common))
+        return common
+    monkeypatch.setattr(StepScales, '_site_scale', logged_site)
+    monkeypatch.setattr(StepScales, 'branch', logged_branch)
+    return log
+
+
+def train(make, batch, compiled, log=None, steps=3, module=None,
+          region=True):
+    """``steps`` SGD steps of a fresh float64 ``make()`` (seeded) under
+    GS (update interval 2: refresh, cached, refresh), eager or
+    ``compiled`` (a backend name: the model compiled without GS; 'gs':
+    with compile_backend, inner aot_eager). ``module``: the name of the
+    submodule compiled (default the model). Returns per step the
+    gradients, the scales logged and ``report()``. ``region``: whether
+    the whole model's backward must be one compiled node."""
+    torch.compiler.reset()  # no cache limit reached, no stale region
+    torch.manual_seed(0)
+    model = make().double()
+    scaler = GradientScaler(model, update_interval=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    backend = compile_backend(scaler, inner='aot_eager') \
+        if compiled == 'gs' else compiled
+    run = model
+    if compiled and module is None:
+        run = torch.compile(model, backend=backend)
+    elif compiled:
+        setattr(model, module, torch.compile(getattr(model, module),
+                                             backend=backend))
+    history = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        start = len(log) if log is not None else 0
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter('always', RuntimeWarning)
+            loss = run(*batch(step))
+            if compiled and module is None:
+                assert (type(loss.grad_fn).__name__ ==
+                        'CompiledFunctionBackward') == region
+            scaler.scale(loss).backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()
+                     if p.grad is not None}
+            scaler.step(optimizer)
+        # a region the backend scales is no blind spot: no hook warning
+        blind = [str(w.message) for w in warned
+                 if "cannot see into" in str(w.message)]
+        assert not blind or compiled != 'gs', blind
+        assert scaler.step_taken
+        scaler.update()
+        scales = sorted(log[start:], key=repr) if log is not None else None
+        report = {r.name: (r.kind, r.local_scale, r.input_scale,
+                           r.output_scale) for r in scaler.report()}
+        history.append((grads, scales, report))
+    return history
+
+
+def assert_same_scales(eager, compiled):
+    for (_, scales_e, report_e), (_, scales_c, report_c) in zip(eager,
+                                                                compiled):
+        assert scales_c == scales_e
+        assert report_c == report_e
+
+
+def assert_exact(compiled, plain):
+    for (grads_c, _, _), (grads_p, _, _) in zip(compiled, plain):
+        assert grads_c.keys() == grads_p.keys()
+        for name in grads_p:
+            assert torch.equal(grads_c[name], grads_p[name]), name
+
+
+@pytest.mark.parametrize('net', sorted(NETS))
+def test_compiled_gs_scales_as_eager_gs_and_is_exact(net, scale_log):
+    make, batch = NETS[net]
+    eager = train(make, batch, None, scale_log)
+    compiled = train(make, batch, 'gs', scale_log)
+    plain = train(make, batch, 'aot_eager')
+    assert_same_scales(eager, compiled)
+    assert_exact(compiled, plain)
+    # The scales are far from 1, and every site kind is there.
+    kinds = {r[0] for r in eager[0][2].values()}
+    assert {'gemm', 'cast'} <= kinds
+    assert max(r[3] for r in eager[0][2].values()) >= 2.0 ** 10
+    if net != 'resnet':  # (whose residual sums meet at one scale)
+        assert 'branch' in kinds
+    # the cached step chose scales too, from the table
+    assert eager[1][1] and eager[1][2] == eager[0][2]
+
+
+def test_every_construct_sites():
+    make, batch = NETS['every_construct']
+    report = train(make, batch, 'gs', steps=1)[0][2]
+    # the weight used twice is two sites, the transposed convolution one
+    assert {'shared.weight', 'shared.weight#1', 'deconv.weight',
+            'conv2a.weight', 'conv2b.weight', 'conv3.weight', 'fc.weight',
+            'cast#0'} <= set(report)
+    assert 'conv1.weight' not in report  # its input needs no gradient
+
+
+def test_a_compiled_block_between_eager_layers(scale_log):
+    """A region entered at a scale other than 1 (the eager head's), whose
+    data gradient leaves at its own scale for the eager layers below."""
+    make, batch = NETS['transformer']
+    eager = train(make, batch, None, scale_log, module=None)
+    compiled = train(make, batch, 'gs', scale_log, module='down')
+    plain = train(make, batch, 'aot_eager', module='down')
+    assert_same_scales(eager, compiled)
+    assert_exact(compiled, plain)
+    assert eager[0][2]['down.weight'][2] != 1.0  # entered scaled
+
+
+def test_a_compiled_model_with_the_loss_outside(scale_log):
+    """The softmax gradient enters the region: its logits' GEMM is the
+    cast site, as in eager GS."""
+    make, batch = NETS['transformer']
+    eager = train(make, batch, None, scale_log)
+    compiled = train(make, batch, 'gs', scale_log, module='logits')
+    plain = train(make, batch, 'aot_eager', module='logits')
+    assert_same_scales(eager, compiled)
+    assert_exact(compiled, plain)
+    assert eager[0][2]['cast#0'][2] == 1.0  # the logits' GEMM's entry
+
+
+def test_a_region_the_backend_cannot_read_runs_eagerly(monkeypatch,
+                                                       scale_log):
+    make, batch = NETS['every_construct']
+    eager = train(make, batch, None, scale_log, steps=2)
+
+    def refuse(self):
+        raise backend_module._Unsupported('refused by the test')
+    monkeypatch.setattr(backend_module._Rewrite, 'run', refuse)
+    torch.compiler.reset()
+    model = make().double()
+    with pytest.warns(RuntimeWarning, match='runs eagerly'):
+        torch.compile(model, backend=compile_backend(
+            GradientScaler(model), inner='aot_eager'))(*batch(0))
+    compiled = train(make, batch, 'gs', scale_log, steps=2, region=False)
+    assert_same_scales(eager, compiled)
+
+
+def test_the_bare_hook_too():
+    make, batch = NETS['every_construct']
+    reports = []
+    for compiled in (False, True):
+        torch.compiler.reset()
+        torch.manual_seed(0)
+        model = make().double()
+        hook = GradientScaling(model)
+        run = torch.compile(model, backend=compile_backend(
+            hook, inner='aot_eager')) if compiled else model
+        loss = run(*batch(0))  # (compiled outside the hook: see report)
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore', RuntimeWarning)
+            with hook:
+                loss.backward()
+        assert hook.last_result.finite
+        reports.append({r.name: r.output_scale for r in hook.report()})
+    assert reports[1] == reports[0] and 'deconv.weight' in reports[0]
+
+
+def test_gradients_pass_unscaled_without_a_scaler_pass():
+    """Run outside the scaler (no pass attached): plain gradients."""
+    make, batch = NETS['transformer']
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    model = make().double()
+    scaler = GradientScaler(model)
+    compiled = torch.compile(model, backend=compile_backend(
+        scaler, inner='aot_eager'))
+    compiled(*batch(0)).backward()
+    torch.manual_seed(0)
+    reference = make().double()
+    reference(*batch(0)).backward()
+    for (name, p), q in zip(model.named_parameters(),
+                            reference.parameters()):
+        np.testing.assert_allclose(p.grad.numpy(), q.grad.numpy(),
+                                   rtol=1e-12, atol=0, err_msg=name)
+
+
+def test_loss_scaling_modes_get_the_inner_backend():
+    model = nn.Linear(2, 2)
+    assert compile_backend(GradientScaler(model, mode='dynamic'),
+                           inner='aot_eager') == 'aot_eager'
+    with pytest.raises(ValueError, match="'inductor' or 'aot_eager'"):
+        compile_backend(GradientScaler(model), inner='cudagraphs')
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('net', ['every_construct', 'transformer'])
+def test_inductor_scales_as_eager_gs(net, scale_log):
+    """Inductor compiles the rewritten graphs (the min-cut partitioner's,
+    which orders a weight gradient before the data gradient's GEMM): the
+    same scales; gradients within Inductor's last-bit differences of eager
+    GS's."""
+    make, batch = NETS[net]
+    eager = train(make, batch, None, scale_log)
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    model = make().double()
+    scaler = GradientScaler(model, update_interval=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = torch.compile(model, backend=compile_backend(scaler))
+    for step, (grads, scales, report) in enumerate(eager):
+        optimizer.zero_grad()
+        start = len(scale_log)
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore', RuntimeWarning)
+            scaler.scale(run(*batch(step))).backward()
+        assert sorted(scale_log[start:], key=repr) == scales
+        # (conv1.bias's true gradient is 0, BatchNorm follows: rounding
+        # noise, tiny beside the largest gradient)
+        largest = max(float(g.abs().max()) for g in grads.values())
+        for name, p in model.named_parameters():
+            np.testing.assert_allclose(p.grad.numpy(), grads[name].numpy(),
+                                       rtol=1e-9, atol=1e-12 * largest,
+                                       err_msg=name)
+        scaler.step(optimizer)
+        scaler.update()
