@@ -20,8 +20,9 @@ paragraph in the report says what its columns are. Modes (``--modes``):
   ``framework`` at tiny inputs, batch 1, where time is per-function
   framework cost, as on a GPU. Then peak memory, the hook's added time per
   backward node (``--gpu-iteration-ms MODEL=MS``: predicted ratios on a
-  device), and with ``--attribute`` GS's own work by section, from the
-  hook's timing points (``GradientScaling.time_with``). ``--memory-only``:
+  device), and with ``--attribute`` GS's own work by section, its
+  methods timed on each hook's own objects (``chainer_variants.
+  time_hook``). ``--memory-only``:
   instead, the peak memory alone, no timing, as a table of no scaling,
   GS's cached pass and GS@k against Dyn-LS.
 * ``targets``: the issue's framework-bound targets, ResNet-50 at 32x32,

@@ -1,13 +1,15 @@
-"""The hook's timing points (``GradientScaling(timer=...)``, ``time_with``),
-which ``scripts/benchmark.py --attribute`` reads: every section recorded,
-each call's own time counted once, results unchanged, and nothing installed
-on a hook without a timer. No timing is asserted."""
+"""How ``scripts/benchmark.py --attribute`` times a GS hook's own work
+(``benchmarking.chainer_variants.time_hook``): every section recorded,
+each call's own time counted once, results unchanged, and nothing changed
+but the timed hook's own objects. No timing is asserted."""
 
 import gradient_scaling  # NOQA
 
 import collections
 import copy
 import itertools
+import os
+import sys
 
 import numpy as np
 
@@ -16,13 +18,21 @@ import chainer
 from gradient_scaling import GradientScaling
 from gradient_scaling.chainer import _internals as internals
 from gradient_scaling.chainer import backward_rules
-from gradient_scaling.chainer import timing as timing_module
 from gradient_scaling.chainer import training
 
 from hook_nets import EveryConstructNet  # NOQA
 from hook_nets import every_construct_batch  # NOQA
 
-SECTIONS = set(timing_module.TIMED_SECTIONS)
+SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), 'scripts')
+if SCRIPTS not in sys.path:
+    sys.path.insert(0, SCRIPTS)
+
+from benchmarking import chainer_variants  # NOQA: E402
+from benchmarking import harness  # NOQA: E402
+from benchmarking import rows  # NOQA: E402
+
+SECTIONS = set(rows.SECTIONS)
 
 
 class Timer(object):
@@ -48,7 +58,8 @@ def _model_and_batch():
 def test_every_section_on_a_refresh_and_a_cached_pass():
     model, (x, t) = _model_and_batch()
     timer = Timer()
-    hook = GradientScaling(target=model, update_interval=2, timer=timer)
+    hook = GradientScaling(target=model, update_interval=2)
+    chainer_variants.time_hook(hook, timer)
     passes = []
     for _ in range(2):  # a refresh, then a pass on the cached scales
         with hook:
@@ -81,7 +92,7 @@ def _train(timer, base=None, steps=3):
     optimizer, scaler = training.setup_optimizer(
         chainer.optimizers.SGD(lr=1e-3), model, config)
     if timer is not None:
-        scaler.hook.time_with(timer)
+        chainer_variants.time_hook(scaler.hook, timer)
     scales = []
     for _ in range(steps):
         skipped, _ = training.train_step(optimizer, scaler, model, x, t,
@@ -109,11 +120,12 @@ def test_results_are_bit_identical_with_and_without_a_timer():
         timed_hook.controller.state_dict()
 
 
-def test_no_timer_no_timing_code():
-    rescale = backward_rules.rescale
+def test_timing_one_hook_changes_nothing_else():
+    rescale = backward_rules.BackwardRules.rescale
     base, (x, t) = _model_and_batch()
     _train(Timer(), base)
-    assert backward_rules.rescale is rescale  # timed for that hook alone
+    assert backward_rules.BackwardRules.rescale is rescale is \
+        backward_rules.rescale  # timed on that hook's rules alone
     model = copy.deepcopy(base)
     hook = GradientScaling(target=model)
     with hook:
@@ -123,7 +135,8 @@ def test_no_timer_no_timing_code():
     for name in ('backward_preprocess', 'begin_backward', 'end_backward',
                  'conclude', '_pass_result'):
         assert name not in vars(hook), name
-    for name in ('gemm', 'cast', 'plain', 'combine', '_backward_by_scale'):
+    for name in ('gemm', 'cast', 'plain', 'combine', '_backward_by_scale',
+                 'rescale'):
         assert name not in vars(hook.rules), name
     assert 'transition' not in vars(hook.controller)
 
@@ -132,7 +145,7 @@ def test_each_call_counts_its_own_time_once():
     # A clock that advances by one per read: the outer call reads 0 and 5,
     # the inner timed call 1 and 2, the untimed one 3 and 4.
     timer = Timer(clock=itertools.count().__next__)
-    timing = timing_module.Timing(timer)
+    timing = harness.TimedCalls(timer)
     inner = timing.wrap('rescaling', lambda: None)
     untimed = timing.wrap(None, lambda: None)
 

@@ -1,4 +1,10 @@
-"""Tests of gradient_scaling.underflow: formulas, scale rules, Monte Carlo."""
+"""Tests of gradient_scaling.core.underflow: formulas, rules, Monte Carlo.
+
+The scales are taken from arrays the way the library takes them: the GEMM
+and cast rules through the paper's estimator (``ModelEstimator``, which
+measures the statistics and applies Theorems 1 and 2), the branch rule
+through ``rules.branch_scale`` on the contributions' maxima.
+"""
 
 import math
 
@@ -7,7 +13,10 @@ import pytest
 from scipy import special
 from scipy import stats
 
+from gradient_scaling.core import arrays
+from gradient_scaling.core import estimators
 from gradient_scaling.core import formats
+from gradient_scaling.core import rules
 from gradient_scaling.core import underflow
 
 
@@ -17,6 +26,24 @@ GAMMA = 1e-3  # the paper's default target
 
 def _is_power_of_two(x):
     return isinstance(x, float) and math.frexp(x)[0] == 0.5
+
+
+def gemm_scale(dy, w, n, underflow_rate=GAMMA, fmt='float16'):
+    """The data-path scale a GEMM site gets (Theorem 1) from its arrays."""
+    estimator = estimators.ModelEstimator(underflow_rate, fmt)
+    return estimator.gemm(dy, w, n, 1.0, None, None, None)[0]
+
+
+def cast_scale(grad, underflow_rate=GAMMA, fmt='float16'):
+    """The scale a softmax-cast site gets (Theorem 2) from its array."""
+    estimator = estimators.ModelEstimator(underflow_rate, fmt)
+    return estimator.cast(grad, 1.0, None, None)[0]
+
+
+def branch_scale(pairs, fmt='float16'):
+    """The common scale of ``(contribution, scale)`` pairs (line 17)."""
+    return rules.branch_scale([arrays.ops_for(g).max_abs(g) for g, _ in pairs],
+                              [scale for _, scale in pairs], fmt)
 
 
 # ---------------------------------------------------------------------------
@@ -139,7 +166,7 @@ def test_gemm_scale_meets_target_rate(name, n, sigma_y, sigma_w, weights):
     # With N = 1 every column of dX repeats dY up to sign: two columns.
     rows, cols = (250000, 2) if n == 1 else (500, 1000)
     dy, w, dx = _gemm_case(n, sigma_y, sigma_w, rng, rows, cols, weights)
-    scale = underflow.gemm_scale(dy, w, n, GAMMA, name)
+    scale = gemm_scale(dy, w, n, GAMMA, name)
     assert _is_power_of_two(scale) and scale > 1
 
     # The cap is not binding in these cases, so the scale is the smallest
@@ -167,7 +194,7 @@ def test_gemm_model_needs_normal_products():
     # underestimates underflow about six times (N = 9: 10%, N >= 64: <2%).
     rng = numpy.random.default_rng(2)
     dy, w, dx = _gemm_case(1, 1e-9, 1e-3, rng, rows=1000, cols=1000)
-    scale = underflow.gemm_scale(dy, w, 1)
+    scale = gemm_scale(dy, w, 1)
     measured = numpy.mean(numpy.abs(scale * dx) <= FP16.min)
     assert measured > 2 * GAMMA
 
@@ -180,7 +207,7 @@ def test_gemm_scale_meets_target_rate_sweep(n, sigma):
     sigma_w = 0.02
     sigma_y = sigma / (math.sqrt(n) * sigma_w)
     dy, w, dx = _gemm_case(n, sigma_y, sigma_w, rng, rows=1000)
-    scale = underflow.gemm_scale(dy, w, n)
+    scale = gemm_scale(dy, w, n)
     zeros = numpy.mean(FP16.quantize(scale * dx) == 0)
     assert GAMMA / 4 * 0.8 < zeros <= GAMMA
 
@@ -192,7 +219,7 @@ def test_gemm_scale_meets_target_rate_sweep(n, sigma):
 def test_gemm_scale_below_one_when_the_cap_binds():
     rng = numpy.random.default_rng(3)
     dy, w, dx = _gemm_case(576, 10.0, 1.0, rng, rows=64, cols=64)
-    scale = underflow.gemm_scale(dy, w, 576)
+    scale = gemm_scale(dy, w, 576)
     cap = FP16.max / (576 * numpy.abs(dy).max() * numpy.abs(w).max())
     assert cap < 1
     assert scale == underflow.pow2_floor(cap)
@@ -246,15 +273,15 @@ def test_gemm_scale_clamps_to_float32_range():
     (numpy.ones((4, 8)), numpy.zeros((8, 3))),
 ])
 def test_gemm_scale_all_zero_or_empty_is_one(dy, w):
-    assert underflow.gemm_scale(dy, w, 8) == 1.0
+    assert gemm_scale(dy, w, 8) == 1.0
 
 
 def test_gemm_scale_single_non_zero():
     # std(dY) = 0 for a one-element tensor: the Gaussian model is degenerate,
     # no scale-up, but the cap still applies.
     w = numpy.random.default_rng(4).normal(0, 1, (1, 16))
-    assert underflow.gemm_scale(numpy.array([[1e-9]]), w, 1) == 1.0
-    big = underflow.gemm_scale(numpy.array([[1e5]]), w, 1)
+    assert gemm_scale(numpy.array([[1e-9]]), w, 1) == 1.0
+    big = gemm_scale(numpy.array([[1e5]]), w, 1)
     assert big == underflow.pow2_floor(FP16.max / (1e5 * numpy.abs(w).max()))
 
 
@@ -262,11 +289,11 @@ def test_gemm_scale_integer_and_float16_arrays():
     rng = numpy.random.default_rng(5)
     dy = rng.normal(0, 1e-4, (256, 64))
     w = rng.normal(0, 0.01, (64, 32))
-    expected = underflow.gemm_scale(dy.astype(numpy.float16).astype(
+    expected = gemm_scale(dy.astype(numpy.float16).astype(
         numpy.float64), w, 64)
-    assert underflow.gemm_scale(dy.astype(numpy.float16), w, 64) == expected
+    assert gemm_scale(dy.astype(numpy.float16), w, 64) == expected
     wi = rng.integers(-3, 4, (64, 32))
-    assert underflow.gemm_scale(dy, wi, 64) == underflow.gemm_scale(
+    assert gemm_scale(dy, wi, 64) == gemm_scale(
         dy, wi.astype(numpy.float64), 64)
 
 
@@ -275,8 +302,11 @@ def test_gemm_scale_non_finite_input(bad):
     dy = numpy.ones((4, 4), numpy.float32)
     dy[1, 2] = bad
     with pytest.raises(underflow.NonFiniteStatisticsError,
-                       match='grad_output has 1 non-finite'):
-        underflow.gemm_scale(dy, numpy.ones((4, 4)), 4)
+                       match='non-finite gradient'):
+        gemm_scale(dy, numpy.ones((4, 4)), 4)
+    with pytest.raises(underflow.NonFiniteStatisticsError,
+                       match='non-finite weights'):
+        gemm_scale(numpy.ones((4, 4)), dy, 4)
     with pytest.raises(underflow.NonFiniteStatisticsError,
                        match='std_grad=nan'):
         underflow.gemm_scale_from_stats(math.nan, 1.0, 1.0, 1.0, 4)
@@ -287,8 +317,8 @@ def test_gemm_scale_non_finite_input(bad):
                                   '1e-3', None])
 def test_bad_underflow_rate(rate):
     dy = numpy.ones((2, 2))
-    for call in (lambda: underflow.gemm_scale(dy, dy, 2, rate),
-                 lambda: underflow.softmax_cast_scale(dy, rate),
+    for call in (lambda: gemm_scale(dy, dy, 2, rate),
+                 lambda: cast_scale(dy, rate),
                  lambda: underflow.lognormal_scale_from_stats(0, 1, 1, rate)):
         with pytest.raises(ValueError, match=r'open interval \(0, 1\)'):
             call()
@@ -306,7 +336,7 @@ def test_bad_statistics_and_format():
     with pytest.raises(ValueError, match="'float16'"):
         underflow.gemm_scale_from_stats(1, 1, 1, 1, 4, fmt='fp16')
     with pytest.raises(ValueError, match="'float8_e4m3'"):
-        underflow.softmax_cast_scale(numpy.ones(3), fmt='float32')
+        cast_scale(numpy.ones(3), fmt='float32')
 
 
 # ---------------------------------------------------------------------------
@@ -326,7 +356,7 @@ def test_lognormal_scale_meets_target_rate(name, mu, sigma):
     rng = numpy.random.default_rng(int(-mu * 10 + sigma))
     n = 500000
     g = rng.choice([-1.0, 1.0], n) * numpy.exp(rng.normal(mu, sigma, n))
-    scale = underflow.softmax_cast_scale(g, GAMMA, name)
+    scale = cast_scale(g, GAMMA, name)
     assert _is_power_of_two(scale) and scale > 1
     mu_hat, sigma_hat = numpy.log(numpy.abs(g)).mean(), numpy.log(
         numpy.abs(g)).std()
@@ -355,7 +385,7 @@ def test_softmax_gradient_scale():
     g = (p / (batch * pixels)).astype(numpy.float32)
     without = numpy.mean(FP16.quantize(g) == 0)
     assert without > 0.2  # the cast loses a lot unscaled
-    scale = underflow.softmax_cast_scale(g)
+    scale = cast_scale(g)
     assert _is_power_of_two(scale) and scale >= 2.0 ** 8
     q = FP16.quantize(scale * g)
     assert numpy.mean(numpy.abs(scale * g) <= FP16.min) <= GAMMA
@@ -379,19 +409,20 @@ def test_lognormal_scale_from_stats_formula_and_cap():
 
 
 def test_softmax_cast_scale_edge_cases():
-    assert underflow.softmax_cast_scale(numpy.zeros(10)) == 1.0
-    assert underflow.softmax_cast_scale(numpy.zeros(0)) == 1.0
+    assert cast_scale(numpy.zeros(10)) == 1.0
+    assert cast_scale(numpy.zeros(0)) == 1.0
     # A single non-zero (sigma = 0): the smallest power of two that lifts
     # it above lambda_min.
-    one = underflow.softmax_cast_scale(numpy.array([0.0, 3e-10, 0.0]))
+    one = cast_scale(numpy.array([0.0, 3e-10, 0.0]))
     assert one == underflow.pow2_ceil(FP16.min / 3e-10)
     assert 3e-10 * one > FP16.min and 3e-10 * one / 2 <= FP16.min
     exact = FP16.min / 2.0 ** 5
-    assert underflow.softmax_cast_scale(numpy.array([exact])) == 2.0 ** 6
-    assert underflow.softmax_cast_scale(numpy.array([1.0, -1.0])) == 1.0
-    assert underflow.softmax_cast_scale(numpy.array([1e9])) == 2.0 ** -14
-    with pytest.raises(underflow.NonFiniteStatisticsError, match='grad'):
-        underflow.softmax_cast_scale(numpy.array([1e-9, numpy.nan]))
+    assert cast_scale(numpy.array([exact])) == 2.0 ** 6
+    assert cast_scale(numpy.array([1.0, -1.0])) == 1.0
+    assert cast_scale(numpy.array([1e9])) == 2.0 ** -14
+    with pytest.raises(underflow.NonFiniteStatisticsError,
+                       match='1 non-finite'):
+        cast_scale(numpy.array([1e-9, numpy.nan]))
 
 
 # ---------------------------------------------------------------------------
@@ -402,14 +433,14 @@ def test_unify_scales_keeps_largest_that_does_not_overflow():
     a = numpy.full(3, 100.0)  # scaled by 2**10: unscaled max ~ 0.098
     b = numpy.full(3, 1000.0)  # scaled by 2**4: unscaled max 62.5
     # 2**10 * 62.5 = 64000 < 65504: the largest scale is fine.
-    assert underflow.unify_scales([(a, 2.0 ** 10), (b, 2.0 ** 4)]) \
+    assert branch_scale([(a, 2.0 ** 10), (b, 2.0 ** 4)]) \
         == 2.0 ** 10
     c = numpy.full(3, 1100.0)  # 2**10 * 68.75 >= 65504
-    assert underflow.unify_scales([(a, 2.0 ** 10), (c, 2.0 ** 4)]) \
+    assert branch_scale([(a, 2.0 ** 10), (c, 2.0 ** 4)]) \
         == 2.0 ** 4
     # Line 17 asks for strict "<": exactly lambda_max is rejected.
     d = numpy.array([FP16.max / 2.0 ** 10 * 2.0 ** 4])
-    assert underflow.unify_scales([(a, 2.0 ** 10), (d, 2.0 ** 4)]) \
+    assert branch_scale([(a, 2.0 ** 10), (d, 2.0 ** 4)]) \
         == 2.0 ** 4
 
 
@@ -428,17 +459,20 @@ def test_unify_scales_three_contributions_and_fallback():
 
 
 def test_unify_scales_edge_cases():
-    assert underflow.unify_scales([(numpy.zeros(4), 8.0),
+    assert branch_scale([(numpy.zeros(4), 8.0),
                                    (numpy.zeros(0), 2.0)]) == 8.0
-    assert underflow.unify_scales([(numpy.ones(2), 0.25)]) == 0.25
+    assert branch_scale([(numpy.ones(2), 0.25)]) == 0.25
     fp8 = underflow.unify_scales_from_max([(100.0, 1.0), (1.0, 16.0)],
                                           'float8_e4m3')
     assert fp8 == 1.0  # 16 * 100 >= 448, 1 * 100 < 448
     with pytest.raises(ValueError, match='at least one'):
-        underflow.unify_scales([])
+        branch_scale([])
     with pytest.raises(ValueError, match='scale must be positive'):
         underflow.unify_scales_from_max([(1.0, 0.0)])
     with pytest.raises(underflow.NonFiniteStatisticsError, match='inf'):
-        underflow.unify_scales([(numpy.array([numpy.inf]), 1.0)])
-    with pytest.raises(underflow.NonFiniteStatisticsError, match='nan'):
-        underflow.unify_scales([(numpy.array([1.0, numpy.nan]), 1.0)])
+        underflow.unify_scales_from_max([(math.inf, 1.0)])
+    # A contribution that is not finite has no common scale: the pass
+    # fails anyway (the site keeps the largest scale).
+    assert branch_scale([(numpy.array([numpy.inf]), 1.0)]) is None
+    assert branch_scale([(numpy.array([1.0, numpy.nan]), 1.0),
+                         (numpy.ones(2), 4.0)]) is None

@@ -14,7 +14,8 @@ needs that the public ``FunctionHook`` API does not give (docs/DESIGN.md, 3):
 * ``chainer._backprop_utils._grad_var_from_alive_node``: an existing leaf
   gradient joining an accumulation gets the scale it was stored with.
 * ``Variable._set_grad_var_without_check``: records which leaves received a
-  gradient in this pass.
+  gradient in this pass; ``Variable._grad_var``, read where ``grad_var``
+  would return it, without the property's work (a pass's end).
 * ``Variable.backward``: refuses ChainerX arrays, which bypass the above.
 * ``FunctionNode.backward`` and ``forward`` looked up on the instance:
   one-shot wrappers (the hook's rules, the simulation's rounding).
@@ -112,68 +113,9 @@ def wrap_backward_once(func, wrapper, *args):
     func.backward = backward
 
 
-def unwrap_backward(func):
-    func.__dict__.pop('backward', None)
-
-
 def parameter_of(node):
     """The variable (usually a ``Parameter``) behind an input node, or None."""
     return node.get_variable_or_none()
-
-
-def _reduce(grad_list):
-    if not grad_list:
-        return None
-    if len(grad_list) >= 2:
-        _patches.handler.combine(grad_list)
-    return grad_list[0]
-
-
-def _grad_var_from_alive_node(node):
-    gv = _patches.original(_backprop_utils, '_grad_var_from_alive_node')(
-        node)
-    if gv is not None:
-        var = node.get_variable_or_none()
-        if var is not None:
-            # An existing gradient (accumulation over several backward
-            # passes) carries the scale it was stored with.
-            set_gradient_scale(gv, var._loss_scale or 1.0)
-    return gv
-
-
-def _set_grad_var_without_check(self, gv):
-    _patches.original(variable_module.Variable,
-                      '_set_grad_var_without_check')(self, gv)
-    # Chainer clears a leaf's gradient (None) before it sets the sum.
-    handler = _patches.handler
-    if gv is not None and handler is not None and handler.in_backward:
-        handler.leaf_received(self)
-
-
-def _backprop_to_all(outputs, retain_grad, loss_scale):
-    if chainer.config.enable_backprop:
-        raise RuntimeError(
-            'GradientScaling does not support double backpropagation '
-            '(enable_double_backprop=True): the scaled gradients would '
-            'become part of the graph.')
-    handler = _patches.handler
-    handler.begin_backward(outputs, loss_scale)
-    try:
-        _patches.original(_backprop, '_backprop_to_all')(
-            outputs, retain_grad, loss_scale)
-    except BaseException:
-        handler.abort_backward()
-        raise
-    handler.end_backward()
-
-
-def _variable_backward(self, *args, **kwargs):
-    if self._has_chainerx_array:
-        raise RuntimeError(
-            'GradientScaling does not support ChainerX arrays; use NumPy or '
-            'CuPy arrays (chainer.backend.CpuDevice / GpuDevice).')
-    return _patches.original(variable_module.Variable, 'backward')(
-        self, *args, **kwargs)
 
 
 def original_reduce(grad_list):
@@ -245,6 +187,22 @@ def set_param_loss_scale(param, scale):
     param._loss_scale = scale
 
 
+def gradient_loss_scales(params):
+    """The loss scales of the parameters that have a gradient and one."""
+    return [scale for scale in [param._loss_scale for param in params
+                                if param.grad is not None]
+            if scale is not None]
+
+
+def take_loss_scales(params):
+    """Each parameter's loss scale, reset to None (so that Chainer's update
+    rule does not divide by it again)."""
+    scales = [param._loss_scale for param in params]
+    for param in params:
+        param._loss_scale = None
+    return scales
+
+
 def set_leaf_scales(leaves):
     """Gives each leaf the scale its gradient carries; returns ``(leaf,
     gradient array)`` of those with a gradient.
@@ -254,7 +212,9 @@ def set_leaf_scales(leaves):
     """
     grads = []
     for var in leaves:
-        grad_var = var.grad_var
+        # What ``var.grad_var`` returns: Chainer's backward has just set it
+        # (ChainerX arrays, whose gradient lives elsewhere, are refused).
+        grad_var = var._grad_var
         if grad_var is not None:
             var._loss_scale = getattr(grad_var, SCALE_ATTRIBUTE, 1.0)
             grads.append((var, grad_var.array))
@@ -335,14 +295,100 @@ def default_boxes(coder):
     return coder._default_bbox
 
 
-_patches = patches.Patches([
-    (_backprop_utils, '_reduce', _reduce),
-    (_backprop_utils, '_grad_var_from_alive_node', _grad_var_from_alive_node),
-    (_backprop, '_backprop_to_all', _backprop_to_all),
-    (variable_module.Variable, '_set_grad_var_without_check',
-     _set_grad_var_without_check),
-    (variable_module.Variable, 'backward', _variable_backward)])
-# Routes Chainer's backprop internals to a handler (install), until uninstall.
-install = _patches.install
-uninstall = _patches.uninstall
-active_handler = _patches.active_handler
+def _replacements(handler):
+    """What Chainer's backprop internals become while ``handler`` is
+    installed: ``(owner, name, replacement)``.
+
+    Each replacement binds the handler and the Chainer function it wraps
+    here, once per install: they run for every node, contribution and leaf
+    of every pass, so they look nothing up when called.
+    """
+    combine = handler.combine
+    chainer_set_grad_var = variable_module.Variable._set_grad_var_without_check
+    chainer_backprop = _backprop._backprop_to_all
+    chainer_backward = variable_module.Variable.backward
+
+    def _reduce(grad_list):
+        if not grad_list:
+            return None
+        if len(grad_list) >= 2:
+            combine(grad_list)
+        return grad_list[0]
+
+    def _grad_var_from_alive_node(node):
+        # Chainer's own, with the gradient cleared by Chainer's setter
+        # itself (not through the replacement below: clearing receives
+        # nothing).
+        var = node.get_variable_or_none()
+        if var is None:
+            return None
+        gv = var.grad_var
+        chainer_set_grad_var(var, None)
+        if gv is not None:
+            # An existing gradient (accumulation over several backward
+            # passes) carries the scale it was stored with.
+            setattr(gv, SCALE_ATTRIBUTE, var._loss_scale or 1.0)
+        return gv
+
+    def _set_grad_var_without_check(self, gv):
+        chainer_set_grad_var(self, gv)
+        # Chainer clears a leaf's gradient (None) before it sets the sum.
+        if gv is not None and handler.in_backward:
+            handler.leaf_received(self)
+
+    def _backprop_to_all(outputs, retain_grad, loss_scale):
+        if chainer.config.enable_backprop:
+            raise RuntimeError(
+                'GradientScaling does not support double backpropagation '
+                '(enable_double_backprop=True): the scaled gradients would '
+                'become part of the graph.')
+        handler.begin_backward(outputs, loss_scale)
+        try:
+            chainer_backprop(outputs, retain_grad, loss_scale)
+        except BaseException:
+            handler.abort_backward()
+            raise
+        handler.end_backward()
+
+    def _variable_backward(self, *args, **kwargs):
+        if self._has_chainerx_array:
+            raise RuntimeError(
+                'GradientScaling does not support ChainerX arrays; use NumPy '
+                'or CuPy arrays (chainer.backend.CpuDevice / GpuDevice).')
+        return chainer_backward(self, *args, **kwargs)
+
+    return [
+        (_backprop_utils, '_reduce', _reduce),
+        (_backprop_utils, '_grad_var_from_alive_node',
+         _grad_var_from_alive_node),
+        (_backprop, '_backprop_to_all', _backprop_to_all),
+        (variable_module.Variable, '_set_grad_var_without_check',
+         _set_grad_var_without_check),
+        (variable_module.Variable, 'backward', _variable_backward)]
+
+
+_patches = patches.Patches([])
+
+
+def install(handler):
+    """Routes Chainer's backprop internals to ``handler`` (again: nothing
+    to do), until :func:`uninstall`.
+
+    Raises:
+        RuntimeError: If another handler is installed.
+
+    """
+    global _patches
+    if _patches.handler is None:
+        _patches = patches.Patches(_replacements(handler))
+    _patches.install(handler)
+
+
+def uninstall(handler):
+    """Puts Chainer's own functions back, if ``handler`` is installed."""
+    _patches.uninstall(handler)
+
+
+def active_handler():
+    """The handler installed now, or None."""
+    return _patches.handler

@@ -28,6 +28,19 @@ _SOFTMAX = internals.SOFTMAX_ATTRIBUTE
 SOFTMAX, SHAPE_ONLY = 'softmax', 'shape-only'
 
 
+def rescale(grad_var, ratio):
+    """A new gradient Variable multiplied by a power of two (never in place)."""
+    if ratio == 1.0:
+        return grad_var
+    array = grad_var.array
+    scaled = chainer.Variable(arrays.ops_for(array).scaled(array, ratio),
+                              requires_grad=False)
+    internals.set_gradient_scale(scaled, internals.gradient_scale(grad_var)
+                                 * ratio)
+    internals.set_from_softmax(scaled, internals.from_softmax(grad_var))
+    return scaled
+
+
 class BackwardRules(object):
 
     """The rules, as backward wrappers, of one GradientScaling hook.
@@ -37,6 +50,10 @@ class BackwardRules(object):
             recipe, controller, names and current pass they use.
 
     """
+
+    #: Every rule rescales through its rules object, so that a profiler
+    #: can time it on one object (scripts/benchmarking).
+    rescale = staticmethod(rescale)
 
     def __init__(self, hook):
         self.hook = hook
@@ -93,7 +110,7 @@ class BackwardRules(object):
                     step.trace(name, incoming_finite, (in_data[0], weight),
                                None if result[i] is None else
                                result[i].array)
-        return tuple(result[i] for i in indexes)
+        return tuple([result[i] for i in indexes])
 
     def _backward_by_scale(self, class_backward, indexes, gy, alpha, local,
                            n_inputs):
@@ -117,7 +134,7 @@ class BackwardRules(object):
                 self.hook.current_pass.unit = False
             group = tuple(group)
             gxs = sites.select_gradients(
-                class_backward(group, (rescale(gy, scale),)), group,
+                class_backward(group, (self.rescale(gy, scale),)), group,
                 n_inputs)
             result.update(zip(group, _tag(gxs, alpha * scale, False)))
         return result
@@ -138,7 +155,7 @@ class BackwardRules(object):
         beta, record = step.cast(gy.array, getattr(gy, _SCALE, 1.0))
         if beta != 1.0:
             self.hook.current_pass.unit = False
-        scaled = rescale(gy, beta)
+        scaled = self.rescale(gy, beta)
         step.measure(record, scaled.array)
         return scaled
 
@@ -156,7 +173,7 @@ class BackwardRules(object):
         if len(present) > 1:
             alpha = self._unify(present)
             grad_outputs = tuple(
-                None if g is None else rescale(
+                None if g is None else self.rescale(
                     g, alpha / getattr(g, _SCALE, 1.0))
                 for g in grad_outputs)
         else:
@@ -172,7 +189,7 @@ class BackwardRules(object):
         if any(getattr(g, _SCALE, 1.0) != first for g in grad_list):
             common = self._unify(grad_list)
             grad_list[:] = [
-                rescale(g, common / getattr(g, _SCALE, 1.0))
+                self.rescale(g, common / getattr(g, _SCALE, 1.0))
                 for g in grad_list]
         else:
             common = first
@@ -207,16 +224,3 @@ def _tag(gxs, scale, from_softmax):
             setattr(gx, _SCALE, scale)
             setattr(gx, _SOFTMAX, from_softmax)
     return gxs
-
-
-def rescale(grad_var, ratio):
-    """A new gradient Variable multiplied by a power of two (never in place)."""
-    if ratio == 1.0:
-        return grad_var
-    array = grad_var.array
-    scaled = chainer.Variable(arrays.ops_for(array).scaled(array, ratio),
-                              requires_grad=False)
-    internals.set_gradient_scale(scaled, internals.gradient_scale(grad_var)
-                                 * ratio)
-    internals.set_from_softmax(scaled, internals.from_softmax(grad_var))
-    return scaled

@@ -19,7 +19,6 @@ from gradient_scaling.chainer import _internals as internals
 from gradient_scaling.chainer import backward_rules
 from gradient_scaling.chainer import serialization
 from gradient_scaling.chainer import sites
-from gradient_scaling.chainer import timing
 from gradient_scaling.core import recipes
 from gradient_scaling.core import step as step_module
 from gradient_scaling.core.arrays import measured_underflow_rate
@@ -29,11 +28,9 @@ from gradient_scaling.core.step import GradientOverflowError
 from gradient_scaling.core.telemetry import SiteRecord
 
 __all__ = ['GradientScaling', 'GradientOverflowError', 'SiteRecord',
-           'StepPayload', 'measured_underflow_rate', 'CAST_RULES',
-           'TIMED_SECTIONS']
+           'StepPayload', 'measured_underflow_rate', 'CAST_RULES']
 
 CAST_RULES = recipes.CAST_RULES
-TIMED_SECTIONS = timing.TIMED_SECTIONS
 
 # Rule kinds, by function class (the plain wrapper's kinds are named in
 # backward_rules).
@@ -124,21 +121,12 @@ class GradientScaling(ControllerViews, chainer.FunctionHook):
             ``max_consecutive_overflows``, ``weight_backoff``,
             ``weight_backoff_floor``, ``weight_headroom``,
             ``scale_range`` (documented on the recipes).
-        timer: Optional; times the hook's own work (:meth:`time_with`).
-
-    **Timing points.** With a ``timer`` (an object with ``add(section,
-    seconds)`` and optionally a ``clock``, else ``time.perf_counter``), each
-    timed call's own seconds (less its timed calls') go to one of
-    :data:`TIMED_SECTIONS`: ``dispatch`` is the entry at each node, the
-    backward wrappers (not the function's backward), a pass's start and end
-    and the step's decision; ``scale choice`` the step's ``gemm``, ``cast``
-    and ``weight_path``. Without a timer no timing code runs.
 
     """
 
     name = 'GradientScaling'
 
-    def __init__(self, target=None, recipe=None, timer=None, **settings):
+    def __init__(self, target=None, recipe=None, **settings):
         self._take_recipe(recipe, settings)
         self.target = target
         self.names = sites.SiteNames(target)
@@ -146,8 +134,6 @@ class GradientScaling(ControllerViews, chainer.FunctionHook):
         self.current_pass = None
         self.rules = backward_rules.BackwardRules(self)
         self._kinds = {}  # function class -> rule kind
-        if timer is not None:
-            self.time_with(timer)
 
     # -- FunctionHook interface ------------------------------------------
 
@@ -284,11 +270,6 @@ class GradientScaling(ControllerViews, chainer.FunctionHook):
         in_dtype, out_dtype = internals.cast_dtypes(function)
         return (in_dtype.kind == 'f' and out_dtype.kind == 'f'
                 and in_dtype.itemsize < out_dtype.itemsize)
-
-    def time_with(self, timer):
-        """Times this hook's work with ``timer`` (*Timing points*)."""
-        timing.time_hook(self, timer)
-        return self
 
     # -- reporting and state ----------------------------------------------
 

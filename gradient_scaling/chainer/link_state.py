@@ -32,13 +32,13 @@ class LinkState(object):
     def capture(self):
         """Saves every value as it is now (into the same buffers as the
         last capture, when the shapes agree)."""
+        saved = self._saved
         for i, (sub, name) in enumerate(self._values):
-            value, saved = getattr(sub, name), self._saved[i]
-            if _same_array_layout(value, saved):
-                saved[...] = value
+            value, old = getattr(sub, name), saved[i]
+            if _same_array_layout(value, old):
+                old[...] = value
             else:
-                self._saved[i] = value.copy() if hasattr(value, 'copy') \
-                    else value
+                saved[i] = value.copy() if hasattr(value, 'copy') else value
 
     def restore(self):
         """Puts every captured value back (arrays in place)."""
@@ -51,6 +51,7 @@ class LinkState(object):
 
 
 def _same_array_layout(a, b):
-    return (hasattr(a, 'shape') and hasattr(b, 'shape')
-            and a.shape == b.shape and a.dtype == b.dtype
-            and type(a) is type(b))
+    # The type first: a value that is no array (BatchNorm's N, an int) then
+    # costs one comparison.
+    return (type(a) is type(b) and hasattr(a, 'shape')
+            and a.shape == b.shape and a.dtype == b.dtype)

@@ -141,9 +141,7 @@ class Scaler(object):
         # every call, which costs more than reading the scales).
         if getattr(self, '_params_of', None) is not model:
             self._params, self._params_of = list(model.params()), model
-        scales = sorted(s for s in (internals.param_loss_scale(p)
-                                    for p in self._params
-                                    if p.grad is not None) if s is not None)
+        scales = sorted(internals.gradient_loss_scales(self._params))
         if not scales:
             return {}
         n = len(scales)  # the median as numpy.median gives it, sorted once

@@ -39,9 +39,8 @@ from gradient_scaling.chainer import _internals as internals
 from gradient_scaling.core.step import GemmTrace
 
 __all__ = ['GEMM_TYPES', 'SOFTMAX_TYPES', 'SHAPE_ONLY_NAMES', 'is_gemm',
-           'is_softmax', 'is_shape_only', 'accumulation_length',
-           'data_gradient', 'select_gradients', 'operand_traces',
-           'SiteNames']
+           'accumulation_length', 'data_gradient', 'select_gradients',
+           'operand_traces', 'SiteNames']
 
 #: Function nodes whose backward is a GEMM with a weight (input 1).
 GEMM_TYPES = (
@@ -68,14 +67,6 @@ SHAPE_ONLY_NAMES = frozenset([
 def is_gemm(function):
     """Whether a function node is a GEMM site (Linear, Conv, Deconv)."""
     return issubclass(internals.function_type(function), GEMM_TYPES)
-
-
-def is_softmax(function):
-    return issubclass(internals.function_type(function), SOFTMAX_TYPES)
-
-
-def is_shape_only(function):
-    return internals.function_type(function).__name__ in SHAPE_ONLY_NAMES
 
 
 def accumulation_length(function, weight):

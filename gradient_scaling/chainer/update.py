@@ -44,23 +44,29 @@ def _is_fp16_with_master(param, rule):
     return param.dtype == numpy.float16 and internals.uses_fp32_update(rule)
 
 
-def _unscaled_master(param, rule):
-    """The variable to update, holding the unscaled gradient."""
-    scale = internals.param_loss_scale(param)
-    internals.set_param_loss_scale(param, None)
-    if param.grad is None:
+def _unscaled_master(param, scale):
+    """The variable to update, holding the unscaled gradient (``scale``:
+    the one ``param``'s gradient carries, or None)."""
+    rule = param.update_rule
+    fp32_update = internals.uses_fp32_update(rule)
+    unscaled = scale is None or scale == 1
+    if unscaled and not fp32_update:
+        return param  # its gradient, if any, is the true one already
+    grad = param.grad
+    if grad is None:
         return param
-    if _is_fp16_with_master(param, rule):
+    if fp32_update and param.dtype == numpy.float16:
         master = internals.fp32_master(rule)
         if master is None:
             master = chainer.Parameter(param.array.astype(numpy.float32),
                                        name=param.name)
             internals.set_fp32_master(rule, master)
-        grad = param.grad.astype(numpy.float32)
+        grad = grad.astype(numpy.float32)
+    elif unscaled:
+        return param
     else:
         master = param
-        grad = param.grad
-    if scale is not None and scale != 1:
+    if not unscaled:
         if grad.dtype == numpy.float16 and not 2.0 ** -14 <= scale < 65504:
             # The scale is no normal float16 number: divide in float32.
             grad = (grad.astype(numpy.float32) / numpy.float32(scale)
@@ -72,8 +78,13 @@ def _unscaled_master(param, rule):
     return master
 
 
-def _call_optimizer_hooks(optimizer, timing, view, rules):
-    for hook in internals.update_hooks(optimizer, timing).values():
+def _call_optimizer_hooks(optimizer, timing, params, masters):
+    hooks = internals.update_hooks(optimizer, timing)
+    if not hooks:
+        return
+    view = _MasterView(optimizer, masters)
+    rules = {id(m): p.update_rule for p, m in zip(params, masters)}
+    for hook in hooks.values():
         if getattr(hook, 'call_for_each_param', False):
             for master in view.target.params():
                 hook(rules[id(master)], master)
@@ -90,27 +101,23 @@ def apply_update(optimizer):
     so clipping and weight decay act on true gradients.
     """
     optimizer.reallocate_cleared_grads()
-    pairs = []
-    rules = {}
-    for param in optimizer.target.params():
-        rule = param.update_rule
-        if rule is None:
-            continue
-        master = _unscaled_master(param, rule)
-        pairs.append((param, rule, master))
-        rules[id(master)] = rule
-    view = _MasterView(optimizer, [m for _, _, m in pairs])
-    _call_optimizer_hooks(optimizer, 'pre', view, rules)
+    params = [param for param in optimizer.target.params()
+              if param.update_rule is not None]
+    masters = [_unscaled_master(param, scale) for param, scale in
+               zip(params, internals.take_loss_scales(params))]
+    _call_optimizer_hooks(optimizer, 'pre', params, masters)
     optimizer.t += 1
-    for param, rule, master in pairs:
+    for param, master in zip(params, masters):
         if master is param:
             param.update()
-        elif rule.enabled:
-            rule.update(master)
-            param.array = master.array.astype(param.dtype)
-            master.grad = None
+        else:
+            rule = param.update_rule
+            if rule.enabled:
+                rule.update(master)
+                param.array = master.array.astype(param.dtype)
+                master.grad = None
     optimizer.reallocate_cleared_grads()
-    _call_optimizer_hooks(optimizer, 'post', view, rules)
+    _call_optimizer_hooks(optimizer, 'post', params, masters)
 
 
 def serialize_fp32_masters(optimizer, serializer):

@@ -23,7 +23,8 @@ underflow rate (``underflow_rate``, 1e-3 by default as in the paper).
   ``exp(ln lambda_min - mu - sigma * sqrt(2) * erfinv(2 gamma' - 1))`` capped
   by ``lambda_max / max|g|`` (line 11).
 * Branching (line 17): contributions with different scales are brought to the
-  largest of their scales at which none overflows (:func:`unify_scales`).
+  largest of their scales at which none overflows
+  (:func:`unify_scales_from_max`).
 
 Every scale returned is a power of two, so applying and removing it is exact:
 the target scale is rounded up (the target rate is still met), the cap rounded
@@ -33,19 +34,21 @@ large gradients down gains nothing. Scales are clamped to
 [:data:`MIN_SCALE`, :data:`MAX_SCALE`] so that they and their reciprocals are
 normal float32 numbers.
 
-Degenerate statistics never produce NaN or infinite scales: an all-zero or
-empty tensor gets scale 1 (there is nothing to underflow); NaN or infinity in
-the inputs raises :class:`NonFiniteStatisticsError`, which a caller can treat
-like an overflow.
+Degenerate statistics never produce NaN or infinite scales: those of an
+all-zero or empty tensor give scale 1 (there is nothing to underflow); NaN or
+infinity among them raises :class:`NonFiniteStatisticsError`, which a caller
+can treat like an overflow. The statistics are measured by the estimators
+(:mod:`~gradient_scaling.core.estimators`), which the tests drive on arrays.
 
 .. admonition:: Example
 
     >>> import numpy as np
     >>> from gradient_scaling.core import underflow
     >>> rng = np.random.default_rng(0)
-    >>> dy = rng.normal(0, 1e-6, (64, 256)).astype(np.float32)
-    >>> w = rng.normal(0, 0.05, (256, 128)).astype(np.float32)
-    >>> underflow.gemm_scale(dy, w, accumulation_length=256)
+    >>> dy = rng.normal(0, 1e-6, (64, 256))
+    >>> w = rng.normal(0, 0.05, (256, 128))
+    >>> underflow.gemm_scale_from_stats(dy.std(), abs(dy).max(), w.std(),
+    ...                                 abs(w).max(), accumulation_length=256)
     64.0
 
 """
@@ -57,13 +60,11 @@ import operator
 from scipy import special
 
 from gradient_scaling.core import formats
-from gradient_scaling.core import statistics
 
 __all__ = ['MIN_SCALE', 'MAX_SCALE', 'NonFiniteStatisticsError', 'pow2_ceil',
            'pow2_floor', 'gemm_underflow_rate', 'lognormal_underflow_rate',
-           'gemm_scale_from_stats', 'gemm_scale', 'lognormal_scale_from_stats',
-           'softmax_cast_scale', 'unify_scales_from_max', 'unify_scales',
-           'gemm_cap', 'cast_cap']
+           'gemm_scale_from_stats', 'lognormal_scale_from_stats',
+           'unify_scales_from_max', 'gemm_cap', 'cast_cap']
 
 
 #: Smallest scale returned. Scales and their reciprocals stay normal float32.
@@ -247,33 +248,6 @@ def cast_cap(max_abs, fmt='float16'):
         fmt.max / max_abs)
 
 
-def gemm_scale(grad_output, weight, accumulation_length, underflow_rate=1e-3,
-               fmt='float16'):
-    """Local scale of a GEMM's gradient from the arrays (Theorem 1).
-
-    A thin wrapper over :func:`gemm_scale_from_stats` that measures the
-    statistics with :func:`gradient_scaling.statistics.tensor_statistics`.
-
-    Args:
-        grad_output (numpy.ndarray or cupy.ndarray): The gradient ``dY``
-            entering the backward GEMM.
-        weight (numpy.ndarray or cupy.ndarray): The weight ``W``.
-        accumulation_length (int): ``N`` (Linear: out_features; Conv2D:
-            out_channels * kh * kw).
-        underflow_rate (float): Target rate ``gamma'`` in (0, 1).
-        fmt (str or ~gradient_scaling.formats.Format): Target format.
-
-    Returns:
-        float: The scale, a power of two.
-
-    """
-    grad = _finite_statistics(grad_output, 'grad_output', log=False)
-    w = _finite_statistics(weight, 'weight', log=False)
-    return gemm_scale_from_stats(
-        grad.std, grad.max_abs, w.std, w.max_abs, accumulation_length,
-        underflow_rate, fmt)
-
-
 def lognormal_scale_from_stats(mu, sigma, max_abs, underflow_rate=1e-3,
                                fmt='float16'):
     """Scale of a cast of log-normal gradients from statistics (Theorem 2).
@@ -321,26 +295,6 @@ def lognormal_scale_from_stats(mu, sigma, max_abs, underflow_rate=1e-3,
     return _power_of_two_scale(target, fmt.max / max_abs)
 
 
-def softmax_cast_scale(grad, underflow_rate=1e-3, fmt='float16'):
-    """Scale of the cast of softmax-input gradients, from the array.
-
-    A thin wrapper over :func:`lognormal_scale_from_stats` that measures
-    ``mu`` and ``sigma`` of ``ln|g|`` over the non-zero elements.
-
-    Args:
-        grad (numpy.ndarray or cupy.ndarray): Gradient reaching the cast.
-        underflow_rate (float): Target rate ``gamma'`` in (0, 1).
-        fmt (str or ~gradient_scaling.formats.Format): Target format.
-
-    Returns:
-        float: The scale, a power of two.
-
-    """
-    stats = _finite_statistics(grad, 'grad', log=True)
-    return lognormal_scale_from_stats(stats.log_mean, stats.log_std,
-                                      stats.max_abs, underflow_rate, fmt)
-
-
 def unify_scales_from_max(pairs, fmt='float16'):
     """Common scale of several scaled contributions, from their maxima.
 
@@ -363,8 +317,8 @@ def unify_scales_from_max(pairs, fmt='float16'):
     fmt = formats.get(fmt)
     pairs = list(pairs)
     if not pairs:
-        raise ValueError('unify_scales needs at least one (max_abs, scale) '
-                         'pair, got none')
+        raise ValueError('a common scale needs at least one (max_abs, '
+                         'scale) pair, got none')
     # Largest unscaled magnitude, the only one that matters for overflow.
     worst = 0.0
     scales = []
@@ -382,25 +336,6 @@ def unify_scales_from_max(pairs, fmt='float16'):
     if beta == bound:  # the inequality is strict
         beta = beta / 2 if beta > MIN_SCALE else MIN_SCALE
     return beta
-
-
-def unify_scales(pairs, fmt='float16'):
-    """Common scale of several scaled gradient contributions (line 17).
-
-    A thin wrapper over :func:`unify_scales_from_max` that measures each
-    contribution's largest magnitude.
-
-    Args:
-        pairs (iterable of (array, float)): ``(gradient, scale)`` per
-            contribution, each gradient carrying its own scale.
-        fmt (str or ~gradient_scaling.formats.Format): Format of the sum.
-
-    Returns:
-        float: The common scale.
-
-    """
-    return unify_scales_from_max(
-        [(statistics.max_abs(g), scale) for g, scale in pairs], fmt)
 
 
 # --------------------------------------------------------------------------
@@ -422,16 +357,6 @@ def _power_of_two_cap(cap):
     if cap == math.inf:
         return math.inf
     return min(pow2_floor(cap), MAX_SCALE) if cap >= MIN_SCALE else MIN_SCALE
-
-
-def _finite_statistics(x, name, log):
-    stats = statistics.tensor_statistics(x, log=log)
-    if stats.n_nonfinite:
-        raise NonFiniteStatisticsError(
-            '{} has {} non-finite (NaN or inf) values out of {}; no scale '
-            'can be computed from it'.format(
-                name, stats.n_nonfinite, stats.count))
-    return stats
 
 
 def _check_rate(rate):

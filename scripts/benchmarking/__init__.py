@@ -2,8 +2,9 @@
 scripts/benchmark_kernels.py.
 
 * :mod:`benchmarking.harness`: the timing loop (variants alternated within
-  each round), the peak-memory rounds, the timer of the hook's timing
-  points, BLAS thread limiting; framework-neutral.
+  each round), the peak-memory rounds, the timer of a hook's own calls
+  (``TimedCalls`` into ``SectionTimes``), BLAS thread limiting;
+  framework-neutral.
 * :mod:`benchmarking.rows`: the result rows (dataclasses) and their
   builders; :mod:`benchmarking.report`: the Markdown report.
 * :mod:`benchmarking.cases`: Chainer's models, each with its loss and a

@@ -18,7 +18,6 @@ import numpy
 
 import chainer
 
-from gradient_scaling.chainer import timing
 from gradient_scaling.chainer import link_state
 from gradient_scaling.chainer import scalers
 from gradient_scaling.chainer import sites
@@ -30,9 +29,10 @@ from benchmarking.cases import CASES
 from benchmarking.harness import CupyPeak
 from benchmarking.harness import HostPeak
 from benchmarking.harness import SectionTimes
+from benchmarking.harness import TimedCalls
 
 __all__ = ['TrainStep', 'CheckedPlainStep', 'use_device', 'memory_tracker',
-           'training_variants', 'backward_nodes', 'time_hooks',
+           'training_variants', 'backward_nodes', 'time_hook', 'time_hooks',
            'target_variants', 'simulation_variants', 'SIMULATIONS']
 
 NEVER = rows.NEVER
@@ -40,7 +40,13 @@ NEVER = rows.NEVER
 #: rounding).
 SIMULATIONS = ('sim-fp16', 'sim-bf16', 'sim-fp8-e5m2', 'sim-fp8-e4m3',
                's2fp8', 'sim-fp16-sr')
-assert rows.SECTIONS == timing.TIMED_SECTIONS
+#: The open step's methods timed, by section (the rest of rows.SECTIONS:
+#: ``dispatch`` is the hook's entry points and backward wrappers, less the
+#: function's own backward; ``rescaling`` the rules' rescale; ``finiteness
+#: check`` the pass's result).
+_STEP_SECTIONS = {'gemm': 'scale choice', 'cast': 'scale choice',
+                  'weight_path': 'scale choice', 'branch': 'branches',
+                  'trace': 'traces', 'measure': 'measurement'}
 
 
 def use_device(gpu):
@@ -208,14 +214,45 @@ def backward_nodes(variant):
     return counter.nodes, counter.elements
 
 
+def time_hook(hook, timer):
+    """Times a GS hook's own work into ``timer`` (``add(section, seconds)``,
+    optionally a ``clock``), each call's own seconds in one of
+    ``rows.SECTIONS``: its entry points, the open step's rules and the
+    backward wrappers are wrapped on that hook's own objects (instance
+    attributes; the classes are untouched)."""
+    timed = TimedCalls(timer)
+    for name in ('backward_preprocess', 'hold_step', 'begin_backward',
+                 'end_backward', 'step_payload', 'conclude'):
+        setattr(hook, name, timed.wrap('dispatch', getattr(hook, name)))
+    hook._pass_result = timed.wrap('finiteness check', hook._pass_result)
+    controller = hook.controller
+    controller.transition = timed.wrap('dispatch', controller.transition)
+    begin_pass, timed_step = controller.begin_pass, [None]
+
+    def timed_begin_pass():
+        step = begin_pass()
+        if step is not timed_step[0]:  # a new StepScales a step
+            timed_step[0] = step
+            for name, section in _STEP_SECTIONS.items():
+                setattr(step, name, timed.wrap(section, getattr(step, name)))
+        return step
+    controller.begin_pass = timed_begin_pass
+    rules = hook.rules
+    rules.rescale = timed.wrap('rescaling', rules.rescale)
+    for name in ('gemm', 'cast', 'plain'):
+        rule = getattr(rules, name)
+        setattr(rules, name, timed.wrap('dispatch', lambda backward, *a,
+                rule=rule: rule(timed.wrap(None, backward), *a)))
+
+
 def time_hooks(variants, labels):
     """Attaches a :class:`SectionTimes` to the GS hook of each variant in
-    ``labels`` (``GradientScaling.time_with``); returns them by label."""
+    ``labels`` (:func:`time_hook`); returns them by label."""
     timers = {}
     for variant in variants:
         if variant.label in labels:
             timers[variant.label] = SectionTimes()
-            variant.scaler.hook.time_with(timers[variant.label])
+            time_hook(variant.scaler.hook, timers[variant.label])
     return timers
 
 

@@ -30,6 +30,7 @@ import tracemalloc
 
 __all__ = ['Sample', 'time_alternately', 'peak_memory', 'HostPeak',
            'TorchCpuPeak', 'TorchCudaPeak', 'CupyPeak', 'SectionTimes',
+           'TimedCalls',
            'ratios', 'amortised', 'quartiles', 'BlasThreads', 'MAX_ROUNDS']
 
 #: Rounds a ``budget`` may add up to.
@@ -284,8 +285,8 @@ class CupyPeak(object):
 
 class SectionTimes(object):
 
-    """Seconds and calls per section: the timer a hook's timing points fill
-    (``GradientScaling.time_with``; any object with ``add`` will do).
+    """Seconds and calls per section: the timer a hook's timed calls fill
+    (:class:`TimedCalls`; any object with ``add`` will do).
 
     Args:
         clock (callable): What the hook reads the time with.
@@ -300,6 +301,42 @@ class SectionTimes(object):
     def add(self, section, seconds):
         self.seconds[section] += seconds
         self.calls[section] += 1
+
+
+class TimedCalls(object):
+
+    """Wraps callables so that each call adds its *own* seconds (less
+    those of the timed calls inside it) to a timer's section.
+
+    Args:
+        timer: An object with ``add(section, seconds)`` and optionally a
+            ``clock`` (else ``time.perf_counter``), e.g. a
+            :class:`SectionTimes`.
+
+    """
+
+    def __init__(self, timer):
+        self.add = timer.add
+        self.clock = getattr(timer, 'clock', time.perf_counter)
+        self.inner = [0.0]  # per open timed call: its timed calls' seconds
+
+    def wrap(self, section, fn):
+        """``fn`` timed (``section`` None: its time is only subtracted from
+        the timed call around it)."""
+        add, clock, inner = self.add, self.clock, self.inner
+
+        def timed(*args, **kwargs):
+            inner.append(0.0)
+            start = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds = clock() - start
+                own = seconds - inner.pop()
+                inner[-1] += seconds
+                if section is not None:
+                    add(section, own)
+        return timed
 
 
 def ratios(series, baseline, clock='cpu'):

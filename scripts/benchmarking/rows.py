@@ -39,7 +39,7 @@ NEVER = 10 ** 9
 # against a plain step with the same check (and that step again, the A/A).
 PLAIN_CHECK, PLAIN_CHECK_AA = 'plain+check', 'plain+check (A/A)'
 TARGETS = {'gs@1': 1.15, 'gs@100': 1.02}
-#: The sections of GS's own work per pass (the hook's timing points).
+#: The sections of GS's own work per pass (``chainer_variants.time_hook``).
 SECTIONS = ('dispatch', 'scale choice', 'rescaling', 'branches', 'traces',
             'measurement', 'finiteness check')
 
@@ -162,8 +162,8 @@ _MS = '{:.2f}'
 @dataclasses.dataclass
 class AttributionRow(object):
     """GS's own work per pass (wall time, mean over the `--passes` passes),
-    timed inside the hook by its public timing points
-    (`GradientScaling.time_with`): `dispatch` (the entry at each function
+    timed by wrapping the hook's own methods on its objects
+    (`chainer_variants.time_hook`): `dispatch` (the entry at each function
     node, the backward wrappers without the function's own backward, a
     pass's start and end, the step's decision), `scale choice` (each site's
     scale: at a refresh, the statistics; cached, the table lookup),
