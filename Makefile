@@ -82,7 +82,7 @@ $(STAMP): setup.py Makefile tools/build_frozen_wheels.py tools/chainercv_patch/_
 
 # The main job: SegNet on the embedded data with the paper-scale loss, in
 # FP32 and in simulated FP16 with gradient scaling and without (the three
-# at once, about a minute on 2 cores), then what GS did: each run's mIoU,
+# at once: 150 s of CPU on 2 cores), then what GS did: each run's mIoU,
 # the gradient values lost with GS and without, per-site scales,
 # result/demo/gs_vs_none.png (scripts/demo.py; results/demo.md).
 # DEMO_ARGS go to every run, e.g. DEMO_ARGS='--seeds 0 1 2'.

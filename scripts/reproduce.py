@@ -11,7 +11,11 @@ Subcommands (each resumable: an existing result is kept unless --force)::
     python scripts/reproduce.py segmentation    # Table 3 shape, SegNet
     python scripts/reproduce.py block-scaling   # GS against MXFP8, NVFP4...
     python scripts/reproduce.py segnet-frameworks  # Chainer and PyTorch
+    python scripts/reproduce.py ssd-backbone  # Table 2's mechanism: scales
+                                              # of backbone and heads
+    python scripts/reproduce.py verdicts   # the 2-SE verdicts, from results/
     python scripts/reproduce.py all        # every subcommand in turn
+    python scripts/reproduce.py --check    # is every results/ file fresh?
 
 Several subcommands may be given at once; the training studies (s2fp8,
 detection, ...) then share one queue of runs (``--jobs`` at a time, seed
@@ -21,6 +25,11 @@ docstring says what it runs and writes.  ``model``, ``figure2`` and
 the training studies resume run by run (a finished run's ``run.json``
 under ``--runs-dir`` is reused) and rewrite ``<study>.md``,
 ``<study>_runs.csv`` and ``<study>.png`` from every finished run.
+
+Every product is recorded in ``results/provenance.json`` with the command,
+the commit and the date it was made from (Markdown ones also in a
+``Provenance:`` line); ``--check`` exits with status 1 when a results file
+has no record or its study's code changed since (:mod:`studies.provenance`).
 """
 
 import gradient_scaling  # NOQA: restores what Chainer needs, first
@@ -28,6 +37,7 @@ import gradient_scaling  # NOQA: restores what Chainer needs, first
 import argparse
 import collections
 import os
+import re
 import shlex
 import sys
 import time
@@ -37,18 +47,21 @@ from studies.common import ROOT
 from studies import block_scaling
 from studies import figure2
 from studies import model_fit
+from studies import provenance
 from studies import recording
 from studies import s2fp8
 from studies import segnet
 from studies import segnet_frameworks
+from studies import ssd_backbone
 from studies import training
+from studies import verdicts
 
 # Studies that run once and write their products (the CSV last);
 # block-scaling and segnet-frameworks train their runs themselves (several
 # tasks or frameworks, one table).
 SINGLE_STUDIES = collections.OrderedDict(
     (m.NAME, m) for m in (figure2, model_fit, segnet, block_scaling,
-                          segnet_frameworks))
+                          segnet_frameworks, ssd_backbone, verdicts))
 # Studies of training runs of the example scripts.
 TRAINING_STUDIES = collections.OrderedDict(
     list(training.STUDIES.items()) + [(s2fp8.STUDY.name, s2fp8.STUDY)])
@@ -58,9 +71,16 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(
         description=__doc__.split('\n\n')[0],
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('command', nargs='+',
-                        choices=sorted(SINGLE_STUDIES) + sorted(
-                            TRAINING_STUDIES) + ['all'])
+    choices = sorted(SINGLE_STUDIES) + sorted(TRAINING_STUDIES) + ['all']
+    # (argparse rejects an empty nargs='*' list against choices: checked
+    # below.)
+    parser.add_argument('command', nargs='*', metavar='study',
+                        help='one or more of: ' + ', '.join(choices))
+    parser.add_argument('--check', action='store_true',
+                        help='train nothing; say which results files are '
+                        'stale (their study\'s code changed since the '
+                        'recorded commit) or have no provenance, exit 1 if '
+                        'any')
     parser.add_argument('--out', default=os.path.join(ROOT, 'results'))
     parser.add_argument('--force', action='store_true',
                         help='recompute results that exist already')
@@ -68,47 +88,76 @@ def parse_args(argv):
     figure2.add_arguments(parser.add_argument_group('figure2'))
     segnet.add_arguments(parser.add_argument_group('segnet'))
     block_scaling.add_arguments(parser.add_argument_group('block-scaling'))
+    ssd_backbone.add_arguments(parser.add_argument_group('ssd-backbone'))
     recording.add_arguments(parser.add_argument_group('figure2, segnet'))
     training.add_arguments(parser.add_argument_group(
         'training studies ({})'.format(', '.join(
             list(TRAINING_STUDIES) + [block_scaling.NAME,
-                                      segnet_frameworks.NAME]))))
+                                      segnet_frameworks.NAME,
+                                      ssd_backbone.NAME]))))
     args = parser.parse_args(argv)
+    if not args.command and not args.check:
+        parser.error('give a study (or all), or --check')
+    unknown = [c for c in args.command if c not in choices]
+    if unknown:
+        parser.error('unknown study {}; choose from {}'.format(
+            ', '.join(unknown), ', '.join(choices)))
     if args.jobs < 1:
         parser.error('--jobs must be >= 1')
     return args
 
 
-def run_single(study, args):
-    """Runs ``study`` unless its product exists (and no --force)."""
+def run_single(study, args, command):
+    """Runs ``study`` unless its product exists (and no --force); records
+    its products' provenance."""
     if os.path.exists(os.path.join(args.out, study.PRODUCT)) and \
-            not args.force:
+            not args.force and not getattr(study, 'ALWAYS', False):
         log('{}: {} exists, skipping (--force recomputes)'.format(
             study.NAME, study.PRODUCT))
         return
     start = time.time()
     log('{}: start'.format(study.NAME))
-    study.run(args)
+    records = study.run(args)
+    entry = (provenance.for_runs(study.NAME, command, records)
+             if records else provenance.current(study.NAME, command))
+    provenance.record_entry(args.out, entry, provenance.PRODUCTS[study.NAME])
     log('{}: done in {:.0f} s'.format(study.NAME, time.time() - start))
+
+
+# Written by scripts/benchmark.py, which records its own command and date.
+NOT_CHECKED = (r'benchmark.*\.md',)
+
+
+def check(results_dir):
+    """Prints each stale or unrecorded results file; 1 if any."""
+    problems = provenance.check(results_dir, ignore=NOT_CHECKED)
+    total = sum(1 for name in os.listdir(results_dir)
+                if os.path.isfile(os.path.join(results_dir, name))
+                and name != provenance.MANIFEST
+                and not any(re.fullmatch(p, name) for p in NOT_CHECKED))
+    print('\n'.join(provenance.check_lines(problems, total)))
+    return 1 if problems else 0
 
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    if args.check:
+        return check(args.out)
     os.makedirs(args.out, exist_ok=True)
+    command_line = 'python scripts/reproduce.py ' + shlex.join(argv)
     commands = (list(SINGLE_STUDIES) + list(TRAINING_STUDIES)
                 if 'all' in args.command else args.command)
     for command in commands:
         if command in SINGLE_STUDIES:
-            run_single(SINGLE_STUDIES[command], args)
+            run_single(SINGLE_STUDIES[command], args, command_line)
     studies = [TRAINING_STUDIES[c] for c in commands
                if c in TRAINING_STUDIES]
     if studies:
         start = time.time()
         names = ', '.join(s.name for s in studies)
         log('{}: start'.format(names))
-        training.run_studies(studies, args, 'python scripts/reproduce.py '
-                             + shlex.join(argv))
+        training.run_studies(studies, args, command_line)
         log('{}: done in {:.0f} s'.format(names, time.time() - start))
 
 

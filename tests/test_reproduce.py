@@ -138,6 +138,26 @@ def test_segnet(reproduce, tmp_path):
     assert os.stat(tmp_path / 'figure3b.csv').st_mtime_ns == before
 
 
+def test_segnet_first_checkpoint_is_the_table_s(reproduce, tmp_path):
+    """What README and docs/results.md (Claim 3) say, from the table they
+    cite: 63% of SegNet's softmax-cast gradient underflows unscaled at
+    initialisation, rising to 98% by iteration 200, while GS's cast scale
+    keeps the loss under 1.1%; the table's first checkpoint is what the
+    code gives now (the study at its defaults, one iteration)."""
+    table = read_csv(os.path.join(ROOT, 'results',
+                                  'segnet_cast_underflow.csv'))
+    assert [int(r['iteration']) for r in table] == [0, 50, 100, 150, 200]
+    assert round(100 * float(table[0]['measured_at_1'])) == 63
+    assert round(100 * float(table[-1]['measured_at_1'])) >= 98
+    assert all(float(r['measured_at_gs']) < 0.011 for r in table)
+    reproduce.main(['segnet', '--out', str(tmp_path), '--iterations', '1',
+                    '--checkpoints', '0'])
+    first = read_csv(tmp_path / 'segnet_cast_underflow.csv')[0]
+    for key in ('measured_at_1', 'measured_at_gs', 'gs_scale', 'nonzero'):
+        assert float(first[key]) == pytest.approx(float(table[0][key]),
+                                                  rel=1e-6), key
+
+
 def test_s2fp8(reproduce, tmp_path):
     """A training study of examples/cifar: one run per number format."""
     runs = tmp_path / 'runs'
@@ -247,3 +267,192 @@ def test_training_study_statistics(studies):
     with pytest.raises(ValueError, match='unknown variant'):
         studies.runs.plan([study], [0], '/nonexistent',
                           variants=['Fixed-LS (3)'])
+
+
+# Provenance: every results file says how, from what code and when it was
+# made; `reproduce.py --check` says which ones the code has moved past.
+
+def _git(repo, *args):
+    subprocess.run(['git', '-c', 'user.name=t', '-c', 'user.email=t@t',
+                    '-c', 'commit.gpgsign=false'] + list(args), cwd=repo,
+                   check=True, capture_output=True)
+
+
+def test_check_finds_results_whose_code_changed(studies, tmp_path):
+    provenance = pytest.importorskip('studies.provenance')
+    repo = tmp_path / 'repo'
+    (repo / 'lib').mkdir(parents=True)
+    (repo / 'other').mkdir()
+    (repo / 'results').mkdir()
+    (repo / 'lib' / 'a.py').write_text('x = 1\n')
+    (repo / 'other' / 'b.py').write_text('y = 1\n')
+    _git(repo, 'init', '-q')
+    _git(repo, 'add', '.')
+    _git(repo, 'commit', '-qm', 'one')
+    results = str(repo / 'results')
+    (repo / 'results' / 'table.md').write_text('# A table\n\nrows\n')
+    (repo / 'results' / 'table.csv').write_text('a\n1\n')
+    (repo / 'results' / 'orphan.csv').write_text('a\n1\n')
+    entry = provenance.current('study', 'python make.py --fast', str(repo),
+                               sources=['lib'])
+    provenance.record_entry(results, entry, ['table.md', 'table.csv'])
+    assert entry['commit'] == provenance.head_commit(str(repo))
+    assert not entry['uncommitted']
+    text = (repo / 'results' / 'table.md').read_text()
+    assert text.splitlines()[2] == (
+        'Provenance: `python make.py --fast`, commit {}, made {}.'.format(
+            entry['commit'][:12], entry['date']))
+    problems = provenance.check(results, str(repo))
+    assert list(problems) == ['orphan.csv']
+    assert problems['orphan.csv'] == 'no provenance record'
+    # A change outside the study's sources leaves it fresh, committed or
+    # not; one inside makes it stale, committed or not.
+    (repo / 'other' / 'b.py').write_text('y = 2\n')
+    _git(repo, 'commit', '-qam', 'two')
+    assert list(provenance.check(results, str(repo))) == ['orphan.csv']
+    (repo / 'lib' / 'a.py').write_text('x = 2\n')
+    problems = provenance.check(results, str(repo), ignore=(r'orphan.*',))
+    assert sorted(problems) == ['table.csv', 'table.md']
+    assert problems['table.md'].startswith(
+        'stale: lib/a.py changed since commit {}'.format(
+            entry['commit'][:12]))
+    _git(repo, 'commit', '-qam', 'three')
+    assert sorted(provenance.check(results, str(repo),
+                                   ignore=(r'orphan.*',))) == [
+        'table.csv', 'table.md']
+    # Made from uncommitted code: fresh while the code is that code,
+    # committed since or not; stale once it changes.
+    (repo / 'lib' / 'a.py').write_text('x = 3\n')
+    entry = provenance.current('study', 'python make.py', str(repo),
+                               sources=['lib'])
+    assert entry['uncommitted']
+    provenance.record_entry(results, entry, ['table.md', 'table.csv'])
+    assert '+ uncommitted changes' in (
+        repo / 'results' / 'table.md').read_text()
+    # One Provenance line, however often it is stamped.
+    assert (repo / 'results' / 'table.md').read_text().count(
+        'Provenance: ') == 1
+    assert provenance.check(results, str(repo), ignore=('orphan.*',)) == {}
+    _git(repo, 'commit', '-qam', 'four')
+    assert provenance.check(results, str(repo), ignore=('orphan.*',)) == {}
+    (repo / 'lib' / 'new.py').write_text('z = 1\n')  # untracked, not ignored
+    assert sorted(provenance.check(results, str(repo),
+                                   ignore=('orphan.*',))) == [
+        'table.csv', 'table.md']
+
+
+def test_a_table_of_runs_takes_the_runs_code(studies):
+    provenance = pytest.importorskip('studies.provenance')
+    provenance._STAMP.clear()  # the code as it is now, not at a past run
+    now = provenance.run_stamp()
+    entry = provenance.for_runs('detection', 'cmd', [{'code': now}] * 2)
+    assert entry['commit'] == now['commit'] and entry['digest']
+    old = dict(now, commit='0' * 40, digest='old', date='2026-01-01')
+    entry = provenance.for_runs('detection', 'cmd', [{'code': now},
+                                                     {'code': old}])
+    assert entry['commit'] == '0' * 40 and entry['digest'] is None
+    assert 'runs trained at commits' in provenance.provenance_line(entry)
+    entry = provenance.for_runs('detection', 'cmd', [{'code': now}, {}])
+    assert entry['commit'] == 'unknown'
+
+
+def test_every_results_file_names_its_command_commit_and_date(studies):
+    provenance = pytest.importorskip('studies.provenance')
+    results = os.path.join(ROOT, 'results')
+    manifest = provenance.load(results)
+    reproduce_checks = load_script('reproduce').NOT_CHECKED
+    import re
+    names = [n for n in sorted(os.listdir(results))
+             if os.path.isfile(os.path.join(results, n))
+             and n != provenance.MANIFEST
+             and not any(re.fullmatch(p, n) for p in reproduce_checks)]
+    assert names
+    for name in names:
+        entry = manifest.get(name)
+        assert entry is not None, name
+        assert entry['command'].startswith('python scripts/'), name
+        assert re.fullmatch(r'[0-9a-f]{40}', entry['commit']), name
+        assert re.match(r'\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d', entry['date'])
+        assert provenance.study_of(name) == entry['study']
+        assert entry['sources'], name
+        if name.endswith('.md'):
+            with open(os.path.join(results, name)) as f:
+                assert provenance.provenance_line(entry) in f.read(), name
+    # Every study's products are recorded with one entry (one run made
+    # them all), except records reconstructed from git afterwards (each
+    # file's own last commit).
+    for study, products in provenance.PRODUCTS.items():
+        entries = {json_key(manifest[p]) for p in products if p in manifest
+                   and not manifest[p].get('recorded_afterwards')}
+        assert len(entries) <= 1, study
+
+
+def json_key(entry):
+    return (entry['commit'], entry['date'], entry['command'])
+
+
+def test_check_is_a_command(reproduce, tmp_path, capsys):
+    (tmp_path / 'x.csv').write_text('a\n')
+    assert reproduce.main(['--check', '--out', str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert out.splitlines() == ['x.csv: no provenance record',
+                                '0 of 1 results files fresh']
+    with pytest.raises(SystemExit):
+        reproduce.main(['--out', str(tmp_path)])
+
+
+def test_ssd_backbone_parts_and_ranges(studies):
+    ssd_backbone = pytest.importorskip('studies.ssd_backbone')
+    part = ssd_backbone.part_of
+    assert part('/model/extractor/stages/0/conv/W:Convolution2DFunction') \
+        == 'backbone'
+    assert part('/model/multibox/loc/3/W:Convolution2DFunction') == \
+        'loc heads'
+    assert part('/model/multibox/conf/0/W:Convolution2DFunction') == \
+        'conf heads'
+    assert part('cast#2') == 'cast'
+    assert ssd_backbone._range([0.0, 2.0, 1.0]) == '2^0 .. 2^2'
+    assert ssd_backbone._range([3.0]) == '2^3'
+    variants = ssd_backbone.study(30, 'b.npz').variants
+    assert len(variants) == 8
+    pretrained = [v for v in variants if v.name.startswith('pretrained')]
+    assert all(v.args[-2:] == ['--pretrained-model', 'b.npz']
+               for v in pretrained)
+    assert {v.precision for v in variants} == {'sim-fp16', 'sim-fp8-e5m2'}
+
+
+def test_verdicts_are_two_standard_errors(studies):
+    verdicts = pytest.importorskip('studies.verdicts')
+    # Paired: the per-seed differences 0.1, 0.2, 0.3 (mean 0.2, SE 0.0577).
+    v = verdicts.two_se({0: 0.6, 1: 0.7, 2: 0.8}, {0: 0.5, 1: 0.5, 2: 0.5})
+    assert v.paired and v.n == 3
+    assert v.difference == pytest.approx(0.2)
+    assert v.se == pytest.approx(0.1 / math.sqrt(3))
+    assert v.within is False and v.all_above and not v.all_below
+    assert verdicts.verdict_text(v) == 'above (3.5 SE)'
+    # Only common seeds pair; with 2, no verdict.
+    v = verdicts.two_se({0: 0.6, 1: 0.7}, {0: 0.5, 1: 0.5, 2: 0.5})
+    assert v.within is None and v.n == 2
+    assert verdicts.verdict_text(v) == 'too few seeds'
+    # Unpaired (lists): the frameworks' agreement, Welch's standard error.
+    v = verdicts.two_se([0.8, 0.9], [0.7, 0.8])
+    assert not v.paired and v.within is True
+    assert v.se == pytest.approx(math.sqrt(0.005 / 2 * 2))
+    import studies.segnet_frameworks as frameworks
+    assert frameworks.agreement([0.8, 0.9], [0.7, 0.8]) == (
+        v.difference, v.se, v.within)
+
+
+def test_results_verdicts_are_todays(studies, tmp_path):
+    """results/verdicts.md is what verdicts.py computes now from the runs
+    CSVs it reads (regenerated whenever those are)."""
+    verdicts = pytest.importorskip('studies.verdicts')
+    results = os.path.join(ROOT, 'results')
+    path = tmp_path / 'verdicts.md'
+    verdicts.write(results, str(path))
+    with open(os.path.join(results, 'verdicts.md')) as f:
+        recorded = [line for line in f.read().splitlines()
+                    if not line.startswith('Provenance: ')]
+    written = path.read_text().splitlines()
+    assert [line for line in recorded if line] == [
+        line for line in written if line]

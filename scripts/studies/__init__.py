@@ -15,11 +15,18 @@
 * :mod:`studies.block_scaling` (``block-scaling``): per-tensor GS against
   the block recipes (MXFP8, FP8 1x128 tiles, NVFP4) on detection,
   classification and segmentation, one table.
+* :mod:`studies.segnet_frameworks` (``segnet-frameworks``): SegNet in
+  Chainer and PyTorch.
+* :mod:`studies.ssd_backbone` (``ssd-backbone``): Table 2's mechanism, the
+  scales GS gives SSD's backbone and heads, random or pretrained.
+* :mod:`studies.verdicts` (``verdicts``): the 2-SE verdicts of the
+  comparisons README and docs state, from the runs CSVs (no training).
 
 :mod:`studies.runs` (the subprocess runs, resumable) and
 :mod:`studies.summary` (tables, runs CSV, figure) serve the training
-studies; :mod:`studies.common` and :mod:`studies.recording` hold what
-several studies use.  The studies call the example scripts and the
+studies; :mod:`studies.provenance` records and checks what each results
+file was made from; :mod:`studies.common` and :mod:`studies.recording`
+hold what several studies use.  The studies call the example scripts and the
 public API of :mod:`gradient_scaling` only.  ``studies`` is a sibling of
 ``reproduce.py``: ``python scripts/reproduce.py`` finds it as Python finds
 a script's own modules, with no ``sys.path`` edit.

@@ -3,7 +3,9 @@
 A run's directory (``<runs-dir>/<study>/<variant>-b<batch>-s<seed>``) keeps
 the script's LogReport ``log`` and its ``stdout.log``; ``run.json``, written
 last, marks it finished (for that very command), so a finished run is
-never trained again.  Snapshots and model files are deleted once a run
+never trained again; it records the code that trained it (``code``:
+:func:`studies.provenance.run_stamp`), from which a table's provenance
+follows.  Snapshots and model files are deleted once a run
 finishes (ResNet-18's are 45 MB).
 """
 
@@ -20,6 +22,7 @@ import time
 import numpy as np
 
 from gradient_scaling.chainer import files
+from studies import provenance
 from studies.common import log
 from studies.common import ROOT
 
@@ -88,6 +91,7 @@ class Run(object):
         if os.path.isdir(self.out):
             shutil.rmtree(self.out)  # an interrupted attempt
         os.makedirs(self.out)
+        code = provenance.run_stamp()
         env = dict(os.environ, OMP_NUM_THREADS='1', OPENBLAS_NUM_THREADS='1',
                    MKL_NUM_THREADS='1', PYTHONUNBUFFERED='1')
         start = time.time()
@@ -97,6 +101,7 @@ class Run(object):
                                  cwd=ROOT)
         record = self._summarise(rc, time.time() - start)
         record['finite_weights'] = self._final_weights_finite()
+        record['code'] = code
         for name in os.listdir(self.out):
             if name.startswith(('snapshot_iter_', 'model_iter_')):
                 os.remove(os.path.join(self.out, name))

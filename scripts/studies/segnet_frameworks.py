@@ -31,6 +31,7 @@ import time
 import numpy as np
 
 from studies import summary
+from studies import verdicts
 from studies.common import log
 from studies.common import pyplot
 from studies.common import ROOT
@@ -81,13 +82,10 @@ def agreement(a, b):
     """``(difference of means, its standard error, agree)``: ``a`` and
     ``b`` (lists of one variant's metric over seeds) agree within seed
     noise when the means differ by at most two standard errors of the
-    difference (each framework's own sample variance)."""
-    if len(a) < 2 or len(b) < 2:
-        return math.nan, math.nan, None
-    difference = float(np.mean(a) - np.mean(b))
-    error = math.sqrt(np.var(a, ddof=1) / len(a) + np.var(b, ddof=1) /
-                      len(b))
-    return difference, error, abs(difference) <= 2 * error
+    difference (:func:`studies.verdicts.two_se`, unpaired: each framework
+    draws its own weights and batches from a seed)."""
+    v = verdicts.two_se(list(a), list(b))
+    return v.difference, v.se, v.within
 
 
 def first_refresh_scales(seed=0, update_interval=10):
@@ -198,6 +196,7 @@ def run(args):
                         and r.finished()] for s in pair}
     summarise(pair, records, (chainer_scales, torch_scales), args,
               time.time() - start)
+    return [r for s in pair for r in records[s.name]]  # for provenance
 
 
 def summarise(pair, records, scales, args, wall):
