@@ -179,6 +179,9 @@ class GradientScaler(object):
         module = unwrapped(self.model)
         self.strategy = strategies.make(self.recipe, module)
         self.state = None if module is None else ModuleState(module)
+        # Names for a failed step's message (the model's, found once).
+        self._param_names = {} if module is None else {
+            p: n for n, p in module.named_parameters()}
         self._stages = {}
         self._decided = {}  # optimizer id -> (payloads, result)
         self._step = None  # (payloads, result) of a per-step strategy
@@ -357,12 +360,9 @@ class GradientScaler(object):
                 result = PassResult()
             decided = payloads, result
         else:
-            names = self._names()
-            named = [(names.get(p, 'param#{}'.format(i)), p)
+            named = [(self._param_names.get(p, 'param#{}'.format(i)), p)
                      for i, p in enumerate(params)]
-            decided = self._exchange(
-                self.strategy.payload(named) if unscale else
-                self.strategy.checked(named))
+            decided = self._exchange(self.strategy.payload(named, unscale))
         self._decided[id(optimizer)] = decided
         return decided
 
@@ -383,11 +383,6 @@ class GradientScaler(object):
         else:
             payloads = agreement.exchange(payload, group)
         return payloads, PassResult.combine(p.result for p in payloads)
-
-    def _names(self):
-        module = unwrapped(self.model)
-        return {} if module is None else {
-            p: n for n, p in module.named_parameters()}
 
     # -- GradScaler's accessors --------------------------------------------
 

@@ -79,16 +79,13 @@ class Unscaled(object):
         """The factor on ``.grad`` after the backward (before unscaling)."""
         return self.loss_scale
 
-    def payload(self, named_params):
+    def payload(self, named_params, unscale=True):
         """Unscales the gradients of ``named_params`` ((name, parameter)
-        pairs: one optimizer's), unchecked."""
-        unscaling.unscale((p.grad, self.loss_scale)
-                          for _, p in named_params if p.grad is not None)
-        return _Payload(PassResult())
-
-    def checked(self, named_params):
-        """As :meth:`payload`, the gradients left as they are (an
-        optimizer that unscales them itself)."""
+        pairs: one optimizer's), unchecked (``unscale=False``: leaves
+        them as they are, for an optimizer that unscales them itself)."""
+        if unscale:
+            unscaling.unscale((p.grad, self.loss_scale)
+                              for _, p in named_params if p.grad is not None)
         return _Payload(PassResult())
 
     def transition(self, payloads, result):
@@ -144,19 +141,13 @@ class DynamicScale(Unscaled):
     def loss_scale(self):
         return self.dynamic.loss_scale
 
-    def payload(self, named_params):
-        """Unscales and checks one optimizer's gradients in one read."""
+    def payload(self, named_params, unscale=True):
+        """Unscales (unless ``unscale`` is False) and checks one
+        optimizer's gradients in one read."""
         losses = [t.detach() for t in self._losses]
         grads = [(n, p.grad) for n, p in named_params if p.grad is not None]
-        if unscaling.unscale([(g, self.loss_scale) for _, g in grads],
-                             losses, check=True):
-            return _Payload(PassResult())
-        return _Payload(step_module.pass_result(losses, grads))
-
-    def checked(self, named_params):
-        losses = [t.detach() for t in self._losses]
-        grads = [(n, p.grad) for n, p in named_params if p.grad is not None]
-        if unscaling.unscale([(g, 1.0) for _, g in grads], losses,
+        scale = self.loss_scale if unscale else 1.0
+        if unscaling.unscale([(g, scale) for _, g in grads], losses,
                              check=True):
             return _Payload(PassResult())
         return _Payload(step_module.pass_result(losses, grads))
@@ -209,9 +200,9 @@ class PerTensor(object):
     def grad_factor(self):
         return 1.0
 
-    def payload(self, named_params=None):
+    def payload(self, named_params=None, unscale=True):
         """The step's payload (its passes' results, the scales staged):
-        one for every optimizer."""
+        one for every optimizer (its gradients landed unscaled)."""
         return self.hook.step_payload()
 
     def transition(self, payloads, result):
