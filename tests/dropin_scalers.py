@@ -2,7 +2,7 @@
 
 A test written for ``torch.amp.GradScaler`` runs once per kind: the
 reference (``torch.amp.GradScaler('cpu', ...)``, which must pass every
-test, so it proves the test) and ``GradientScaler`` in ``mode='dynamic'``
+test, so it proves the test) and ``GradientScaler`` in ``mode='dynamic-gradscaler'``
 and ``mode='gs'``, each built as a user who swaps the class would build
 it: with GradScaler's settings the test names and the model trained.
 Both GradientScaler kinds must pass every test too, except the scenarios
@@ -37,7 +37,7 @@ def _gradient_scaler(mode):
 
 
 GRADSCALER = Kind('gradscaler', True, _gradscaler)
-DYNAMIC = Kind('dynamic', True, _gradient_scaler('dynamic'))
+DYNAMIC = Kind('dynamic-gradscaler', True, _gradient_scaler('dynamic-gradscaler'))
 GS = Kind('gs', False, _gradient_scaler('gs'))
 KINDS = (GRADSCALER, DYNAMIC, GS)
 

@@ -95,9 +95,9 @@ def _train(timer, base=None, steps=3):
         chainer_variants.time_hook(scaler.hook, timer)
     scales = []
     for _ in range(steps):
-        skipped, _ = training.train_step(optimizer, scaler, model, x, t,
+        taken, _ = training.train_step(optimizer, scaler, model, x, t,
                                          config=config)
-        scales.append([skipped] + [internals.param_loss_scale(p)
+        scales.append([not taken] + [internals.param_loss_scale(p)
                                    for p in model.params()])
     return model, scaler.hook, scales
 

@@ -51,8 +51,8 @@ grad = rng.normal(0, 1e-7, (32, 10)).astype(np.float32)
 weight = rng.normal(0, 0.05, (10, 64)).astype(np.float32)
 for step in range(3):
     scales = controller.begin_pass()
-    cast, _ = scales.cast(grad, 1.0)
-    beta, record, finite = scales.gemm('fc', grad * cast, weight, 10, cast,
+    cast = scales.cast(scales.cast_key(), grad, 1.0)
+    beta, finite = scales.gemm('fc', grad * cast, weight, 10, cast,
                                        lambda: (grad * cast) @ weight)
     common = scales.branch([cast, cast * beta], [grad, grad * beta])
     assert controller.end_pass(PassResult())
@@ -61,7 +61,10 @@ state = json.loads(json.dumps(controller.state_dict()))
 restored = ScaleController(recipes.GradientScalingRecipe(update_interval=2))
 restored.load_state_dict(state)
 assert restored.table.scales == controller.table.scales
-assert restored.records.to_csv() == controller.records.to_csv()
+# Telemetry is not state: the records stay with the controller that made
+# them, and a restored one reports nothing until its next refresh.
+assert not any(k.startswith('records') for k in state), sorted(state)
+assert len(controller.records) == 3 and len(restored.records) == 0
 try:
     gradient_scaling.GradientScaling
 except ImportError as e:

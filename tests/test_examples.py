@@ -28,7 +28,7 @@ from example_data import FashionMNISTDataset
 from example_data import ShapesDetectionDataset
 from example_data import ShapesSegmentationDataset
 from gradient_scaling.chainer import files
-from gradient_scaling.chainer.scalers import SCALING_MODES
+from gradient_scaling.core.recipes import MODES as SCALING_MODES
 
 from helpers import EXAMPLES
 from helpers import last

@@ -332,7 +332,7 @@ def scale_trajectory(kind, state=None, steps=5):
     pytest.param(DYNAMIC, GRADSCALER, id='dynamic-to-gradscaler'),
     pytest.param(DYNAMIC, DYNAMIC, id='dynamic-to-dynamic')])
 def test_a_checkpoint_resumes_in_the_other_scaler(source, target):
-    """A GradScaler checkpoint resumes into GradientScaler(mode='dynamic')
+    """A GradScaler checkpoint resumes into GradientScaler(mode='dynamic-gradscaler')
     and back: the resumed run follows the scale of an unbroken one, with
     the growth settings of the checkpoint (the resuming scaler is built
     with other ones)."""
@@ -757,7 +757,7 @@ def test_every_parameter_of_the_optimizer_is_checked(kind):
 def test_persistent_overflow_keeps_backing_off(kind):
     """16 overflowing steps in a row from a scale of 2**-20: each
     skipped, the scale halved each time (GradScaler has no floor; mode
-    'dynamic' neither with ``bounded=False``); then a finite step is
+    'dynamic-gradscaler' neither with ``bounded=False``); then a finite step is
     taken."""
     model = create_models_optimizers()[1]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -772,7 +772,7 @@ def test_persistent_overflow_keeps_backing_off(kind):
 
 
 def test_a_bounded_dynamic_scaler_stops_at_its_floor_and_gives_up():
-    """Mode 'dynamic' by default (``bounded=True``) is not floor-less:
+    """Mode 'dynamic-gradscaler' by default (``bounded=True``) is not floor-less:
     from 2**-20 the scale halves down to ``min_scale`` (2**-24, after
     the 4th skip) and stays there; ``patience`` skips in a row with
     nothing left to back off raise GradientOverflowError (GradScaler
@@ -909,18 +909,18 @@ CONSTRUCTOR = dict(init_scale=128., growth_factor=3., backoff_factor=.25,
                    growth_interval=7)
 
 
-@pytest.mark.parametrize('mode', ['dynamic', 'gs'])
+@pytest.mark.parametrize('mode', ['dynamic-gradscaler', 'gs'])
 def test_the_constructor_takes_gradscalers_arguments(mode):
     """``GradientScaler('cpu', 128., 3., .25, 7, True, mode=...)``, as
     GradScaler is called, with no model, and the same by keyword; in
-    mode 'dynamic' the getters give the settings back."""
+    mode 'dynamic-gradscaler' the getters give the settings back."""
     scaler = GradientScaler('cpu', 128., 3., .25, 7, True, mode=mode)
     keywords = GradientScaler(device='cpu', enabled=True, mode=mode,
                               **CONSTRUCTOR)
     reference = torch.amp.GradScaler('cpu', **CONSTRUCTOR)
     for s in (scaler, keywords):
         assert s.is_enabled()
-        if mode == 'dynamic':
+        if mode == 'dynamic-gradscaler':
             assert (s.get_scale(), s.get_growth_factor(),
                     s.get_backoff_factor(), s.get_growth_interval()) == (
                 reference.get_scale(), reference.get_growth_factor(),
@@ -929,7 +929,7 @@ def test_the_constructor_takes_gradscalers_arguments(mode):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason='CUDA is available')
-@pytest.mark.parametrize('mode', ['dynamic', 'gs'])
+@pytest.mark.parametrize('mode', ['dynamic-gradscaler', 'gs'])
 def test_a_cuda_scaler_without_cuda_disables_itself_as_gradscaler_does(mode):
     with pytest.warns(UserWarning):
         reference = torch.amp.GradScaler('cuda')
@@ -938,7 +938,7 @@ def test_a_cuda_scaler_without_cuda_disables_itself_as_gradscaler_does(mode):
     assert scaler.is_enabled() is reference.is_enabled() is False
 
 
-@pytest.mark.parametrize('mode', ['dynamic', 'gs'])
+@pytest.mark.parametrize('mode', ['dynamic-gradscaler', 'gs'])
 def test_the_model_is_optional(mode):
     """Without a model the scaler still trains one: the gradients after
     unscale_ are the plain ones (the scales are powers of two)."""

@@ -167,7 +167,7 @@ def test_bare_hook_reports_each_pass_and_changes_nothing_on_data_faults(
         every_construct):
     model, loss_fn = every_construct
     hook = GradientScaling(target=model, update_interval=2,
-                           max_consecutive_overflows=3)
+                           patience=3)
 
     def poisoned():
         return loss_fn() * np.float64(np.inf)

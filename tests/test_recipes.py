@@ -7,12 +7,13 @@ import re
 import numpy as np
 import pytest
 
+from gradient_scaling import options
 from gradient_scaling.core import recipes
 
 
 def parse(argv, default_mode='gs'):
     parser = argparse.ArgumentParser()
-    recipes.add_arguments(parser, default_mode=default_mode)
+    options.add_arguments(parser, default_mode=default_mode)
     return parser.parse_args(argv)
 
 
@@ -97,11 +98,18 @@ def test_hook_recipe_from_the_hooks_keyword_arguments():
 
 
 def test_options_are_generated_from_the_fields_once():
+    """The flags are the command line's (gradient_scaling.options); the
+    defaults and checks the recipes' own: the core knows no argparse."""
+    import gradient_scaling.core.recipes as core_recipes
+    assert 'argparse' not in vars(core_recipes)
+    assert all(set(f.metadata) <= {'check'}
+               for cls in set(recipes.MODES.values())
+               for f in dataclasses.fields(cls))
     parser = argparse.ArgumentParser()
-    recipes.add_arguments(parser)
+    options.add_arguments(parser)
     text = parser.format_help()
-    options = text[text.index('gradient scaling:'):]
-    flags = re.findall(r'^  (--[a-z-]+)', options, flags=re.M)
+    group = text[text.index('gradient scaling:'):]
+    flags = re.findall(r'^  (--[a-z-]+)', group, flags=re.M)
     assert flags == ['--scaling', '--loss-scale', '--dynamic-interval',
                      '--update-interval', '--format', '--underflow-rate',
                      '--gs-estimator', '--amax-history', '--amax-margin']
@@ -111,16 +119,16 @@ def test_options_are_generated_from_the_fields_once():
 
 def test_from_args_takes_given_options_then_defaults():
     args = parse(['--update-interval', '7', '--loss-scale', '64'])
-    assert recipes.from_args(args) == recipes.for_mode('gs',
+    assert options.from_args(args) == recipes.for_mode('gs',
                                                        update_interval=7)
     args = parse(['--scaling', 'fixed', '--loss-scale', '64'])
-    assert recipes.from_args(args) == recipes.for_mode('fixed',
+    assert options.from_args(args) == recipes.for_mode('fixed',
                                                        loss_scale=64.0)
     # a default from elsewhere (the precision's format), unless given
     args = parse(['--scaling', 'amax-current'])
-    assert recipes.from_args(args, fmt='float8_e5m2').fmt == 'float8_e5m2'
+    assert options.from_args(args, fmt='float8_e5m2').fmt == 'float8_e5m2'
     args = parse(['--format', 'bfloat16'])
-    assert recipes.from_args(args, fmt='float8_e5m2').fmt == 'bfloat16'
+    assert options.from_args(args, fmt='float8_e5m2').fmt == 'bfloat16'
 
 
 @pytest.mark.parametrize('argv, message', [

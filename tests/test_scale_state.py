@@ -13,6 +13,7 @@ from gradient_scaling.core.scale_state import RefreshSchedule
 from gradient_scaling.core.scale_state import ScaleTable
 from gradient_scaling.core.scale_state import StagedScales
 from gradient_scaling.core.scale_state import WeightPathBackoff
+from gradient_scaling.core.scaler import GradScalerDynamic
 from gradient_scaling.core.step import PassResult
 
 
@@ -151,7 +152,7 @@ def test_dynamic_loss_scale_table_row_by_row():
     recipe = recipes.for_mode('dynamic-gradscaler', init_scale=4.0,
                               growth_interval=2, max_scale=8.0,
                               min_scale=1.0)
-    d = scale_state.DynamicLossScale(recipe)
+    d = GradScalerDynamic(recipe)
     finite = PassResult()
     overflow = PassResult(finite=False, cause='scale')
     data = PassResult(finite=False, cause='data')
@@ -162,9 +163,9 @@ def test_dynamic_loss_scale_table_row_by_row():
             (overflow, True, 2.0, 0), (overflow, True, 1.0, 0),
             (overflow, False, 1.0, 0)]  # the floor: nothing lowered
     for result, backed_off, scale, clean in rows:
-        assert d.transition(result) is backed_off
+        assert d.transition([], result) is backed_off
         assert (d.loss_scale, d.clean_steps) == (scale, clean)
-    again = scale_state.DynamicLossScale(recipe)
+    again = GradScalerDynamic(recipe)
     again.load_state_dict(d.state_dict())
     assert again.state_dict() == d.state_dict() == {'loss_scale': 1.0,
                                                      'clean_steps': 0}

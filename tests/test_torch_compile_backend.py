@@ -320,7 +320,7 @@ def test_gradients_pass_unscaled_without_a_scaler_pass():
 
 def test_loss_scaling_modes_get_the_inner_backend():
     model = nn.Linear(2, 2)
-    assert compile_backend(GradientScaler(model, mode='dynamic'),
+    assert compile_backend(GradientScaler(model, mode='dynamic-gradscaler'),
                            inner='aot_eager') == 'aot_eager'
     with pytest.raises(ValueError, match="'inductor' or 'aot_eager'"):
         compile_backend(GradientScaler(model), inner='cudagraphs')

@@ -43,8 +43,8 @@ TINY = {'segmentation': ['--task', 'segmentation', '--embedded-image-size',
                            '4', '2', '--batchsize', '2', '--iteration', '2',
                            '--log-interval', '1', '--update-interval', '1']}
 # What a mode's flag sets, and the largest scale it must show.
-MODE_FLAGS = {'fixed': ['--loss-scale', '64'], 'dynamic': ['--init-scale',
-                                                           '1024']}
+MODE_FLAGS = {'fixed': ['--loss-scale', '64'],
+              'dynamic-gradscaler': ['--init-scale', '1024']}
 
 
 def train():
@@ -76,8 +76,10 @@ def check_run(mode, precision, metric, log, out):
         assert largest == 1.0
     elif mode == 'fixed':
         assert largest == 64.0
-    elif mode == 'dynamic':  # from 1024, halved on an overflow only
+    elif mode == 'dynamic-gradscaler':  # from 1024, halved on an overflow only
         assert largest in (1024.0, 512.0, 256.0)
+    elif mode == 'dynamic':  # the paper's: from 1, doubled each clean step
+        assert largest in (4.0, 1.0)
     else:
         rows = read_csv(out / 'scales.csv')
         # recorded every iteration (a first step skipped for overflow in
@@ -87,7 +89,7 @@ def check_run(mode, precision, metric, log, out):
                    for r in rows)  # powers of two
         assert (out / 'sites.csv').exists()
     counted = precision.startswith('sim-') and mode not in (
-        'fp32', 'none', 'fixed', 'dynamic')
+        'fp32', 'none', 'fixed', 'dynamic', 'dynamic-gradscaler')
     assert ('scaling/measured_underflow' in log[-1]) == counted
 
 
@@ -111,7 +113,7 @@ def test_every_mode_and_precision_classifies(tmp_path, mode, precision):
 # ~4 s a step here): the segmentation runs take one of each mode.
 @pytest.mark.parametrize('mode, precision', [
     ('fp32', 'fp32'), ('none', 'sim-bf16'), ('fixed', 'autocast-fp16'),
-    ('dynamic', 'autocast-bf16'), ('gs', 'sim-fp16'),
+    ('dynamic-gradscaler', 'autocast-bf16'), ('gs', 'sim-fp16'),
     ('gs', 'sim-fp8-e5m2'), ('amax-current', 'sim-fp8-e4m3'),
     ('amax-delayed', 'sim-fp16')])
 def test_modes_and_precisions_segment(tmp_path, mode, precision):
@@ -129,7 +131,7 @@ def final_state(out):
 
 
 @pytest.mark.parametrize('task, mode, precision', [
-    ('segmentation', 'gs', 'sim-fp16'), ('segmentation', 'dynamic',
+    ('segmentation', 'gs', 'sim-fp16'), ('segmentation', 'dynamic-gradscaler',
                                          'sim-fp16'),
     ('classification', 'gs', 'sim-fp8-e5m2'),
     ('classification', 'fixed', 'autocast-bf16'),
@@ -247,7 +249,7 @@ def bad_inputs(tmp_path, snapshot):
          'segmentation, not classification'),
         (['--batchsize', '0'], '--batchsize must be >= 1, got 0'),
         (['--underflow-rate', '2'], 'underflow_rate must be'),
-        (['--scaling', 'dynamic', '--init-scale', '1e30'],
+        (['--scaling', 'dynamic-gradscaler', '--init-scale', '1e30'],
          'need min_scale <= init_scale <= max_scale'),
         (seg + ['--embedded-image-size', '20', '32'], 'multiples of 16, '
          'got 20 32'),

@@ -5,7 +5,7 @@ skipped, saying why, where its framework does not import).
 
 Each test runs with the kinds of dropin_scalers where it means something
 for them: ``torch.amp.GradScaler`` (the reference, which proves the
-test), ``GradientScaler(mode='dynamic')`` and ``mode='gs'``, built with
+test), ``GradientScaler(mode='dynamic-gradscaler')`` and ``mode='gs'``, built with
 the model and without GradScaler's settings in mode 'gs' (which takes
 them and has no use for them; test_gradscaler_dropin.py passes them).
 Every kind must pass every test (issue 34): none is marked, and a test is

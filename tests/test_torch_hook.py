@@ -78,7 +78,7 @@ def test_bare_hook_decides_each_pass_and_a_data_fault_changes_nothing(
         every_construct):
     net, loss_fn = every_construct
     hook = GradientScaling(net, update_interval=2,
-                           max_consecutive_overflows=3)
+                           patience=3)
     gradients(net, loss_fn, hook)
     table, age = dict(hook.table.scales), hook.schedule.age
     with pytest.warns(RuntimeWarning, match='loss, an input or a forward'):

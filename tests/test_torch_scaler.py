@@ -15,7 +15,7 @@ from gradient_scaling.torch import GradientScaler  # NOQA
 from torch_faults import FaultNet, batches, NAN, INF  # NOQA
 from torch_nets import SmallCNN  # NOQA
 
-CHECKING = ('gs', 'dynamic', 'amax-current', 'amax-delayed')
+CHECKING = ('gs', 'dynamic-gradscaler', 'amax-current', 'amax-delayed')
 
 
 def build(mode, seed=0, **settings):
@@ -110,7 +110,7 @@ def test_a_skipped_data_fault_leaves_the_run_as_if_unseen(mode):
 
 
 def test_persistent_faults_raise_after_patience():
-    model, optimizer, scaler = build('gs', max_consecutive_overflows=3)
+    model, optimizer, scaler = build('gs', patience=3)
     data = batches(4)
     model.fault = ('loss', NAN)
     for x, t in data[:2]:
@@ -164,7 +164,7 @@ def test_the_verbs_refuse_a_wrong_order():
 
 
 def test_unscale_gives_true_gradients_before_clipping():
-    for mode in ('gs', 'dynamic', 'fixed'):
+    for mode in ('gs', 'dynamic-gradscaler', 'fixed'):
         model, optimizer, scaler = build(mode, loss_scale=64.0) \
             if mode == 'fixed' else build(mode)
         reference = copy.deepcopy(model)

@@ -19,6 +19,7 @@ from chainer import training as chainer_training
 from chainer.training import extensions
 
 from gradient_scaling.chainer import scalers
+from gradient_scaling.core import recipes
 from gradient_scaling.chainer import training
 from gradient_scaling.chainer.extensions import ScaleHistory
 from gradient_scaling.chainer import _internals as internals
@@ -100,7 +101,7 @@ def loss_of(model, config, split='train'):
         return float(F.softmax_cross_entropy(model.logits(x), t).array)
 
 
-@pytest.mark.parametrize('mode', scalers.SCALING_MODES)
+@pytest.mark.parametrize('mode', list(recipes.MODES))
 def test_every_mode_learns_digits(mode, tmp_path):
     # The amax recipes need a simulation (GEMM outputs in FP32, as TE).
     precision = 'sim-fp8-e5m2' if mode.startswith('amax') else None
@@ -180,10 +181,10 @@ def test_gradscaler_trace_on_forced_overflow():
             warnings.catch_warnings():
         warnings.simplefilter('ignore')
         for _ in range(24):
-            skipped, _ = training.train_step(optimizer, scaler, model, x, t,
+            taken, _ = training.train_step(optimizer, scaler, model, x, t,
                                              config=config)
             trace.append(scaler.loss_scale)
-            skips.append(skipped)
+            skips.append(not taken)
     # Independent replay of the documented state machine on the observed
     # overflow pattern: halve on overflow, double after 3 clean steps.
     scale, clean, expected = 2.0 ** 16, 0, []
@@ -210,9 +211,9 @@ def test_clipping_sees_unscaled_fp32_gradients():
         model, optimizer, scaler = build(config, loss_factor=1e-3,
                                          lr=100.0, clip=1e-4)
         for _ in range(3):
-            skipped, observation = training.train_step(optimizer, scaler,
+            taken, observation = training.train_step(optimizer, scaler,
                                                        model, x, t)
-            assert not skipped
+            assert taken
             if mode == 'gs':
                 assert observation['scaling/max_scale'] > 1
         finals[mode] = [p.array.copy() for p in model.params()]

@@ -39,7 +39,7 @@ def faults(rank, scenario, out):
     ddp = nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scaler = GradientScaler(ddp, 'gs', update_interval=3,
-                            max_consecutive_overflows=3)
+                            patience=3)
     data = batches(8, seed=rank)  # each rank its own batches
     record = {'rank': rank, 'taken': [], 'error': None}
     start = time.time()
@@ -125,7 +125,7 @@ def equal_to_plain(rank, scenario, out):
             difference = max(difference, float((a - b).abs().max()))
         record['differences'].append(difference)
         record['scales'].append(max(
-            scaler.strategy.hook.landed_scales.values()))
+            scaler.hook.landed_scales.values()))
         scaler.step(optimizers[0])
         assert scaler.step_taken is True
         optimizers[1].step()

@@ -105,7 +105,7 @@ def run(args, world):
 
     log = reports.Log(args.out, [task.metric], world.main)
     history = reports.ScaleHistory(
-        getattr(scaler.strategy, 'hook', None), args.out,
+        scaler.hook, args.out,
         getattr(scaler.recipe, 'update_interval', 1), not args.no_plot,
         world.main)
     start = snapshots.restore(snapshot, model, optimizer, scaler,

@@ -78,11 +78,12 @@ class BackwardRules(object):
         alpha = getattr(gy, _SCALE, 1.0)
         weight = in_data[1]
         local, params = {}, {}
-        record = incoming_finite = None
+        key = incoming_finite = None
         beta = 1.0
         if 0 in indexes or shares:
-            beta, record, incoming_finite = step.gemm(
-                self._gemm_key(function), gy.array, weight,
+            key = self._gemm_key(function)
+            beta, incoming_finite = step.gemm(
+                key, gy.array, weight,
                 lambda: sites.accumulation_length(function, weight), alpha,
                 lambda: sites.data_gradient(function, gy.array, fp32=True))
             if 0 in indexes:
@@ -99,8 +100,8 @@ class BackwardRules(object):
                 local[i] = step.weight_path(name, alpha, beta)
         result = self._backward_by_scale(class_backward, indexes, gy, alpha,
                                          local, len(function.inputs))
-        if record is not None and result.get(0) is not None:
-            step.measure(record, result[0].array)
+        if key is not None and result.get(0) is not None:
+            step.measure(key, result[0].array)
         if params and step.refresh:
             if incoming_finite is None:
                 incoming_finite = math.isfinite(
@@ -152,11 +153,12 @@ class BackwardRules(object):
     def _scale_cast_site(self, gy):
         """Theorem 2 at a cast site: returns the rescaled gradient."""
         step = self.hook.controller.step
-        beta, record = step.cast(gy.array, getattr(gy, _SCALE, 1.0))
+        key = step.cast_key()
+        beta = step.cast(key, gy.array, getattr(gy, _SCALE, 1.0))
         if beta != 1.0:
             self.hook.current_pass.unit = False
         scaled = self.rescale(gy, beta)
-        step.measure(record, scaled.array)
+        step.measure(key, scaled.array)
         return scaled
 
     def plain(self, class_backward, indexes, grad_outputs, kind):

@@ -23,12 +23,12 @@ from gradient_scaling.core import recipes
 from gradient_scaling.core import step as step_module
 from gradient_scaling.core.arrays import measured_underflow_rate
 from gradient_scaling.core.controller import ControllerViews
-from gradient_scaling.core.controller import StepPayload
+from gradient_scaling.core.scaler import Payload
 from gradient_scaling.core.step import GradientOverflowError
 from gradient_scaling.core.telemetry import SiteRecord
 
 __all__ = ['GradientScaling', 'GradientOverflowError', 'SiteRecord',
-           'StepPayload', 'measured_underflow_rate', 'CAST_RULES']
+           'Payload', 'measured_underflow_rate', 'CAST_RULES']
 
 CAST_RULES = recipes.CAST_RULES
 
@@ -89,7 +89,7 @@ class GradientScaling(ControllerViews, chainer.FunctionHook):
     ScaleController`). Used bare, the hook decides each step at the end of
     its backward pass, with the pass's own result (:attr:`last_result`),
     by the same decision a scaler makes
-    (:func:`~gradient_scaling.core.step.decide`); it does not stop an
+    (:meth:`~gradient_scaling.core.scaler.Scaler.run`); it does not stop an
     update: check ``hook.last_result.finite``, or drive it with
     :class:`~gradient_scaling.chainer.scalers.GradientScalingScaler`, which
     holds the step and decides it after the update (combined across ranks).
@@ -118,7 +118,7 @@ class GradientScaling(ControllerViews, chainer.FunctionHook):
             'hybrid', or Transformer Engine's 'amax-current' /
             'amax-delayed' with ``amax_history`` and ``amax_margin``),
             ``cast_rule``, ``apply_scales``, ``measure_underflow``,
-            ``max_consecutive_overflows``, ``weight_backoff``,
+            ``patience``, ``weight_backoff``,
             ``weight_backoff_floor``, ``weight_headroom``,
             ``scale_range`` (documented on the recipes).
 
@@ -248,7 +248,7 @@ class GradientScaling(ControllerViews, chainer.FunctionHook):
             step.sites.nonfinite_sites)
 
     def step_payload(self):
-        """This rank's :class:`StepPayload` for the open step."""
+        """This rank's :class:`~gradient_scaling.core.scaler.Payload`."""
         return self.controller.payload()
 
     def conclude(self, payloads):
@@ -289,12 +289,14 @@ class GradientScaling(ControllerViews, chainer.FunctionHook):
     def serialize(self, serializer):
         """Saves or loads the state between steps (Trainer snapshots).
 
-        The state machines' state: the refresh schedule, the scale table,
-        the weight-path backoffs, the overflow guard and the estimator's
-        (amax histories); and, so that a resumed run logs what the straight
-        run logs, the pass counter and the last refresh's telemetry
-        (:meth:`report`, under ``records/``; a file without it leaves the
-        telemetry empty until the next refresh).
+        The state machines' state (:meth:`~gradient_scaling.core.
+        controller.ScaleController.state_dict`: the refresh schedule, the
+        scale table, the weight-path backoffs, the overflow guard, the
+        estimator's amax histories, the pass counter); and beside it, not
+        part of that state, the last refresh's telemetry (:meth:`report`,
+        under ``records/``), so that a resumed run logs what the straight
+        run logs (a file without it leaves the telemetry empty until the
+        next refresh).
         """
         if (not serialization.loading(serializer) and self.target is None
                 and self.table.scales):
@@ -303,3 +305,5 @@ class GradientScaling(ControllerViews, chainer.FunctionHook):
                           'scales by object id; they cannot be restored '
                           'in another process', RuntimeWarning)
         serialization.serialize_state(serializer, self.controller)
+        serialization.serialize_state(serializer['records'],
+                                      self.controller.records)

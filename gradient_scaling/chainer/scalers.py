@@ -1,20 +1,20 @@
-"""Loss- and gradient-scaling strategies behind one small interface.
+"""The Chainer adapter's scalers: the core's step, Chainer's verbs.
 
 Every scaler has two verbs, used in this order once per training step
 (:func:`gradient_scaling.chainer.training.train_step` does it for you)::
 
     scaler.backward(loss)                 # scaled backward pass
-    skipped = scaler.step(optimizer)      # decide; update or skip; transition
+    taken = scaler.step(optimizer)        # decide; update or skip; transition
 
-:meth:`Scaler.step` is the one skeleton of every mode: the scaler's payload
-(its pass result, and what GS staged), combined over ChainerMN ranks before
-anyone acts on it, then :func:`gradient_scaling.core.step.decide`: the
-all-reduce and the update in FP32 (:func:`gradient_scaling.chainer.update.
-apply_update`) if the step is finite, the scaler's transition, the overflow
-guard. A scaler that does not check its steps reports them finite, and its
-guard then never sees a fault (as ``GradScaler(enabled=False)`` does
-nothing). Each is built from its recipe
-(:mod:`gradient_scaling.core.recipes`, :func:`make_scaler`):
+The step is the core's (:class:`gradient_scaling.core.scaler.Scaler`,
+written once for both frameworks): the scaler's payload, gathered over
+ChainerMN ranks before anyone acts on it, decided once; the all-reduce and
+the update in FP32 (:func:`gradient_scaling.chainer.update.apply_update`)
+if the step is finite; the policy's transition; the overflow guard. What
+is Chainer's stays here: the backward with a loss scale, Chainer's own
+Dyn-LS methods, the check of a model's gradients, the MPI gather. A scaler
+that does not check its steps reports them finite. Each is built from its
+recipe (:func:`make_scaler`):
 
 * :class:`NoScaling` (``fp32`` and ``none``): plain backward, never checks.
 * :class:`FixedLossScaling` (``fixed``, the paper's Fixed-LS): Chainer's
@@ -47,42 +47,41 @@ from gradient_scaling.chainer import serialization
 from gradient_scaling.chainer.hook import GradientScaling
 from gradient_scaling.chainer.update import apply_update
 from gradient_scaling.core import recipes
-from gradient_scaling.core import scale_state
+from gradient_scaling.core import scaler as core
 from gradient_scaling.core import statistics
 from gradient_scaling.core import step as step_module
-from gradient_scaling.core.step import PassResult
 
-__all__ = ['SCALING_MODES', 'Scaler', 'NoScaling', 'FixedLossScaling',
+__all__ = ['Scaler', 'NoScaling', 'FixedLossScaling',
            'ChainerDynamicLossScaling', 'GradScalerLossScaling',
            'GradientScalingScaler', 'make_scaler', 'unify_across_ranks',
            'combine_across_ranks']
-
-SCALING_MODES = tuple(recipes.MODES)
-
-
-class _Unchecked(object):
-    """What a scaler's step contributes when it does not check it."""
-
-    result = PassResult()
 
 
 class Scaler(object):
 
     """A plain backward; every step is taken, unchecked (the skeleton).
 
-    Subclasses override :meth:`backward` and, if they check their steps,
-    :meth:`payload` and :meth:`transition` (their state machine).
-
     Args:
         recipe (~gradient_scaling.core.recipes.Recipe): Its settings.
+        policy: Its :mod:`~gradient_scaling.core.scaler` policy (by
+            default the recipe's).
+
+    Attributes:
+        policy: What the mode does from step to step.
+        step_taken (bool): Whether the last :meth:`step` was taken (None
+            before any).
 
     """
 
-    def __init__(self, recipe):
+    def __init__(self, recipe, policy=None):
         self.recipe = recipe
         self.name = recipe.mode
-        self.guard = step_module.OverflowGuard(
-            recipe.mode, getattr(recipe, 'patience', 10))
+        self.policy = policy or core.policy_for(recipe)
+        self._core = core.Scaler(self.policy)
+        self.step_taken = None
+
+    guard = property(lambda self: self.policy.guard)
+    loss_scale = property(lambda self: self.policy.loss_scale)
 
     def __getattr__(self, name):
         # A scaler's settings are its recipe's (scaler.min_scale, ...).
@@ -104,62 +103,47 @@ class Scaler(object):
 
     def payload(self, optimizer):
         """This rank's contribution to the decision."""
-        return _Unchecked()
-
-    def transition(self, payloads, result):
-        """The state machine's transition; returns whether it lowered a
-        scale because of a non-finite result."""
-        return False
-
-    def scale_text(self):
-        return ''
+        return core.Payload((core.FINITE,))
 
     def step(self, optimizer, communicator=None):
         """Decides the step, updates ``optimizer`` or skips; returns
-        whether the step was skipped."""
-        payload = self.payload(optimizer)
-        payloads = ([payload] if communicator is None
-                    or not self.recipe.checks_steps else
-                    combine_across_ranks(communicator, payload))
+        whether the step was taken (:attr:`step_taken`)."""
+        def payloads():
+            payload = self.payload(optimizer)
+            if communicator is None or not self.policy.checks:
+                return [payload]
+            return combine_across_ranks(communicator, payload)
 
         def update():
             self.before_update(optimizer, communicator)
             if communicator is not None:
                 communicator.multi_node_mean_grad(optimizer.target)
             apply_update(optimizer)
-        result = step_module.decide(payloads, self.guard, self.transition,
-                                    self.scale_text, update)
-        return not result.finite
+        self.step_taken = self._core.run(id(optimizer), payloads,
+                                         update).finite
+        return self.step_taken
 
     def before_update(self, optimizer, communicator):
         """Called on a taken step before the all-reduce (GS: one scale per
         parameter on every rank)."""
 
     def observation(self, model):
-        """Values for LogReport, as a dict of ``scaling/...`` entries."""
+        """Values for LogReport, as a dict of ``scaling/...`` entries
+        (:meth:`~gradient_scaling.core.scaler.Scaler.observation` of the
+        model's gradient scales)."""
         # The model's parameters, listed once (Link.params walks the links
         # every call, which costs more than reading the scales).
         if getattr(self, '_params_of', None) is not model:
             self._params, self._params_of = list(model.params()), model
-        scales = sorted(internals.gradient_loss_scales(self._params))
-        if not scales:
-            return {}
-        n = len(scales)  # the median as numpy.median gives it, sorted once
-        median = scales[n // 2] if n % 2 else (scales[n // 2 - 1]
-                                               + scales[n // 2]) / 2
-        return {'scaling/min_scale': scales[0],
-                'scaling/max_scale': scales[-1],
-                'scaling/median_scale': float(median)}
+        return self._core.observation(
+            internals.gradient_loss_scales(self._params))
 
     def skip_counts(self):
         """``scaling/skips_data`` and ``_scale`` so far (checking scalers)."""
-        if not self.recipe.checks_steps:
-            return {}
-        return {'scaling/skips_' + cause: count
-                for cause, count in self.guard.skips.items()}
+        return self._core.skip_counts()
 
     def serialize(self, serializer):
-        if self.recipe.checks_steps:
+        if self.policy.checks:
             serialization.serialize_state(serializer['guard'], self.guard)
 
 
@@ -178,7 +162,6 @@ class FixedLossScaling(Scaler):
     def __init__(self, loss_scale=128.0, recipe=None):
         super().__init__(recipe or recipes.for_mode('fixed',
                                                     loss_scale=loss_scale))
-        self.loss_scale = self.recipe.loss_scale
 
     def backward(self, loss):
         loss.backward(loss_scale=self.loss_scale)
@@ -186,13 +169,10 @@ class FixedLossScaling(Scaler):
 
 class _CheckedLossScaling(Scaler):
 
-    """A loss-scaled backward whose steps are checked and can be skipped.
+    """A loss-scaled backward whose steps are checked and can be skipped."""
 
-    Subclasses define ``loss_scale`` and :meth:`transition`.
-    """
-
-    def __init__(self, recipe):
-        super().__init__(recipe)
+    def __init__(self, recipe, policy=None):
+        super().__init__(recipe, policy)
         self._losses = []
 
     def backward(self, loss):
@@ -201,24 +181,45 @@ class _CheckedLossScaling(Scaler):
 
     def payload(self, optimizer):
         losses, self._losses = self._losses, []
-        result = step_module.pass_result(
-            losses, ((n, p.grad) for n, p in optimizer.target.namedparams()))
-        return _Payload(result)
-
-    def scale_text(self):
-        return 'loss scale {:g}'.format(self.loss_scale)
-
-    def observation(self, model):
-        values = super().observation(model)
-        values['scaling/loss_scale'] = self.loss_scale
-        return values
+        return core.Payload((step_module.pass_result(
+            losses, ((n, p.grad) for n, p in optimizer.target.namedparams())),))
 
 
-class _Payload(object):
-    """A loss-scaled step's contribution to the decision (picklable)."""
+class _ChainerOwnDynamic(core.PaperDynamic):
 
-    def __init__(self, result):
-        self.result = result
+    """The paper's Dyn-LS run by Chainer's own optimizer methods (the
+    core's :class:`~gradient_scaling.core.scaler.PaperDynamic` is tested
+    equal to them)."""
+
+    def __init__(self, recipe, optimizer):
+        super().__init__(recipe)
+        self.optimizer = optimizer
+        optimizer.loss_scaling(interval=recipe.dynamic_interval)
+
+    @property
+    def loss_scale(self):
+        return internals.optimizer_loss_scale(self.optimizer)
+
+    @loss_scale.setter
+    def loss_scale(self, value):
+        pass  # Chainer's optimizer holds it
+
+    def transition(self, payloads, result):
+        if result.cause == 'data':
+            return False
+        before = self.loss_scale
+        internals.set_dynamic_overflow(self.optimizer, not result.finite)
+        self.optimizer.update_loss_scale()
+        return self.loss_scale < before
+
+    def state_dict(self):
+        scale, ever = internals.dynamic_loss_scaling_state(self.optimizer)
+        return {'loss_scale': scale, 'isnan_ever': ever}
+
+    def load_state_dict(self, state):
+        internals.set_dynamic_loss_scaling_state(
+            self.optimizer, float(state['loss_scale']),
+            bool(state['isnan_ever']))
 
 
 class ChainerDynamicLossScaling(_CheckedLossScaling):
@@ -243,41 +244,24 @@ class ChainerDynamicLossScaling(_CheckedLossScaling):
     """
 
     def __init__(self, optimizer, interval=1000, patience=10, recipe=None):
-        super().__init__(recipe or recipes.for_mode(
-            'dynamic', dynamic_interval=interval, patience=patience))
+        recipe = recipe or recipes.for_mode(
+            'dynamic', dynamic_interval=interval, patience=patience)
+        super().__init__(recipe, _ChainerOwnDynamic(recipe, optimizer))
         self.optimizer = optimizer
-        self.interval = self.recipe.dynamic_interval
-        optimizer.loss_scaling(interval=self.interval)
-
-    @property
-    def loss_scale(self):
-        return internals.optimizer_loss_scale(self.optimizer)
-
-    def transition(self, payloads, result):
-        if result.cause == 'data':
-            return False
-        before = self.loss_scale
-        internals.set_dynamic_overflow(self.optimizer, not result.finite)
-        self.optimizer.update_loss_scale()
-        return self.loss_scale < before
+        self.interval = recipe.dynamic_interval
 
     def serialize(self, serializer):
         super().serialize(serializer)
         # Chainer's optimizer snapshot does not carry these.
-        scale, ever = internals.dynamic_loss_scaling_state(self.optimizer)
-        internals.set_dynamic_loss_scaling_state(
-            self.optimizer, float(serializer('loss_scale', scale)),
-            bool(serializer('isnan_ever', ever)))
+        serialization.serialize_state(serializer, self.policy)
 
 
 class GradScalerLossScaling(_CheckedLossScaling):
 
-    """Dynamic loss scaling with GradScaler semantics, a floor and a ceiling.
-
-    The transitions are the core's
-    :class:`~gradient_scaling.core.scale_state.DynamicLossScale` (growth
-    after ``growth_interval`` clean steps, backoff on an overflow, none on
-    a data fault, within ``[min_scale, max_scale]``).
+    """Dynamic loss scaling with GradScaler semantics, a floor and a ceiling
+    (the core's :class:`~gradient_scaling.core.scaler.GradScalerDynamic`:
+    growth after ``growth_interval`` clean steps, backoff on an overflow,
+    none on a data fault, within ``[min_scale, max_scale]``).
 
     ``patience`` skips in a row at ``min_scale`` (or data faults) raise
     :class:`~gradient_scaling.core.step.GradientOverflowError`. Without a
@@ -298,19 +282,12 @@ class GradScalerLossScaling(_CheckedLossScaling):
     def __init__(self, recipe=None, **settings):
         super().__init__(recipe or recipes.for_mode('dynamic-gradscaler',
                                                     **settings))
-        self.dynamic = scale_state.DynamicLossScale(self.recipe)
 
-    loss_scale = property(lambda self: self.dynamic.loss_scale)
-    clean_steps = property(lambda self: self.dynamic.clean_steps)
-
-    def transition(self, payloads, result):
-        return self.dynamic.transition(result)
+    clean_steps = property(lambda self: self.policy.clean_steps)
 
     def serialize(self, serializer):
         super().serialize(serializer)
-        self.dynamic.load_state_dict({
-            key: serializer(key, value)
-            for key, value in self.dynamic.state_dict().items()})
+        serialization.serialize_state(serializer, self.policy)
 
 
 class GradientScalingScaler(Scaler):
@@ -327,10 +304,8 @@ class GradientScalingScaler(Scaler):
     """
 
     def __init__(self, hook):
+        super().__init__(hook.recipe, hook.controller)
         self.hook = hook
-        self.recipe = hook.recipe
-        self.name = hook.recipe.mode
-        self.guard = hook.guard
 
     def backward_context(self):
         return self.hook
@@ -346,55 +321,28 @@ class GradientScalingScaler(Scaler):
     def payload(self, optimizer):
         return self.hook.step_payload()
 
-    def transition(self, payloads, result):
-        return self.hook.controller.transition(payloads, result)
-
-    def scale_text(self):
-        return self.hook.controller.scale_text()
-
     def before_update(self, optimizer, communicator):
         if communicator is not None:
             unify_across_ranks(optimizer.target, communicator)
 
-    def observation(self, model):
-        values = super().observation(model)
-        records = self.hook.controller.records
-        for field, key in (('estimated_underflow_rate',
-                            'scaling/worst_estimated_underflow'),
-                           ('measured_underflow_rate',
-                            'scaling/worst_measured_underflow')):
-            worst = records.worst(field)
-            if worst is not None:
-                values[key] = worst
-        return values
-
     def serialize(self, serializer):
         self.hook.serialize(serializer)
-
-
-def _gradient_scaling(recipe, model, optimizer):
-    return GradientScalingScaler(GradientScaling(target=model, recipe=recipe))
-
-
-# What applies each recipe.
-_SCALERS = {
-    recipes.NoScalingRecipe: lambda r, model, opt: NoScaling(recipe=r),
-    recipes.FixedLossScalingRecipe:
-        lambda r, model, opt: FixedLossScaling(recipe=r),
-    recipes.DynamicLossScalingRecipe:
-        lambda r, model, opt: ChainerDynamicLossScaling(opt, recipe=r),
-    recipes.GradScalerRecipe:
-        lambda r, model, opt: GradScalerLossScaling(recipe=r),
-    recipes.GradientScalingRecipe: _gradient_scaling,
-    recipes.AmaxRecipe: _gradient_scaling,
-}
 
 
 def make_scaler(recipe, model, optimizer):
     """The scaler that applies ``recipe`` (one per
     :data:`~gradient_scaling.core.recipes.MODES` entry) to ``model``
     trained by ``optimizer``."""
-    return _SCALERS[type(recipe)](recipe, model, optimizer)
+    if recipe.per_tensor:
+        return GradientScalingScaler(GradientScaling(target=model,
+                                                     recipe=recipe))
+    if isinstance(recipe, recipes.DynamicLossScalingRecipe):
+        return ChainerDynamicLossScaling(optimizer, recipe=recipe)
+    if isinstance(recipe, recipes.GradScalerRecipe):
+        return GradScalerLossScaling(recipe=recipe)
+    if isinstance(recipe, recipes.FixedLossScalingRecipe):
+        return FixedLossScaling(recipe=recipe)
+    return NoScaling(recipe=recipe)
 
 
 def combine_across_ranks(communicator, payload):

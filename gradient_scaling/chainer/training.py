@@ -36,32 +36,22 @@ from gradient_scaling.chainer import _internals as internals
 from gradient_scaling.chainer import link_state as link_states
 from gradient_scaling.chainer import random_state
 from gradient_scaling.chainer import scalers
-from gradient_scaling.chainer.scalers import SCALING_MODES
+from gradient_scaling import options
 from gradient_scaling.chainer.update import apply_update  # NOQA: part of this API
 from gradient_scaling.chainer.update import serialize_fp32_masters
 from gradient_scaling.core import block_formats_recipes
 from gradient_scaling.core import recipes
 
 __all__ = ['PRECISIONS', 'BLOCK_PRECISIONS', 'SIMULATED_FORMATS',
-           'SCALING_MODES', 'ScalingConfig', 'add_arguments',
+           'ScalingConfig', 'add_arguments',
            'default_to_simulation_on_cpu', 'setup_optimizer', 'apply_update',
            'train_step', 'ScalingUpdater', 'serialize_fp32_masters']
 
-# The block-scaling recipes as precisions (sim-mxfp8-e4m3, ..., sim-nvfp4).
-BLOCK_PRECISIONS = {'sim-' + name: name
-                    for name in block_formats_recipes.names()}
+BLOCK_PRECISIONS = options.BLOCK_PRECISIONS
 PRECISIONS = ('fp32', 'mixed16', 'sim-fp16', 'sim-bf16', 'sim-fp8-e5m2',
               'sim-fp8-e4m3', 's2fp8') + tuple(BLOCK_PRECISIONS)
-# The format each simulated precision stores values in (for a block
-# recipe: the one a gradient scaler scales its gradients for).
-SIMULATED_FORMATS = {
-    'sim-fp16': 'float16', 'sim-bf16': 'bfloat16',
-    'sim-fp8-e5m2': 'float8_e5m2', 'sim-fp8-e4m3': 'float8_e4m3',
-    's2fp8': 'float8_e5m2',
-}
-SIMULATED_FORMATS.update(
-    (precision, block_formats_recipes.get(name).scaler_format)
-    for precision, name in BLOCK_PRECISIONS.items())
+# The format each simulated precision stores values in.
+SIMULATED_FORMATS = dict(options.SIMULATED_FORMATS, s2fp8='float8_e5m2')
 
 
 class ScalingConfig(object):
@@ -165,7 +155,7 @@ class ScalingConfig(object):
                    stochastic_rounding=getattr(args, 'stochastic_rounding',
                                                False),
                    count_underflow=getattr(args, 'count_underflow', False),
-                   recipe=recipes.from_args(args, fmt=SIMULATED_FORMATS.get(
+                   recipe=options.from_args(args, fmt=SIMULATED_FORMATS.get(
                        precision, 'float16')))
 
     @property
@@ -230,9 +220,9 @@ class ScalingConfig(object):
 
 def add_arguments(parser, default_scaling='gs'):
     """Adds the scaling options shared by every example script: the
-    recipes' (:func:`gradient_scaling.core.recipes.add_arguments`) and the
+    recipes' (:func:`gradient_scaling.options.add_arguments`) and the
     precision's."""
-    group = recipes.add_arguments(parser, default_mode=default_scaling)
+    group = options.add_arguments(parser, default_mode=default_scaling)
     group.add_argument('--precision', choices=PRECISIONS, default=None,
                        help='fp32; mixed16 (real FP16); sim-*: FP32 compute '
                        'with values rounded where mixed precision stores '
@@ -276,7 +266,7 @@ def setup_optimizer(optimizer, model, config):
 def train_step(optimizer, scaler, loss_func, *args, config=None,
                simulation=None, communicator=None, link_state=None,
                **kwargs):
-    """One training step; returns ``(skipped, observation)``.
+    """One training step; returns ``(taken, observation)``.
 
     Forward (``loss_func(*args, **kwargs)``, under ``config``'s dtype and
     the ``simulation`` hook, GS's hook inside it), the scaler's backward,
@@ -300,7 +290,9 @@ def train_step(optimizer, scaler, loss_func, *args, config=None,
             a new one.
 
     Returns:
-        tuple: ``(skipped, observation)``: the scaler's ``scaling/...``
+        tuple: ``(taken, observation)``: whether the step was taken (as
+        :attr:`~gradient_scaling.chainer.scalers.Scaler.step_taken` and
+        the PyTorch adapter's ``step_taken``), the scaler's ``scaling/...``
         values (scales as of the backward pass, skip counts by cause
         after the step).
 
@@ -328,14 +320,14 @@ def train_step(optimizer, scaler, loss_func, *args, config=None,
         scaler.backward(loss)
         del loss
     observation = scaler.observation(model)
-    skipped = True
+    taken = False
     try:
-        skipped = scaler.step(optimizer, communicator)
+        taken = scaler.step(optimizer, communicator)
     finally:
-        if skipped:
+        if not taken:
             link_state.restore()
     observation.update(scaler.skip_counts())
-    return skipped, observation
+    return taken, observation
 
 
 class ScalingUpdater(updaters.StandardUpdater):
@@ -395,13 +387,13 @@ class ScalingUpdater(updaters.StandardUpdater):
                 optimizer.target:
             self._link_state = link_states.LinkState(optimizer.target)
             self._link_state_of = optimizer.target
-        skipped, observation = train_step(
+        taken, observation = train_step(
             optimizer, self.scaler, loss_func, *args, config=self.config,
             simulation=self.simulation, communicator=self.communicator,
             link_state=self._link_state, **kwargs)
         observation.update(self._simulation_observation())
-        self.skips += int(skipped)
-        observation['scaling/skipped'] = int(skipped)
+        self.skips += int(not taken)
+        observation['scaling/skipped'] = int(not taken)
         observation['scaling/skips'] = self.skips
         chainer.report(observation)
         if self.auto_new_epoch and iterator.is_new_epoch:

@@ -11,8 +11,8 @@ StepLifecycle`). An adapter opens a step, asks the open step's
 :class:`~gradient_scaling.core.step_scales.StepScales` for every site's
 scale during backward, ends each pass with its
 :class:`~gradient_scaling.core.step.PassResult`, and concludes the step
-with every rank's :class:`StepPayload`: the transitions are then the same
-on every rank, since the payloads are.
+with every rank's :class:`~gradient_scaling.core.scaler.Payload`: the
+transitions are then the same on every rank, since the payloads are.
 
 .. admonition:: Example
 
@@ -23,9 +23,11 @@ on every rank, since the payloads are.
     >>> controller = ScaleController(recipes.GradientScalingRecipe())
     >>> step = controller.begin_pass()
     >>> rng = np.random.default_rng(0)
-    >>> beta, record = step.cast(rng.normal(0, 1e-6, 1000), alpha=1.0)
-    >>> beta, record.kind
-    (4.0, 'cast')
+    >>> key = step.cast_key()
+    >>> step.cast(key, rng.normal(0, 1e-6, 1000), alpha=1.0)
+    4.0
+    >>> step.records[key].kind
+    'cast'
     >>> controller.end_pass(PassResult())
     True
     >>> controller.conclude([controller.payload()]).finite
@@ -33,7 +35,6 @@ on every rank, since the payloads are.
 
 """
 
-import dataclasses
 import math
 
 from gradient_scaling.core import estimators
@@ -41,51 +42,12 @@ from gradient_scaling.core import formats
 from gradient_scaling.core import lifecycle
 from gradient_scaling.core import recipes
 from gradient_scaling.core import scale_state
+from gradient_scaling.core import scaler
 from gradient_scaling.core import step as step_module
 from gradient_scaling.core import telemetry
-from gradient_scaling.core.step import PassResult
 from gradient_scaling.core.step_scales import StepScales
 
-__all__ = ['ScaleController', 'StepPayload', 'ControllerViews']
-
-
-@dataclasses.dataclass
-class StepPayload(object):
-
-    """What one rank's step contributes to the decision (plain values:
-    :meth:`to_dict` is what ranks exchange, as JSON, never pickled).
-
-    Attributes:
-        result (~gradient_scaling.core.step.PassResult): The rank's own
-            result (all its passes combined).
-        staged (~gradient_scaling.core.scale_state.StagedScales): Scales
-            the step computed, committed if the step is taken.
-        weight_maxima (dict): Largest weight-path gradient values measured
-            at a refresh, per parameter with a backoff.
-
-    """
-
-    result: PassResult
-    staged: scale_state.StagedScales
-    weight_maxima: dict
-
-    def quiet(self):
-        """Whether the step has nothing to tell the other ranks beyond
-        being finite (a cached pass)."""
-        return self.result.finite and not self.staged and \
-            not self.weight_maxima
-
-    def to_dict(self):
-        """Plain values (JSON): what a rank sends the others."""
-        return {'result': self.result.to_dict(),
-                'staged': self.staged.to_dict(),
-                'weight_maxima': dict(self.weight_maxima)}
-
-    @classmethod
-    def from_dict(cls, values):
-        return cls(PassResult.from_dict(values['result']),
-                   scale_state.StagedScales.from_dict(values['staged']),
-                   {k: float(v) for k, v in values['weight_maxima'].items()})
+__all__ = ['ScaleController', 'ControllerViews']
 
 
 class ScaleController(object):
@@ -96,6 +58,11 @@ class ScaleController(object):
         recipe (~gradient_scaling.core.recipes.GradientScalingRecipe or
             ~gradient_scaling.core.recipes.AmaxRecipe): Every setting.
 
+    It is gradient scaling's policy in a
+    :class:`~gradient_scaling.core.scaler.Scaler` (:attr:`checks`,
+    :attr:`per_step`, :meth:`transition`, ...), as the loss-scaling modes'
+    policies are theirs.
+
     Attributes:
         step (StepScales): The open step's scales, or None between steps.
         last_result (~gradient_scaling.core.step.PassResult): Of the last
@@ -103,6 +70,12 @@ class ScaleController(object):
         iteration (int): Backward passes seen (telemetry).
 
     """
+
+    #: Steps are checked; one decision serves every optimizer; no loss
+    #: scale (each gradient tensor has its own).
+    checks = True
+    per_step = True
+    loss_scale = 1.0
 
     def __init__(self, recipe):
         self.recipe = recipe
@@ -114,7 +87,7 @@ class ScaleController(object):
             recipe.weight_backoff, recipe.weight_backoff_floor,
             recipe.weight_headroom)
         self.guard = step_module.OverflowGuard(
-            recipe.mode, recipe.max_consecutive_overflows)
+            recipe.mode, recipe.patience)
         self.records = telemetry.SiteRecords()
         self.lifecycle = lifecycle.StepLifecycle()
         self.step = None
@@ -150,25 +123,28 @@ class ScaleController(object):
         self.step = None
 
     def payload(self):
-        """This rank's :class:`StepPayload` for the open step."""
+        """This rank's :class:`~gradient_scaling.core.scaler.Payload` for
+        the open step (its passes' results, uncombined: the decision
+        combines every pass of every rank once)."""
         if self.lifecycle.state != 'passed':
             raise lifecycle.StepOrderError(
                 'GradientScaling: no backward pass to conclude (call '
                 'backward first; state {!r})'.format(self.lifecycle.state))
-        return StepPayload(PassResult.combine(self.step.results),
-                           self.step.staged, dict(self.step.weight_maxima))
+        step = self.step
+        return scaler.Payload(tuple(step.results), step.staged,
+                              dict(step.weight_maxima))
 
     def conclude(self, payloads):
         """Decides the open step with every rank's payload (rank order)
-        and makes the transitions (:func:`~gradient_scaling.core.step.
-        decide`); returns the combined result.
+        and makes the transitions, as any scaler's step
+        (:meth:`~gradient_scaling.core.scaler.Scaler.run`); returns the
+        step's result. A hook no scaler holds concludes its own steps so.
 
         Raises:
             GradientOverflowError: When overflow persists.
 
         """
-        return step_module.decide(payloads, self.guard, self.transition,
-                                  self.scale_text)
+        return scaler.Scaler(self).run('step', lambda: payloads)
 
     def transition(self, payloads, result):
         """The state machines' transitions for a decided step; returns
@@ -178,16 +154,18 @@ class ScaleController(object):
         self.step = None
         backed_off = False
         if result.finite:
-            staged = [p.staged for p in payloads]
-            self.table.commit(staged)
-            self.estimator.commit(staged)
+            staged = [p.staged for p in payloads if p.staged]
+            if staged:  # (a cached step staged nothing)
+                self.table.commit(staged)
+                self.estimator.commit(staged)
             if step.refresh:
                 maxima = {}
                 for p in payloads:
                     for name, value in p.weight_maxima.items():
                         maxima[name] = max(value, maxima.get(name, 0.0))
                 self.backoff.regrow(maxima, self.fmt.max)
-            self.records.update(step.records)
+            if step.records:
+                self.records.update(step.records)
         else:
             if result.cause == 'scale':
                 # A cached pass may have met larger gradients than those
@@ -216,8 +194,8 @@ class ScaleController(object):
     def state_dict(self):
         """Everything carried between steps, as flat ``name: value``
         entries (Python numbers, strings and lists): the state machines',
-        the estimator's (amax histories), the pass counter and the last
-        refresh's telemetry (``records/...``)."""
+        the estimator's (amax histories) and the pass counter. Telemetry
+        (:attr:`records`) is not state: it observes and never steers."""
         self.lifecycle.require_idle('GradientScaling: cannot save state')
         state = {'iteration': self.iteration}
         for prefix, part in self._parts():
@@ -226,9 +204,8 @@ class ScaleController(object):
         return state
 
     def load_state_dict(self, state):
-        """Restores :meth:`state_dict`'s entries; missing ``records/``
-        entries (an older snapshot) leave the telemetry empty until the
-        next refresh."""
+        """Restores :meth:`state_dict`'s entries (other entries, e.g. an
+        older snapshot's ``records/``, are ignored)."""
         self.lifecycle.require_idle('GradientScaling: cannot load state')
         self.iteration = int(state['iteration'])
         for prefix, part in self._parts():
@@ -239,7 +216,7 @@ class ScaleController(object):
     def _parts(self):
         return (('schedule', self.schedule), ('table', self.table),
                 ('backoff', self.backoff), ('guard', self.guard),
-                ('estimator', self.estimator), ('records', self.records))
+                ('estimator', self.estimator))
 
 
 class ControllerViews(object):

@@ -45,11 +45,9 @@ from gradient_scaling.core import arrays
 from gradient_scaling.core import formats
 from gradient_scaling.core import underflow
 
-__all__ = ['ESTIMATORS', 'make_estimator', 'scale_from_histogram',
+__all__ = ['make_estimator', 'scale_from_histogram',
            'GemmReads', 'ModelEstimator', 'MeasuredEstimator', 'HybridEstimator',
            'AmaxEstimator']
-
-ESTIMATORS = ('model', 'measured', 'hybrid', 'amax-current', 'amax-delayed')
 
 
 class GemmReads(object):
@@ -293,8 +291,9 @@ def scale_from_histogram(h, underflow_rate, fmt, cap=math.inf):
 
 
 def make_estimator(recipe):
-    """The estimator a recipe names (:attr:`estimator_name`, one of
-    :data:`ESTIMATORS`)."""
+    """The estimator a recipe names (:attr:`estimator_name`: one of
+    GS's :data:`~gradient_scaling.core.recipes.ESTIMATORS`, or an amax
+    recipe's mode)."""
     name, fmt = recipe.estimator_name, formats.get(recipe.fmt)
     if name == 'model':
         return ModelEstimator(recipe.underflow_rate, fmt)
@@ -306,8 +305,8 @@ def make_estimator(recipe):
         return AmaxEstimator(None, fmt,
                              name == 'amax-delayed', recipe.amax_history,
                              recipe.amax_margin)
-    raise ValueError('estimator must be one of {}, got {!r}'.format(
-        ', '.join(ESTIMATORS), name))
+    raise ValueError('estimator must be one of model, measured, hybrid, '
+                     'amax-current, amax-delayed; got {!r}'.format(name))
 
 
 def _finite_log_stats(x):

@@ -5,9 +5,9 @@ dataclasses do, a recipe holds every setting of one way of scaling
 gradients, validated once (in ``__post_init__``), and is handed whole to
 the code that applies it: an adapter's scaler or hook reads its fields and
 never re-checks them, and the training loop never asks which recipe it
-holds. The command-line options of the examples are generated from the
-fields (:func:`add_arguments`, :func:`from_args`), so a setting's flag,
-default, check and help text live in one place.
+holds. :data:`MODES` is the one table of mode names, for both adapters.
+The command line is not the core's business: the examples' options are
+:mod:`gradient_scaling.options`.
 
 ========================  =====================================================
 mode                      recipe
@@ -34,7 +34,6 @@ mode                      recipe
 
 """
 
-import argparse
 import dataclasses
 import typing
 
@@ -45,9 +44,7 @@ from gradient_scaling.core import underflow
 __all__ = ['Recipe', 'NoScalingRecipe', 'FixedLossScalingRecipe',
            'DynamicLossScalingRecipe', 'GradScalerRecipe',
            'GradientScalingRecipe', 'AmaxRecipe', 'MODES', 'ESTIMATORS',
-           'CAST_RULES', 'for_mode', 'own_settings', 'hook_recipe',
-           'add_arguments',
-           'from_args']
+           'CAST_RULES', 'for_mode', 'own_settings', 'hook_recipe']
 
 #: How GS chooses a site's scale (:mod:`gradient_scaling.core.estimators`).
 ESTIMATORS = ('model', 'measured', 'hybrid')
@@ -55,20 +52,17 @@ ESTIMATORS = ('model', 'measured', 'hybrid')
 CAST_RULES = ('softmax', 'all', 'none')
 
 
-def setting(default, check=None, flag=None, help=None, parse=None,
-            choices=None):
-    """A recipe field: its default, its check and, if it has a command-line
-    flag, the flag, how the text is parsed and the help text."""
-    return dataclasses.field(default=default, metadata={
-        'check': check, 'flag': flag, 'help': help, 'parse': parse,
-        'choices': choices})
+def setting(default, check=None):
+    """A recipe field: its default and its check (``check(value, name)``
+    returns the value, normalised, or raises ValueError)."""
+    return dataclasses.field(default=default, metadata={'check': check})
 
 
 def _choice(choices):
     return lambda value, name: _validate.choice(value, name, choices)
 
 
-def _flag(value, name):
+def _boolean(value, name):
     if not isinstance(value, bool):
         raise ValueError('{} must be True or False, got {!r}'.format(
             name, value))
@@ -107,14 +101,14 @@ class Recipe(object):
     modes: typing.ClassVar[tuple] = ()
     #: Whether its steps are checked (and skipped when not finite).
     checks_steps: typing.ClassVar[bool] = False
-    #: One line for ``--scaling``'s help.
-    summary: typing.ClassVar[str] = ''
     #: Under a simulation, the lost gradient values are counted for it
     #: (the hook recipes report them; others with ``--count-underflow``).
     reports_underflow: typing.ClassVar[bool] = False
     #: Like Transformer Engine, only a GEMM's inputs are stored in the low
     #: format (its outputs stay FP32), and casts to it saturate.
     keeps_gemm_outputs_fp32: typing.ClassVar[bool] = False
+    #: Every gradient tensor has its own scale (the hook's recipes).
+    per_tensor: typing.ClassVar[bool] = False
 
     mode: str = ''
 
@@ -136,8 +130,6 @@ class NoScalingRecipe(Recipe):
     precision (the paper's baselines; Chainer's semantics)."""
 
     modes = ('none', 'fp32')
-    summary = ('fp32: FP32 training; none: low precision without '
-               'scaling')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,11 +138,8 @@ class FixedLossScalingRecipe(Recipe):
     """Fixed-LS: one static loss scale, never checked (Chainer's)."""
 
     modes = ('fixed',)
-    summary = 'fixed: Fixed-LS (--loss-scale)'
 
-    loss_scale: float = setting(
-        128.0, _validate.positive, '--loss-scale',
-        'Fixed-LS scale (default: %(default)s)', float)
+    loss_scale: float = setting(128.0, _validate.positive)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,11 +152,8 @@ class DynamicLossScalingRecipe(Recipe):
 
     modes = ('dynamic',)
     checks_steps = True
-    summary = "dynamic: Chainer's Dyn-LS (--dynamic-interval)"
 
-    dynamic_interval: int = setting(
-        1000, _validate.count, '--dynamic-interval',
-        'Dyn-LS growth interval (default: %(default)s)', int)
+    dynamic_interval: int = setting(1000, _validate.count)
     patience: int = setting(10, _validate.count)
 
 
@@ -188,7 +174,6 @@ class GradScalerRecipe(Recipe):
 
     modes = ('dynamic-gradscaler',)
     checks_steps = True
-    summary = 'dynamic-gradscaler: GradScaler-style dynamic scaling'
 
     init_scale: float = setting(2.0 ** 16, _validate.positive)
     growth_factor: float = setting(2.0, _validate.greater_than_one)
@@ -197,7 +182,7 @@ class GradScalerRecipe(Recipe):
     min_scale: float = setting(2.0 ** -24, _validate.positive)
     max_scale: float = setting(2.0 ** 24, _validate.positive)
     patience: int = setting(10, _validate.count)
-    bounded: bool = setting(True, _flag)
+    bounded: bool = setting(True, _boolean)
 
     def __post_init__(self):
         super().__post_init__()
@@ -226,8 +211,8 @@ class _HookRecipe(Recipe):
             and reports what it would do, with every scale kept at 1.
         measure_underflow (bool): Measure the actual underflow rate at each
             site on refresh passes (one more pass over the gradient).
-        max_consecutive_overflows (int): Skipped steps in a row, with
-            nothing left to back off, before ``GradientOverflowError``.
+        patience (int): Skipped steps in a row, with nothing left to
+            back off, before ``GradientOverflowError``.
         weight_backoff (float): Factor by which a parameter's
             weight-gradient path is scaled down when it overflows (an
             extension of the paper, which scales only the data path).
@@ -240,24 +225,19 @@ class _HookRecipe(Recipe):
 
     """
 
-    update_interval: int = setting(
-        100, _validate.count, '--update-interval',
-        'GS statistics refresh interval, in iterations (default: '
-        '%(default)s, as in the paper)', int)
-    fmt: str = setting(
-        'float16', _format_name, '--format',
-        'format GS scales gradients for (default: the format of '
-        '--precision, float16 for mixed16)', str, formats.names())
+    update_interval: int = setting(100, _validate.count)
+    fmt: str = setting('float16', _format_name)
     cast_rule: str = setting('softmax', _choice(CAST_RULES))
-    apply_scales: bool = setting(True, _flag)
-    measure_underflow: bool = setting(True, _flag)
-    max_consecutive_overflows: int = setting(10, _validate.count)
+    apply_scales: bool = setting(True, _boolean)
+    measure_underflow: bool = setting(True, _boolean)
+    patience: int = setting(10, _validate.count)
     weight_backoff: float = setting(256.0, _validate.greater_than_one)
     weight_backoff_floor: float = setting(2.0 ** -24, _validate.positive)
     weight_headroom: float = setting(4.0, _validate.positive)
     scale_range: tuple = setting((2.0 ** -64, 2.0 ** 64), _scale_range)
     checks_steps = True
     reports_underflow = True
+    per_tensor = True
 
     def __post_init__(self):
         super().__post_init__()
@@ -294,17 +274,9 @@ class GradientScalingRecipe(_HookRecipe):
     """
 
     modes = ('gs',)
-    summary = 'gs: gradient scaling'
 
-    underflow_rate: float = setting(
-        1e-3, _validate.rate, '--underflow-rate',
-        'GS target underflow rate (default: %(default)s)', float)
-    estimator: str = setting(
-        'model', _choice(ESTIMATORS), '--gs-estimator',
-        "how GS picks each scale: model (the paper's Theorems 1-2), "
-        'measured (the exact underflow of every power of two, from an '
-        'exponent histogram at each refresh), hybrid (the larger of the '
-        'two) (default: %(default)s)', str, ESTIMATORS)
+    underflow_rate: float = setting(1e-3, _validate.rate)
+    estimator: str = setting('model', _choice(ESTIMATORS))
 
     @property
     def estimator_name(self):
@@ -327,17 +299,9 @@ class AmaxRecipe(_HookRecipe):
     """
 
     modes = ('amax-delayed', 'amax-current')
-    summary = ("amax-delayed, amax-current: Transformer Engine's "
-               'per-tensor FP8 amax recipes')
 
-    amax_history: int = setting(
-        1024, _validate.count, '--amax-history',
-        'amax-delayed: steps of amax remembered (default: %(default)s, as '
-        'Transformer Engine)', int)
-    amax_margin: int = setting(
-        0, _non_negative_count, '--amax-margin',
-        "amax-*: powers of two left free below the format's maximum "
-        '(default: %(default)s)', int)
+    amax_history: int = setting(1024, _validate.count)
+    amax_margin: int = setting(0, _non_negative_count)
     every_pass = True
     weight_path_shares_data_scale = True
     keeps_gemm_outputs_fp32 = True
@@ -417,77 +381,3 @@ def hook_recipe(estimator='model', amax_history=None, amax_margin=None,
     # amax settings mean nothing to GS's own estimators; accepted unused,
     # as the hook always did.
     return for_mode('gs', estimator=estimator, **settings)
-
-
-def _flagged_fields(modes):
-    """(flag, field) of every recipe field with a flag, each flag once."""
-    seen = {}
-    for cls in dict.fromkeys(modes.values()):
-        for f in dataclasses.fields(cls):
-            flag = f.metadata.get('flag')
-            if flag and flag not in seen:
-                seen[flag] = f
-    return list(seen.items())
-
-
-def _argument_type(f):
-    """An argparse type for ``f``: the text parsed, then checked; text that
-    does not parse gets the check's own message (the valid values)."""
-    parse, check = f.metadata['parse'], f.metadata['check']
-
-    def convert(text):
-        try:
-            try:
-                value = parse(text)
-            except ValueError:
-                check(text, f.name)  # raises, naming what is valid
-                raise ValueError('{} must be a {}, got {!r}'.format(
-                    f.name, parse.__name__, text)) from None
-            return check(value, f.name)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-    convert.__name__ = f.name
-    return convert
-
-
-def add_arguments(parser, default_mode='gs', modes=None):
-    """Adds ``--scaling`` and every recipe's flagged settings to ``parser``.
-
-    Every flag's default is None (the recipe's own default applies), so
-    :func:`from_args` can tell a given option from an absent one.
-    """
-    modes = MODES if modes is None else modes
-    group = parser.add_argument_group('gradient scaling')
-    summaries = dict.fromkeys(cls.summary for cls in modes.values())
-    group.add_argument('--scaling', choices=list(modes), default=default_mode,
-                       help='; '.join(summaries) +
-                       ' (default: %(default)s)')
-    for flag, f in _flagged_fields(modes):
-        help_text = f.metadata['help'].replace('%(default)s', str(f.default))
-        if f.metadata['choices']:
-            group.add_argument(flag, choices=f.metadata['choices'],
-                               default=None, help=help_text)
-        else:
-            group.add_argument(flag, type=_argument_type(f), default=None,
-                               metavar=f.name.upper(), help=help_text)
-    return group
-
-
-def from_args(args, modes=None, **defaults):
-    """The recipe ``args`` (parsed by :func:`add_arguments`) describe.
-
-    Options not given take ``defaults`` (e.g. ``fmt`` from the precision)
-    and then the recipe's own defaults; options of other modes are ignored.
-    """
-    modes = MODES if modes is None else modes
-    cls = modes[args.scaling]
-    settings = {}
-    for f in dataclasses.fields(cls):
-        flag = f.metadata.get('flag')
-        value = getattr(args, flag[2:].replace('-', '_'), None) \
-            if flag else None
-        if value is None:
-            value = defaults.get(f.name)
-        if value is not None:
-            settings[f.name] = value
-    return cls(mode=args.scaling, **settings)

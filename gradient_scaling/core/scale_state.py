@@ -10,9 +10,6 @@ with its own transition table and ``state_dict``:
 * :class:`WeightPathBackoff`: the per-parameter scale of a GEMM's
   weight-gradient path, an extension of the paper for layers whose weight
   or bias gradient overflows.
-* :class:`DynamicLossScale`: one loss scale with ``torch.amp.GradScaler``'s
-  growth and backoff, a floor and a ceiling (the Dyn-LS baseline of both
-  adapters).
 
 Every transition happens when a step is *concluded* (taken or skipped, see
 :mod:`gradient_scaling.step`); during a backward pass nothing here changes
@@ -27,7 +24,7 @@ from gradient_scaling.core import _validate
 from gradient_scaling.core import underflow
 
 __all__ = ['RefreshSchedule', 'ScaleTable', 'StagedScales',
-           'WeightPathBackoff', 'DynamicLossScale', 'dict_state',
+           'WeightPathBackoff', 'dict_state',
            'load_dict_state']
 
 
@@ -263,70 +260,6 @@ class WeightPathBackoff(object):
 
     def load_state_dict(self, state):
         self.scales = load_dict_state(state, 'weight_scale', float)
-
-
-class DynamicLossScale(object):
-
-    """Dynamic loss scaling with GradScaler semantics, a floor and a ceiling
-    (``recipe.bounded=False``: none, and a data fault backs off too, as
-    GradScaler does).
-
-    Transition table:
-
-    ===========================  ============================  ==============
-    step                         scale                         clean steps
-    ===========================  ============================  ==============
-    taken                        x ``growth_factor`` (up to    + 1 (0 after
-                                 ``max_scale``) when clean     growing)
-                                 steps reach
-                                 ``growth_interval``
-    skipped, cause ``'scale'``   x ``backoff_factor`` (down    0
-                                 to ``min_scale``)
-    skipped, cause ``'data'``    unchanged                     unchanged
-    ===========================  ============================  ==============
-
-    Without a floor, ~166 overflows in a row would take a float32 scale to
-    0 and the next clean step would write 0/0 into every parameter.
-
-    Args:
-        recipe (~gradient_scaling.core.recipes.GradScalerRecipe): The
-            settings.
-
-    """
-
-    def __init__(self, recipe):
-        self.recipe = recipe
-        self.loss_scale = recipe.init_scale
-        self.clean_steps = 0
-
-    def transition(self, result):
-        """The step's transition; returns whether the scale was lowered."""
-        recipe = self.recipe
-        bounded = getattr(recipe, 'bounded', True)
-        if result.finite:
-            self.clean_steps += 1
-            if self.clean_steps >= recipe.growth_interval:
-                self.loss_scale = self.loss_scale * recipe.growth_factor
-                if bounded:
-                    self.loss_scale = min(self.loss_scale, recipe.max_scale)
-                self.clean_steps = 0
-            return False
-        if result.cause == 'data' and bounded:
-            return False
-        before = self.loss_scale
-        self.loss_scale = self.loss_scale * recipe.backoff_factor
-        if bounded:
-            self.loss_scale = max(self.loss_scale, recipe.min_scale)
-        self.clean_steps = 0
-        return self.loss_scale < before or not bounded
-
-    def state_dict(self):
-        return {'loss_scale': self.loss_scale,
-                'clean_steps': self.clean_steps}
-
-    def load_state_dict(self, state):
-        self.loss_scale = float(state['loss_scale'])
-        self.clean_steps = int(state['clean_steps'])
 
 
 def _keys(dicts):

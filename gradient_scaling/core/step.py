@@ -1,11 +1,10 @@
-"""The parts every training step shares: what a backward pass reports, why
-it failed, the overflow policy, and the one place a step is decided.
+"""What a backward pass reports, why it failed, and the overflow policy.
 
 A step is: forward, scaled backward, *decision*, then either the update or a
-skip that changes nothing. :func:`decide` is that decision, for every
-scaler of every framework: the :class:`PassResult` of every rank (combined
-before anyone acts on it), the update if it is finite, the scaler's
-transition, then the :class:`OverflowGuard`.
+skip that changes nothing. The decision
+(:class:`~gradient_scaling.core.scaler.Scaler`) combines the
+:class:`PassResult` of every pass of every rank once, before anyone acts on
+it; then the scaler's transition and the :class:`OverflowGuard`.
 
 Non-finite gradients have one of two causes, and they are treated
 differently (docs/DESIGN.md, 6); :func:`pass_result` tells them apart:
@@ -23,8 +22,8 @@ import warnings
 from gradient_scaling.core import _validate
 from gradient_scaling.core import arrays
 
-__all__ = ['GradientOverflowError', 'PassResult', 'OverflowGuard',
-           'GemmTrace', 'pass_result', 'decide']
+__all__ = ['GradientOverflowError', 'PassResult', 'FINITE', 'OverflowGuard',
+           'GemmTrace', 'pass_result']
 
 #: Causes of a non-finite pass.
 CAUSES = ('data', 'scale')
@@ -76,10 +75,9 @@ class PassResult(object):
         The cause is ``'scale'`` if any result's is (an overflow somewhere
         calls for backing off), else ``'data'``; names are merged.
         """
-        results = list(results)
         bad = [r for r in results if not r.finite]
         if not bad:
-            return cls()
+            return FINITE
         cause = 'scale' if any(r.cause == 'scale' for r in bad) else 'data'
 
         def union(field):
@@ -116,6 +114,10 @@ class PassResult(object):
             text += '; weight-gradient GEMMs that overflowed: ' + \
                 ', '.join(self.weight_paths[:limit])
         return text
+
+
+#: The result of a finite pass or step (every finite result equals it).
+FINITE = PassResult()
 
 
 class OverflowGuard(object):
@@ -262,11 +264,11 @@ def pass_result(losses, grads, name_of=str, traces_of=None, sites=()):
     keyed = [(k, g) for k, g in grads if g is not None]
     values = list(losses) + [g for _, g in keyed]
     if not values:
-        return PassResult()
+        return FINITE
     ops = arrays.ops_for(values[0])
     flags = ops.finite_flags(values)
     if all(flags):
-        return PassResult()
+        return FINITE
     n = len(losses)
     bad = sorted({name_of(k) for (k, _), ok in zip(keyed, flags[n:])
                   if not ok})
@@ -284,31 +286,3 @@ def pass_result(losses, grads, name_of=str, traces_of=None, sites=()):
                       sites=tuple(sorted(set(sites))),
                       weight_paths=weight_paths)
 
-
-def decide(payloads, guard, transition, scale_text=str, update=None):
-    """The decision of one step, the same on every rank.
-
-    Args:
-        payloads (list): Every rank's payload (rank order), each with a
-            ``result`` (:class:`PassResult`).
-        guard (OverflowGuard): The scaler's overflow policy.
-        transition (callable): ``transition(payloads, result) -> bool``:
-            the scaler's state machine; returns whether it backed off
-            (lowered a scale) because of a non-finite result.
-        scale_text (callable): The scaler's scale(s), for messages.
-        update (callable): Applies the update; called only when the
-            combined result is finite, before the transition.
-
-    Returns:
-        PassResult: The combined result (not finite: the step is skipped).
-
-    Raises:
-        GradientOverflowError: When overflow persists (every rank at once).
-
-    """
-    result = PassResult.combine(p.result for p in payloads)
-    if result.finite and update is not None:
-        update()
-    backed_off = transition(payloads, result)
-    guard.observe(result, backed_off, scale_text())
-    return result

@@ -101,10 +101,8 @@ class StepScales(object):
                 for ``grad`` in FP32 (the closed loop histograms it).
 
         Returns:
-            tuple: ``(beta, record, incoming_finite)``: ``record`` the
-            site's new :class:`SiteRecord` on a refresh (to complete with
-            :meth:`measure`), else None; ``incoming_finite`` whether
-            ``grad`` was finite, None where it was not measured.
+            tuple: ``(beta, incoming_finite)``: whether ``grad`` was
+            finite, None where it was not measured (a cached pass).
 
         """
         estimator = self.controller.estimator
@@ -127,21 +125,19 @@ class StepScales(object):
             alpha, beta, self.controller.backoff.scale(name), shares,
             self.recipe.scale_range)
 
-    def cast(self, grad, alpha):
-        """The local scale at a cast before a softmax (Theorem 2).
+    def cast_key(self):
+        """The next cast site's key (``cast#k`` in backward order)."""
+        return self._next_key('cast')
 
-        Returns:
-            tuple: ``(beta, record)`` as for :meth:`gemm`.
-
-        """
-        key = self._next_key('cast')
-        beta, record, _ = self._site_scale(
+    def cast(self, key, grad, alpha):
+        """The local scale at a cast before a softmax (Theorem 2)."""
+        beta, fresh = self._site_scale(
             key, 'cast', alpha, self.controller.estimator.cast, grad, alpha,
             key, self.staged)
-        if record is None and self.recipe.apply_scales:
+        if fresh is not True and self.recipe.apply_scales:
             beta = rules.cached_cast_scale(
                 beta, arrays.ops_for(grad).max_abs(grad), self.recipe.fmt)
-        return beta, record
+        return beta
 
     def branch(self, scales, grads):
         """The common scale of contributions at different ``scales`` (line
@@ -168,7 +164,7 @@ class StepScales(object):
         return common
 
     def _site_scale(self, key, kind, alpha, estimate, *args):
-        """(beta, record to complete or None, incoming finite or None).
+        """(beta, incoming finite: None where not measured).
 
         ``estimate(*args)`` gives (beta, estimated rate, rate at scale 1)
         on a refreshing pass (or a cache miss).
@@ -180,35 +176,47 @@ class StepScales(object):
                 cached = controller.table.scales.get(key)
             if cached is not None:
                 return rules.clamp(alpha, cached,
-                                   self.recipe.scale_range), None, None
-        record = SiteRecord(name=key, kind=kind, input_scale=alpha,
-                            iteration=controller.iteration)
-        previous = controller.records.get(key)
-        if previous is not None:
-            record.overflow_count = previous.overflow_count
+                                   self.recipe.scale_range), None
         try:
             beta, estimated, estimated_at_one = estimate(*args)
         except underflow.NonFiniteStatisticsError:
             # Not staged: the step cannot be taken anyway.
             self.sites.nonfinite_sites.append(key)
-            return 1.0, None, False
+            return 1.0, False
         if not self.recipe.apply_scales:
             beta, estimated = 1.0, estimated_at_one
         self.staged.stage(key, beta)
         beta = rules.clamp(alpha, beta, self.recipe.scale_range)
-        record.local_scale = beta
-        record.output_scale = alpha * beta
-        record.estimated_underflow_rate = estimated
-        self.records[key] = record
-        return beta, record, True
+        self._observe(key, kind, alpha, beta, estimated)
+        return beta, True
+
+    # -- telemetry (observes, never steers) ---------------------------------
+
+    def _observe(self, key, kind, alpha, beta, estimated):
+        """The site's :class:`SiteRecord` for this step (committed to the
+        controller's records if the step is taken)."""
+        controller = self.controller
+        previous = controller.records.get(key)
+        self.records[key] = SiteRecord(
+            name=key, kind=kind, local_scale=beta, input_scale=alpha,
+            output_scale=alpha * beta, estimated_underflow_rate=estimated,
+            overflow_count=0 if previous is None else
+            previous.overflow_count, iteration=controller.iteration)
 
     # -- what the step's end needs ------------------------------------------
 
-    def measure(self, record, grad):
-        """Completes a refreshed site's record with the underflow measured
-        on the gradient leaving it (``grad``, scaled, not yet rounded)."""
-        if self.recipe.measure_underflow and record is not None and \
-                grad is not None:
+    def measure(self, key, grad):
+        """Completes the record of site ``key``, refreshed in this pass,
+        with the underflow measured on the gradient leaving it (``grad``,
+        scaled, not yet rounded; or a function giving it, called only
+        then); nothing for a site read from the cache."""
+        if not self.recipe.measure_underflow or grad is None:
+            return
+        record = self.records.get(key)
+        if record is not None and \
+                record.iteration == self.controller.iteration:
+            if callable(grad):
+                grad = grad()
             record.measured_underflow_rate = arrays.ops_for(
                 grad).underflow_rate(grad, self.recipe.fmt)
 

@@ -5,7 +5,7 @@ user trains with (``DistributedDataParallel``, FSDP), and they land
 unscaled, so a rank's gradients are the true ones whatever scales it
 chose. What the ranks must still agree on is the step's decision and the
 scales they commit: :func:`exchange` gives every rank every rank's
-payload (:class:`~gradient_scaling.core.controller.StepPayload`, or a
+payload (:class:`~gradient_scaling.core.scaler.Payload`, or a
 loss-scaled mode's), and the scalers decide from those the same way on
 every rank (the committed scale of a site is the smallest any rank
 staged).

@@ -221,9 +221,10 @@ class BackwardPass(object):
         return pre
 
     def _cast_site(self, g, alpha):
-        beta, record = self.step.cast(g, alpha)
+        key = self.step.cast_key()
+        beta = self.step.cast(key, g, alpha)
         scaled = _times(g, beta)
-        self.step.measure(record, scaled)
+        self.step.measure(key, scaled)
         return scaled, alpha * beta
 
     def _gemm_in(self, node, site):
@@ -252,15 +253,16 @@ class BackwardPass(object):
         return pre
 
     def _gemm_scales(self, site, g, alpha):
-        """(alpha, beta, {edge: gamma}, record, incoming finite, operands,
+        """(alpha, beta, {edge: gamma}, site key, incoming finite, operands,
         parameter names) of a GEMM for its incoming gradient ``g``."""
         step, recipe = self.step, self.hook.recipe
         shares = recipe.weight_path_shares_data_scale
         coupled = not site.scales_itself and g.element_size() <= 2
-        beta, record, incoming_finite = 1.0, None, None
+        beta, key, incoming_finite = 1.0, None, None
         if site.data is not None or shares:
-            beta, record, incoming_finite = step.gemm(
-                step.gemm_key(self.hook.site_name(site.weight, site.part)), g,
+            key = step.gemm_key(self.hook.site_name(site.weight, site.part))
+            beta, incoming_finite = step.gemm(
+                key, g,
                 site.weight_values(), lambda: site.accumulation_length, alpha,
                 lambda: site.data_gradient(g))
         named = step.refresh or self.hook.controller.backoff.scales
@@ -289,7 +291,7 @@ class BackwardPass(object):
             if incoming_finite is None:
                 incoming_finite = bool(
                     arrays.ops_for(g).finite_flags([g])[0])
-        return alpha, beta, gammas, record, incoming_finite, operands, names
+        return alpha, beta, gammas, key, incoming_finite, operands, names
 
     def _gemm_out(self, node, site):
         """On a refresh, or where a weight path is backed off: the weight
@@ -299,7 +301,7 @@ class BackwardPass(object):
             chosen = self.sites.pop(node, None)
             if chosen is None:
                 return None
-            (alpha, beta, gammas, record, incoming_finite, operands,
+            (alpha, beta, gammas, key, incoming_finite, operands,
              names) = chosen
             gi, changed = list(grad_inputs), False
             for i, gamma in gammas.items():
@@ -307,7 +309,7 @@ class BackwardPass(object):
                         not site.scales_itself:
                     gi[i], changed = _times(gi[i], gamma / beta), True
             if site.data is not None and gi[site.data] is not None:
-                self.step.measure(record, gi[site.data])
+                self.step.measure(key, gi[site.data])
             if operands is not None:
                 for i, name in names.items():
                     self.step.trace(name, incoming_finite, operands, gi[i])

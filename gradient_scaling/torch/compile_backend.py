@@ -131,11 +131,11 @@ def compile_backend(scaler_or_hook, inner='inductor'):
 
 
 def _hook_of(scaler_or_hook):
-    """The :class:`GradientScaling` hook behind a scaler, or None."""
-    strategy = getattr(scaler_or_hook, 'strategy', None)
-    if strategy is not None:
-        return getattr(strategy, 'hook', None)
-    return scaler_or_hook
+    """The :class:`GradientScaling` hook behind a scaler (None for a
+    loss-scaled mode), or the hook itself."""
+    if hasattr(scaler_or_hook, 'controller'):  # a hook
+        return scaler_or_hook
+    return scaler_or_hook.hook
 
 
 class _Unsupported(Exception):
@@ -203,8 +203,9 @@ class _GemmAction(object):
     def __call__(self, call, grads, operands):
         g, step, hook = grads[0], call.step, self.hook()
         alpha, weight = call.scales[self.var_in], self.param()
-        beta, record, incoming_finite = step.gemm(
-            step.gemm_key(self.name), g, weight, self.length, alpha,
+        key = step.gemm_key(self.name)
+        beta, incoming_finite = step.gemm(
+            key, g, weight, self.length, alpha,
             lambda: self.data(g.detach().float(),
                               [o.float() for o in operands]))
         named = step.refresh or hook.controller.backoff.scales
@@ -215,8 +216,7 @@ class _GemmAction(object):
                 self.name if named else None, alpha, beta, True))
         scaled = _times(g, beta)
         call.scales[self.var_out] = alpha * beta
-        if record is not None:
-            step.measure(record, self.data(scaled, operands))
+        step.measure(key, lambda: self.data(scaled, operands))
         if step.refresh:
             if incoming_finite is None:
                 incoming_finite = bool(
@@ -238,9 +238,10 @@ class _CastAction(object):
         if self.entering and not call.softmax:
             call.scales[self.var_out] = alpha
             return [grads[0].clone()]
-        beta, record = call.step.cast(grads[0], alpha)
+        key = call.step.cast_key()
+        beta = call.step.cast(key, grads[0], alpha)
         scaled = _times(grads[0], beta)
-        call.step.measure(record, scaled)
+        call.step.measure(key, scaled)
         call.scales[self.var_out] = alpha * beta
         return [scaled]
 

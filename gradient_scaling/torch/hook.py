@@ -80,7 +80,7 @@ class GradientScaling(ControllerViews):
             ``update_interval`` (100), ``estimator`` ('model', 'measured',
             'hybrid', 'amax-current', 'amax-delayed'), ``cast_rule``,
             ``apply_scales``, ``measure_underflow``,
-            ``max_consecutive_overflows``, ``weight_backoff``,
+            ``patience``, ``weight_backoff``,
             ``weight_backoff_floor``, ``weight_headroom``, ``scale_range``
             (:mod:`gradient_scaling.core.recipes`).
 

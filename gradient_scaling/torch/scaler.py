@@ -32,17 +32,10 @@ activation) changes no scale; a scale fault backs off what overflowed;
 :class:`~gradient_scaling.core.step.GradientOverflowError`, on every rank
 (``mode='dynamic', bounded=False``: GradScaler's own behaviour, never).
 
-Per optimizer, as GradScaler's ``OptState``:
-
-=============  ==============================  =================================
-stage          call                            then
-=============  ==============================  =================================
-``ready``      :meth:`unscale_`                ``unscaled`` (its step decided)
-``ready``      :meth:`step`                    ``stepped`` (unscaled first)
-``unscaled``   :meth:`step`                    ``stepped``
-any            :meth:`update`                  every optimizer ``ready`` again
-=============  ==============================  =================================
-
+Per optimizer, as GradScaler's ``OptState``: the stages of
+:class:`~gradient_scaling.core.scaler.Scaler` (the step's policy, the same
+as the Chainer adapter's; this class adds PyTorch's verbs: the fused
+unscale and check, the collectives, the modules' buffers).
 ``unscale_`` twice, ``unscale_`` after ``step``, ``step`` twice, or
 ``update`` with no ``step`` since the last one raise ``RuntimeError``. A
 loss-scaled mode decides per optimizer (GradScaler: an optimizer whose own
@@ -61,20 +54,23 @@ import torch
 import torch.distributed as dist
 
 from gradient_scaling.core import recipes
+from gradient_scaling.core import scaler as core
 from gradient_scaling.core import step as step_module
 from gradient_scaling.core import telemetry
-from gradient_scaling.core.step import PassResult
 from gradient_scaling.torch import agreement
-from gradient_scaling.torch import strategies
 from gradient_scaling.torch import unscaling
+from gradient_scaling.torch.hook import GradientScaling
 from gradient_scaling.torch.hook import unwrapped
 from gradient_scaling.torch.module_state import ModuleState
 
 __all__ = ['GradientScaler', 'MODES']
 
-#: PyTorch's modes: ``dynamic`` is GradScaler's own semantics.
-MODES = ('fp32', 'none', 'fixed', 'dynamic', 'gs', 'amax-delayed',
-         'amax-current')
+#: The modes (:data:`gradient_scaling.core.recipes.MODES`, the same as
+#: Chainer's): ``dynamic`` is the paper's Dyn-LS, ``dynamic-gradscaler``
+#: GradScaler's own dynamic loss scaling.
+MODES = tuple(recipes.MODES)
+#: The modes GradScaler's growth settings apply to.
+_GRADSCALER = 'dynamic-gradscaler'
 #: GradScaler's growth settings and their defaults.
 GROWTH = (('init_scale', 2.0 ** 16), ('growth_factor', 2.0),
           ('backoff_factor', 0.5), ('growth_interval', 2000))
@@ -96,15 +92,15 @@ class GradientScaler(object):
             ``GradientScaler('cuda', 2.0 ** 16, ...)``.
         mode (str): One of :data:`MODES` (default ``'gs'``).
         device, init_scale, growth_factor, backoff_factor,
-            growth_interval, enabled: GradScaler's. ``mode='dynamic'``
-            grows and backs off with them; gradient scaling keeps them
+            growth_interval, enabled: GradScaler's.
+            ``mode='dynamic-gradscaler'`` grows and backs off with them; gradient scaling keeps them
             (its getters and ``state_dict`` report them) and has no use for
             them. ``enabled=False``: nothing is scaled or checked,
             ``step`` always steps, as GradScaler.
         recipe (~gradient_scaling.core.recipes.Recipe): Every setting at
             once, or ``**settings``: the recipe's fields (``underflow_rate``,
             ``update_interval``, ``fmt``, ``estimator``, ``loss_scale``,
-            ``bounded``, ``patience``, ...).
+            ``dynamic_interval``, ``bounded``, ``patience``, ...).
         process_group: A ``torch.distributed`` group; by default the
             world, when ``torch.distributed`` is initialized with several
             ranks. Every rank then takes the same decision and commits the
@@ -163,28 +159,31 @@ class GradientScaler(object):
             return recipes.hook_recipe(
                 estimator=settings.pop('estimator', 'model')
                 if mode == 'gs' else mode, **settings)
-        if mode == 'dynamic':
+        if mode == _GRADSCALER:
             growth = dict(self._growth)
             if 'init_scale' not in settings and growth['init_scale'] > \
                     settings.get('max_scale', 2.0 ** 24) and \
                     settings.get('bounded', True):
                 growth['init_scale'] = settings.get('max_scale', 2.0 ** 24)
-            return recipes.for_mode('dynamic-gradscaler',
-                                    **dict(growth, **settings))
+            return recipes.for_mode(_GRADSCALER, **dict(growth, **settings))
         return recipes.for_mode(mode, **settings)
 
     def _build(self):
-        """The strategy, buffers and stages for ``self.model`` (also after
+        """The policy, hook, buffers and step for ``self.model`` (also after
         unpickling, which drops the model)."""
         module = unwrapped(self.model)
-        self.strategy = strategies.make(self.recipe, module)
+        #: GS: the hook that scales every gradient tensor (None for a
+        #: loss-scaled mode).
+        self.hook = GradientScaling(module, recipe=self.recipe) \
+            if self.recipe.per_tensor else None
+        self.policy = core.policy_for(
+            self.recipe, self.hook and self.hook.controller)
+        self._core = core.Scaler(self.policy)
         self.state = None if module is None else ModuleState(module)
         # Names for a failed step's message (the model's, found once).
         self._param_names = {} if module is None else {
             p: n for n, p in module.named_parameters()}
-        self._stages = {}
-        self._decided = {}  # optimizer id -> (payloads, result)
-        self._step = None  # (payloads, result) of a per-step strategy
+        self._losses = []  # a checked loss-scaled step's, for its check
         #: Whether the last :meth:`step` was taken (None before any).
         self.step_taken = None
         # The buffers are captured before the first module that has some
@@ -200,7 +199,7 @@ class GradientScaler(object):
     @property
     def guard(self):
         """The overflow policy (skip counts, patience)."""
-        return self.strategy.guard
+        return self.policy.guard
 
     def _world(self):
         if self.process_group is not None:
@@ -216,25 +215,29 @@ class GradientScaler(object):
         """The loss (or losses) to call ``backward`` on."""
         if not self._enabled:
             return outputs
-        return self.strategy.scale(outputs, ranked=self._world() is not None)
+        if self.hook is not None:
+            # GS: the hook attaches to the outputs' graph (with several
+            # ranks, each gradient is checked as it lands, before it is
+            # averaged).
+            self.hook.hold_step()
+            self.hook.check_on_landing = self._world() is not None
+            self.hook.attach(outputs)
+            return outputs
+        scale = self.policy.loss_scale
+        if self.policy.checks:
+            self._losses.extend(_tensors(outputs))
+        return outputs if scale == 1.0 else _times(outputs, scale)
 
     def unscale_(self, optimizer):
         """Decides ``optimizer``'s step; its ``.grad`` then hold the true
         gradients (under GS they already did: it only checks)."""
         if not self._enabled:
             return
-        stage = self._stages.get(id(optimizer), 'ready')
-        if stage == 'unscaled':
-            raise RuntimeError('unscale_() has already been called on this '
-                               'optimizer since the last update().')
-        if stage == 'stepped':
-            raise RuntimeError('unscale_() is being called after step().')
         params = _params(optimizer)
         for param in params:
             if param.grad is not None and param.grad.dtype == torch.float16:
                 raise ValueError('Attempting to unscale FP16 gradients.')
         self._decide(optimizer, params)
-        self._stages[id(optimizer)] = 'unscaled'
 
     def step(self, optimizer, *args, **kwargs):
         """``optimizer.step(*args, **kwargs)`` if its gradients are finite;
@@ -248,16 +251,15 @@ class GradientScaler(object):
         if 'closure' in kwargs:
             raise RuntimeError('Closure use is not currently supported if '
                                'GradScaler is enabled.')
-        stage = self._stages.get(id(optimizer), 'ready')
+        stage = self._core.stage(id(optimizer))
         if stage == 'stepped':
-            raise RuntimeError('step() has already been called since the '
-                               'last update().')
+            self._core.stepped(id(optimizer))  # raises
         if getattr(optimizer, '_step_supports_amp_scaling', False):
             return self._step_itself(optimizer, stage, args, kwargs)
         if stage == 'ready':
             self.unscale_(optimizer)
-        _, result = self._decided[id(optimizer)]
-        self._stages[id(optimizer)] = 'stepped'
+        _, result = self._core.decision(id(optimizer))
+        self._core.stepped(id(optimizer))
         self.step_taken = result.finite
         return optimizer.step(*args, **kwargs) if result.finite else None
 
@@ -272,27 +274,27 @@ class GradientScaler(object):
                 'Tensor` to the passed optimizer and let the optimizer use '
                 'them directly.', FutureWarning, stacklevel=3)
             retval = optimizer.step(*args, **dict(kwargs, grad_scaler=self))
-            self._stages[id(optimizer)] = 'stepped'
+            self._core.stepped(id(optimizer))
             return retval
         params = _params(optimizer)
         if stage == 'ready':
             # Decided without unscaling: the optimizer divides by
             # grad_scale itself.
-            decided = self._decide(optimizer, params, unscale=False)
-            factor = self.strategy.grad_factor()
+            finite = self._decide(optimizer, params, unscale=False).finite
+            factor = self.policy.loss_scale
         else:
-            decided = self._decided[id(optimizer)]
+            finite = self._core.decision(id(optimizer))[1].finite
             factor = 1.0
         device = next((p.device for p in params), torch.device('cpu'))
         optimizer.grad_scale = torch.full((), factor, device=device)
         optimizer.found_inf = torch.full(
-            (), 0.0 if decided[1].finite else 1.0, device=device)
+            (), 0.0 if finite else 1.0, device=device)
         try:
             retval = optimizer.step(*args, **kwargs)
         finally:
             del optimizer.grad_scale, optimizer.found_inf
-        self._stages[id(optimizer)] = 'stepped'
-        self.step_taken = decided[1].finite
+        self._core.stepped(id(optimizer))
+        self.step_taken = finite
         return retval
 
     def update(self, new_scale=None):
@@ -310,61 +312,70 @@ class GradientScaler(object):
         if new_scale is not None:
             self._set_scale(new_scale)
             return
-        if 'stepped' not in self._stages.values():
-            raise RuntimeError('update() needs a step() since the last '
-                               'update()')
-        decided = list(self._decided.values())
-        if self.state is not None and decided and \
-                all(not result.finite for _, result in decided):
+        self._core.require_stepped()
+        if self.state is not None and self._core.all_skipped:
             self.state.restore()  # no optimizer stepped: as if unseen
-        payloads = self._step[0] if self.strategy.per_step else \
-            [p for ps, _ in decided for p in ps]
-        self._reset_stages()
-        step_module.decide(payloads, self.guard, self.strategy.transition,
-                           self.strategy.scale_text)
+        try:
+            self._core.conclude()
+        finally:
+            self._new_step()
 
-    def _reset_stages(self):
-        self._stages, self._decided, self._step = {}, {}, None
+    def _new_step(self):
         if self.state is not None:
             self.state.captured = False
-        self.strategy.after_update()
+        self._losses = []
 
     def _set_scale(self, new_scale):
-        if not isinstance(self.strategy, strategies.DynamicScale):
+        if not isinstance(self.policy, core.GradScalerDynamic):
             raise ValueError(
                 'update(new_scale) sets a single loss scale; mode {!r} has '
                 'none ({})'.format(self.recipe.mode,
                                    'every site has its own'
-                                   if self.strategy.per_step else
-                                   'it does not change'))
+                                   if self.policy.per_step else
+                                   'it does not change' if not
+                                   self.policy.checks else
+                                   "Chainer's Dyn-LS sets its own"))
         if isinstance(new_scale, torch.Tensor):
             if new_scale.numel() != 1 or new_scale.requires_grad:
                 raise ValueError('new_scale should be a float or a '
                                  '1-element tensor with requires_grad=False')
             new_scale = float(new_scale.item())
-        self.strategy.dynamic.loss_scale = float(new_scale)
-        self._reset_stages()
+        self.policy.loss_scale = float(new_scale)
+        self._core.reset()
+        self._new_step()
 
     def _decide(self, optimizer, params, unscale=True):
-        """``optimizer``'s payloads (every rank's) and result, the same on
-        every rank. A loss-scaled mode unscales (unless ``unscale`` is
-        False) and checks the optimizer's gradients. Gradient scaling
-        decides once per step; when that step is not finite, an optimizer
-        whose own gradients are finite still steps (GradScaler's decision
-        per optimizer), its scales' transition being the step's."""
-        if self.strategy.per_step:
-            if self._step is None:
-                self._step = self._exchange(self.strategy.payload())
-            payloads, result = self._step
-            if not result.finite and self._finite(params):
-                result = PassResult()
-            decided = payloads, result
-        else:
-            named = [(self._param_names.get(p, 'param#{}'.format(i)), p)
-                     for i, p in enumerate(params)]
-            decided = self._exchange(self.strategy.payload(named, unscale))
-        self._decided[id(optimizer)] = decided
-        return decided
+        """``optimizer``'s result, the same on every rank
+        (:meth:`~gradient_scaling.core.scaler.Scaler.decide`). A
+        loss-scaled mode unscales (unless ``unscale`` is False) and checks
+        the optimizer's gradients; gradient scaling's step was checked as
+        its gradients landed, once for every optimizer."""
+        if self.hook is not None:
+            return self._core.decide(
+                id(optimizer), lambda: self._exchange(
+                    self.hook.step_payload()),
+                lambda: self._finite(params))
+        return self._core.decide(
+            id(optimizer), lambda: self._exchange(
+                self._payload(params, unscale)))
+
+    def _payload(self, params, unscale):
+        """A loss-scaled mode's payload for one optimizer's ``params``:
+        unscaled (unless ``unscale`` is False) and, if the mode checks,
+        checked in the same fused read."""
+        grads = [(p, p.grad) for p in params if p.grad is not None]
+        scale = self.policy.loss_scale if unscale else 1.0
+        if not self.policy.checks:
+            unscaling.unscale((g, scale) for _, g in grads)
+            return core.Payload((core.FINITE,))
+        losses = [t.detach() for t in self._losses]
+        if unscaling.unscale([(g, scale) for _, g in grads], losses,
+                             check=True):
+            return core.Payload((core.FINITE,))
+        names = {p: self._param_names.get(p, 'param#{}'.format(i))
+                 for i, p in enumerate(params)}
+        return core.Payload((step_module.pass_result(
+            losses, grads, names.get),))
 
     def _finite(self, params):
         """Whether every gradient of ``params`` is finite, on every rank."""
@@ -377,12 +388,11 @@ class GradientScaler(object):
         return finite
 
     def _exchange(self, payload):
+        """Every rank's payload (rank order), on every rank."""
         group = self._world()
-        if group is None or not self.strategy.checks:
-            payloads = [payload]
-        else:
-            payloads = agreement.exchange(payload, group)
-        return payloads, PassResult.combine(p.result for p in payloads)
+        if group is None or not self.policy.checks:
+            return [payload]
+        return agreement.exchange(payload, group)
 
     # -- GradScaler's accessors --------------------------------------------
 
@@ -392,13 +402,13 @@ class GradientScaler(object):
         land unscaled (and when disabled)."""
         if not self._enabled:
             return 1.0
-        return float(self.strategy.grad_factor())
+        return float(self.policy.loss_scale)
 
     def site_scales(self):
         """Gradient scaling: the committed local scale of every site
         (``{'layer1.0.conv1.weight': 256.0, 'cast#0': 2048.0, ...}``);
         empty for a loss-scaled mode."""
-        return self.strategy.site_scales()
+        return {} if self.hook is None else dict(self.hook.table.scales)
 
     def is_enabled(self):
         return self._enabled
@@ -423,13 +433,13 @@ class GradientScaler(object):
 
     def _retune(self, **growth):
         self._growth.update(growth)
-        if isinstance(self.strategy, strategies.DynamicScale):
+        if isinstance(self.policy, core.GradScalerDynamic):
             self.recipe = dataclasses.replace(self.recipe, **growth)
-            self.strategy.retune(self.recipe)
+            self.policy.retune(self.recipe)
 
     def _get_growth_tracker(self):
-        if isinstance(self.strategy, strategies.DynamicScale):
-            return self.strategy.dynamic.clean_steps
+        if isinstance(self.policy, core.GradScalerDynamic):
+            return self.policy.clean_steps
         return 0
 
     # -- telemetry -----------------------------------------------------------
@@ -437,7 +447,7 @@ class GradientScaler(object):
     def report(self):
         """Gradient scaling's telemetry, one record per site as of its
         last refresh (empty for a loss-scaling mode)."""
-        return self.strategy.report()
+        return [] if self.hook is None else self.hook.report()
 
     def to_csv(self, file=None):
         """Writes :meth:`report` as CSV to a path or file; returns the
@@ -461,12 +471,13 @@ class GradientScaler(object):
                  '_growth_tracker': self._get_growth_tracker(),
                  PREFIX + 'mode': self.recipe.mode}
         state.update((PREFIX + k, v)
-                     for k, v in self.strategy.state_dict().items())
+                     for k, v in self._core.state_dict().items())
         return state
 
     def load_state_dict(self, state_dict):
         """Restores :meth:`state_dict`, or a ``torch.amp.GradScaler``'s
-        (into ``mode='dynamic'``: its scale, growth settings and tracker).
+        (into ``mode='dynamic-gradscaler'``: its scale, growth settings and
+        tracker).
 
         Raises:
             ValueError: For another mode's state, or a GradScaler's in a
@@ -480,17 +491,15 @@ class GradientScaler(object):
             raise RuntimeError('The source state dict is empty, possibly '
                                'because it was saved from a disabled '
                                'instance of GradScaler.')
-        if 'state' in state and 'mode' in state:  # this project's older form
-            state = dict({PREFIX + 'mode': state['mode']},
-                         **{PREFIX + k: v for k, v in state['state'].items()})
+        state = _current_form(state)
         mode = state.get(PREFIX + 'mode')
-        dynamic = isinstance(self.strategy, strategies.DynamicScale)
+        dynamic = isinstance(self.policy, core.GradScalerDynamic)
         if mode is None and not dynamic:
             raise ValueError(
                 "a torch.amp.GradScaler state (one loss scale, {:g}) cannot "
                 "resume mode {!r}; load it into GradientScaler(mode="
-                "'dynamic')".format(state.get('scale', math.nan),
-                                    self.recipe.mode))
+                "'dynamic-gradscaler')".format(state.get('scale', math.nan),
+                                               self.recipe.mode))
         if mode is not None and mode != self.recipe.mode:
             raise ValueError('a state of mode {!r}, this scaler is {!r}'
                              .format(mode, self.recipe.mode))
@@ -500,15 +509,15 @@ class GradientScaler(object):
         own = {k[len(PREFIX):]: v for k, v in state.items()
                if k.startswith(PREFIX) and k != PREFIX + 'mode'}
         if mode is None:  # GradScaler's
-            own = {'scale': float(state['scale']),
+            own = {'loss_scale': float(state['scale']),
                    'clean_steps': int(state.get('_growth_tracker', 0))}
-        self.strategy.load_state_dict(own)
+        self._core.load_state_dict(own)
 
     def __getstate__(self):
         """What pickling keeps: the settings and the state, not the model
         (nor hooks on it); at the beginning of an iteration or after
         :meth:`update`, as GradScaler."""
-        if self._stages or self._decided or self._step is not None:
+        if not self._core.idle:
             raise RuntimeError('A GradientScaler may only be pickled at the '
                                'beginning of an iteration, or at the end '
                                'after update().')
@@ -530,6 +539,32 @@ class GradientScaler(object):
         self._build()
         if pickled['state']:
             self.load_state_dict(pickled['state'])
+
+
+def _current_form(state):
+    """This project's older ``state_dict`` forms, read as today's: a
+    ``{'mode', 'state'}`` pair, and ``mode='dynamic'`` when it meant
+    GradScaler's dynamic loss scaling (its ``scale`` entry)."""
+    if 'state' in state and 'mode' in state:
+        state = dict({PREFIX + 'mode': state['mode']},
+                     **{PREFIX + k: v for k, v in state['state'].items()})
+    if state.get(PREFIX + 'mode') == 'dynamic' and PREFIX + 'scale' in state:
+        state = {(PREFIX + 'loss_scale' if k == PREFIX + 'scale' else k): v
+                 for k, v in state.items()}
+        state[PREFIX + 'mode'] = _GRADSCALER
+    return state
+
+
+def _tensors(outputs):
+    if isinstance(outputs, torch.Tensor):
+        return [outputs]
+    return [t for o in outputs for t in _tensors(o)]
+
+
+def _times(outputs, scale):
+    if isinstance(outputs, torch.Tensor):
+        return outputs * scale
+    return type(outputs)(_times(o, scale) for o in outputs)
 
 
 def _capture_weakly(scaler_ref, module, inputs):

@@ -127,11 +127,11 @@ class TrainStep(_Step):
         self.link_state = link_state.LinkState(model)
 
     def step(self):
-        skipped, _ = training.train_step(
+        taken, _ = training.train_step(
             self.optimizer, self.scaler, self.model, *self.inputs,
             config=self.config, simulation=self.simulation,
             link_state=self.link_state)
-        self.skips += int(skipped)
+        self.skips += int(not taken)
         self.synchronize()
 
 

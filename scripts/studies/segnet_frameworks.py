@@ -63,8 +63,9 @@ DYNAMIC = 'Dyn-LS (GradScaler)'
 
 def studies():
     """The two studies: the same variants, each framework's script."""
-    def study(framework, script, extra, dynamic):
-        variants = _SIMPLE + [Variant(DYNAMIC, ['--scaling', dynamic],
+    def study(framework, script, extra):
+        variants = _SIMPLE + [Variant(DYNAMIC, ['--scaling',
+                                                'dynamic-gradscaler'],
                                       None), _GS]
         return Study('segnet-frameworks-' + framework.lower(),
                      'SegNet, paper-scale loss, ' + framework,
@@ -72,10 +73,9 @@ def studies():
                      'normalised as for 12x360x480 pixels ({})'.format(
                          framework), script, 'validation/main/miou', 'mIoU',
                      [4], extra + COMMON, variants, {}, [])
-    return [study('Chainer', 'examples/segnet/train.py', [],
-                  'dynamic-gradscaler'),
+    return [study('Chainer', 'examples/segnet/train.py', []),
             study('PyTorch', 'examples/torch/train.py',
-                  ['--task', 'segmentation'], 'dynamic')]
+                  ['--task', 'segmentation'])]
 
 
 def agreement(a, b):

@@ -29,9 +29,10 @@ rank's state) and its state is in the snapshots.
 
 Evaluation runs under autocast for ``autocast-*``, in FP32 otherwise (as
 the Chainer examples evaluate a simulated run). ``--scaling`` takes
-:data:`gradient_scaling.torch.MODES`; ``dynamic`` is
-``torch.amp.GradScaler``'s dynamic loss scaling (``--init-scale``,
-``--growth-interval``).
+:data:`gradient_scaling.core.recipes.MODES`, as the Chainer examples:
+``dynamic`` is the paper's Dyn-LS (``--dynamic-interval``),
+``dynamic-gradscaler`` ``torch.amp.GradScaler``'s dynamic loss scaling
+(``--init-scale``, ``--growth-interval``).
 
 >>> step = Precision('sim-fp16', torch.device('cpu'), model)
 >>> with step.training():
@@ -45,6 +46,7 @@ import os
 import torch
 
 from gradient_scaling.core import block_formats_recipes
+from gradient_scaling import options
 from gradient_scaling.core import recipes
 from gradient_scaling.torch import GradientScaler
 from gradient_scaling.torch.block_simulation import BlockScaledSimulation
@@ -53,43 +55,32 @@ from gradient_scaling.torch.simulation import LowPrecisionSimulation
 from torch_example.errors import InputError
 
 __all__ = ['PRECISIONS', 'BLOCK_PRECISIONS', 'FORMATS', 'AUTOCAST',
-           'RECIPES', 'add_arguments', 'check', 'scaler_settings',
+           'add_arguments', 'check', 'scaler_settings',
            'scaler_recipe', 'make_scaler', 'counts_underflow', 'Precision']
 
-# The block-scaling recipes as precisions (sim-mxfp8-e4m3, ..., sim-nvfp4),
-# named as in the Chainer examples.
-BLOCK_PRECISIONS = {'sim-' + name: name
-                    for name in block_formats_recipes.names()}
+# The block-scaling recipes as precisions, named as in the Chainer
+# examples (sim-mxfp8-e4m3, ..., sim-nvfp4).
+BLOCK_PRECISIONS = options.BLOCK_PRECISIONS
 PRECISIONS = ('fp32', 'autocast-fp16', 'autocast-bf16', 'sim-fp16',
               'sim-bf16', 'sim-fp8-e5m2', 'sim-fp8-e4m3') + \
     tuple(BLOCK_PRECISIONS)
 # The format each precision stores gradients in (GS's --format default).
-FORMATS = {'fp32': 'float16', 'autocast-fp16': 'float16',
-           'autocast-bf16': 'bfloat16', 'sim-fp16': 'float16',
-           'sim-bf16': 'bfloat16', 'sim-fp8-e5m2': 'float8_e5m2',
-           'sim-fp8-e4m3': 'float8_e4m3'}
-FORMATS.update((precision, block_formats_recipes.get(name).scaler_format)
-               for precision, name in BLOCK_PRECISIONS.items())
+FORMATS = dict(options.SIMULATED_FORMATS, **{
+    'fp32': 'float16', 'autocast-fp16': 'float16',
+    'autocast-bf16': 'bfloat16'})
 AUTOCAST = {'autocast-fp16': torch.float16, 'autocast-bf16': torch.bfloat16}
-# --scaling's modes and the recipe of each (their flags).
-RECIPES = {'fp32': recipes.NoScalingRecipe, 'none': recipes.NoScalingRecipe,
-           'fixed': recipes.FixedLossScalingRecipe,
-           'dynamic': recipes.GradScalerRecipe,
-           'gs': recipes.GradientScalingRecipe,
-           'amax-delayed': recipes.AmaxRecipe,
-           'amax-current': recipes.AmaxRecipe}
 # GradScaler's settings, which the recipe gives no flag.
 _GRADSCALER_FLAGS = ('init_scale', 'growth_interval')
 
 
 def add_arguments(parser):
-    group = recipes.add_arguments(parser, default_mode='gs', modes=RECIPES)
+    group = options.add_arguments(parser, default_mode='gs')
     group.add_argument('--init-scale', type=float, default=None,
-                       help="dynamic: GradScaler's initial scale (default: "
-                       '65536)')
+                       help="dynamic-gradscaler: GradScaler's initial scale "
+                       '(default: 65536)')
     group.add_argument('--growth-interval', type=int, default=None,
-                       help='dynamic: clean steps before the scale doubles '
-                       '(default: 2000)')
+                       help='dynamic-gradscaler: clean steps before the '
+                       'scale doubles (default: 2000)')
     group.add_argument('--precision', choices=PRECISIONS, default=None,
                        help='default: fp32 for --scaling fp32; otherwise '
                        'sim-fp16 on the CPU and autocast-fp16 on a GPU')
@@ -115,7 +106,7 @@ def check(args):
     if args.scaling == 'fp32' and args.precision != 'fp32':
         raise InputError('--scaling fp32 means FP32 training; it cannot be '
                          'combined with --precision {}'.format(args.precision))
-    cls = RECIPES[args.scaling]
+    cls = recipes.MODES[args.scaling]
     if cls.keeps_gemm_outputs_fp32 and not args.precision.startswith('sim-'):
         raise InputError('--scaling {} needs a simulated precision ({}): '
                          'like Transformer Engine it keeps GEMM outputs in '
@@ -132,11 +123,11 @@ def check(args):
 def scaler_settings(args):
     """The settings of ``--scaling``'s recipe that the command line gives
     (GS's format defaulting to the precision's)."""
-    cls = RECIPES[args.scaling]
+    cls = recipes.MODES[args.scaling]
     settings = {}
     for f in dataclasses.fields(cls):
-        flag = f.metadata.get('flag')
-        name = flag[2:].replace('-', '_') if flag else f.name
+        flag = options.FLAGS.get(f.name)
+        name = flag.flag[2:].replace('-', '_') if flag else f.name
         value = getattr(args, name, None) if flag or \
             f.name in _GRADSCALER_FLAGS else None
         if value is not None:
@@ -156,9 +147,7 @@ def scaler_recipe(args):
         estimator = settings.pop('estimator', 'model') \
             if args.scaling == 'gs' else args.scaling
         return recipes.hook_recipe(estimator=estimator, **settings)
-    mode = 'dynamic-gradscaler' if args.scaling == 'dynamic' else \
-        args.scaling
-    return recipes.for_mode(mode, **settings)
+    return recipes.for_mode(args.scaling, **settings)
 
 
 def make_scaler(model, args, process_group=None):
@@ -171,7 +160,7 @@ def make_scaler(model, args, process_group=None):
 def counts_underflow(args):
     """Whether the simulation counts lost gradient values."""
     return args.precision.startswith('sim-') and (
-        args.count_underflow or RECIPES[args.scaling].reports_underflow)
+        args.count_underflow or recipes.MODES[args.scaling].reports_underflow)
 
 
 class Precision(object):

@@ -169,10 +169,18 @@ class ScaleHistory(object):
                 self.out, 'scales_over_iterations.png'))
 
     def state_dict(self):
-        return {'rows': self.rows}
+        """The rows, and GS's last records (telemetry, which the scaler's
+        own state does not hold), so that a resumed run records what the
+        straight run records."""
+        state = {'rows': self.rows}
+        if self.hook is not None:
+            state['records'] = self.hook.controller.records.state_dict()
+        return state
 
     def load_state_dict(self, state):
         self.rows = [list(r) for r in state['rows']]
+        if self.hook is not None and 'records' in state:
+            self.hook.controller.records.load_state_dict(state['records'])
 
 
 def plot_scales(rows, path):
