@@ -106,7 +106,7 @@ PY312_TESTS := tests/test_formats.py tests/test_underflow.py \
 	tests/test_training.py tests/test_simulation.py tests/test_s2fp8.py \
 	tests/test_compat.py tests/test_nms_gpu_post.py \
 	tests/test_cuda_emulation.py tests/test_gpu_check.py \
-	tests/test_step.py tests/test_link_state.py tests/test_scale_state.py tests/test_bad_steps.py \
+	tests/test_faults.py tests/test_step_policy.py tests/test_link_state.py tests/test_scale_state.py tests/test_bad_steps.py \
 	tests/test_histogram.py tests/test_estimators.py \
 	tests/test_private_access.py tests/test_files.py tests/test_random_state.py \
 	tests/test_core.py tests/test_rounding.py tests/test_lifecycle.py \

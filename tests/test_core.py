@@ -41,7 +41,7 @@ import numpy as np
 import gradient_scaling
 from gradient_scaling.core import recipes
 from gradient_scaling.core.controller import ScaleController
-from gradient_scaling.core.step import PassResult
+from gradient_scaling.core.faults import PassResult
 for module in %(modules)r:
     importlib.import_module('gradient_scaling.core.' + module)
 

@@ -14,7 +14,7 @@ from gradient_scaling.core.scale_state import ScaleTable
 from gradient_scaling.core.scale_state import StagedScales
 from gradient_scaling.core.scale_state import WeightPathBackoff
 from gradient_scaling.core.scaler import GradScalerDynamic
-from gradient_scaling.core.step import PassResult
+from gradient_scaling.core.faults import PassResult
 
 
 def round_trip(obj, fresh, tmp_path=None):

@@ -15,7 +15,7 @@ from gradient_scaling.chainer import serialization
 from gradient_scaling.core import estimators
 from gradient_scaling.core import recipes
 from gradient_scaling.core import scale_state
-from gradient_scaling.core.step import OverflowGuard
+from gradient_scaling.core.faults import OverflowGuard
 
 from hook_nets import EveryConstructNet  # NOQA
 from hook_nets import every_construct_batch  # NOQA

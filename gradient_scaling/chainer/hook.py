@@ -20,11 +20,11 @@ from gradient_scaling.chainer import backward_rules
 from gradient_scaling.chainer import serialization
 from gradient_scaling.chainer import sites
 from gradient_scaling.core import recipes
-from gradient_scaling.core import step as step_module
+from gradient_scaling.core import faults
 from gradient_scaling.core.arrays import measured_underflow_rate
 from gradient_scaling.core.controller import ControllerViews
 from gradient_scaling.core.scaler import Payload
-from gradient_scaling.core.step import GradientOverflowError
+from gradient_scaling.core.faults import GradientOverflowError
 from gradient_scaling.core.telemetry import SiteRecord
 
 __all__ = ['GradientScaling', 'GradientOverflowError', 'SiteRecord',
@@ -243,9 +243,9 @@ class GradientScaling(ControllerViews, chainer.FunctionHook):
                 chainer_pass.roots, [v for v, _ in grads
                                      if self.names.parameter(v) in wanted],
                 self.names)
-        return step_module.pass_result(
+        return faults.pass_result(
             chainer_pass.losses, grads, self.names.parameter, traces_of,
-            step.sites.nonfinite_sites)
+            step.nonfinite_sites)
 
     def step_payload(self):
         """This rank's :class:`~gradient_scaling.core.scaler.Payload`."""

@@ -30,7 +30,7 @@ recipe (:func:`make_scaler`):
 
 A data fault (a non-finite loss) changes no scale; ``patience`` skips in a
 row with no scale left to lower raise
-:class:`~gradient_scaling.core.step.GradientOverflowError`, on every rank.
+:class:`~gradient_scaling.core.faults.GradientOverflowError`, on every rank.
 """
 
 import gradient_scaling.compat  # NOQA
@@ -49,7 +49,7 @@ from gradient_scaling.chainer.update import apply_update
 from gradient_scaling.core import recipes
 from gradient_scaling.core import scaler as core
 from gradient_scaling.core import statistics
-from gradient_scaling.core import step as step_module
+from gradient_scaling.core import faults
 
 __all__ = ['Scaler', 'NoScaling', 'FixedLossScaling',
            'ChainerDynamicLossScaling', 'GradScalerLossScaling',
@@ -143,8 +143,10 @@ class Scaler(object):
         return self._core.skip_counts()
 
     def serialize(self, serializer):
-        if self.policy.checks:
-            serialization.serialize_state(serializer['guard'], self.guard)
+        """The policy's state and its guard's (the core's
+        :meth:`~gradient_scaling.core.scaler.Scaler.state_dict`: ``guard/``
+        entries are the serializer's ``guard`` group)."""
+        serialization.serialize_state(serializer, self._core)
 
 
 class NoScaling(Scaler):
@@ -181,7 +183,7 @@ class _CheckedLossScaling(Scaler):
 
     def payload(self, optimizer):
         losses, self._losses = self._losses, []
-        return core.Payload((step_module.pass_result(
+        return core.Payload((faults.pass_result(
             losses, ((n, p.grad) for n, p in optimizer.target.namedparams())),))
 
 
@@ -213,6 +215,7 @@ class _ChainerOwnDynamic(core.PaperDynamic):
         return self.loss_scale < before
 
     def state_dict(self):
+        # Chainer's optimizer snapshot does not carry these.
         scale, ever = internals.dynamic_loss_scaling_state(self.optimizer)
         return {'loss_scale': scale, 'isnan_ever': ever}
 
@@ -250,11 +253,6 @@ class ChainerDynamicLossScaling(_CheckedLossScaling):
         self.optimizer = optimizer
         self.interval = recipe.dynamic_interval
 
-    def serialize(self, serializer):
-        super().serialize(serializer)
-        # Chainer's optimizer snapshot does not carry these.
-        serialization.serialize_state(serializer, self.policy)
-
 
 class GradScalerLossScaling(_CheckedLossScaling):
 
@@ -264,7 +262,7 @@ class GradScalerLossScaling(_CheckedLossScaling):
     none on a data fault, within ``[min_scale, max_scale]``).
 
     ``patience`` skips in a row at ``min_scale`` (or data faults) raise
-    :class:`~gradient_scaling.core.step.GradientOverflowError`. Without a
+    :class:`~gradient_scaling.core.faults.GradientOverflowError`. Without a
     floor, ~166 overflows in a row would take a float32 scale to 0 and the
     next clean step would write 0/0 into every parameter.
 
@@ -284,10 +282,6 @@ class GradScalerLossScaling(_CheckedLossScaling):
                                                     **settings))
 
     clean_steps = property(lambda self: self.policy.clean_steps)
-
-    def serialize(self, serializer):
-        super().serialize(serializer)
-        serialization.serialize_state(serializer, self.policy)
 
 
 class GradientScalingScaler(Scaler):

@@ -36,7 +36,7 @@ from chainer.functions.connection import linear
 from chainer.functions.loss import softmax_cross_entropy
 
 from gradient_scaling.chainer import _internals as internals
-from gradient_scaling.core.step import GemmTrace
+from gradient_scaling.core.faults import GemmTrace
 
 __all__ = ['GEMM_TYPES', 'SOFTMAX_TYPES', 'SHAPE_ONLY_NAMES', 'is_gemm',
            'accumulation_length', 'data_gradient', 'select_gradients',

@@ -5,12 +5,12 @@ does not touch a graph: it holds the recipe, the estimator and the state
 machines (:class:`~gradient_scaling.core.scale_state.RefreshSchedule`,
 :class:`~gradient_scaling.core.scale_state.ScaleTable`,
 :class:`~gradient_scaling.core.scale_state.WeightPathBackoff`,
-:class:`~gradient_scaling.core.step.OverflowGuard`), the sites' telemetry and
+:class:`~gradient_scaling.core.faults.OverflowGuard`), the sites' telemetry and
 the step's lifecycle (:class:`~gradient_scaling.core.lifecycle.
 StepLifecycle`). An adapter opens a step, asks the open step's
 :class:`~gradient_scaling.core.step_scales.StepScales` for every site's
 scale during backward, ends each pass with its
-:class:`~gradient_scaling.core.step.PassResult`, and concludes the step
+:class:`~gradient_scaling.core.faults.PassResult`, and concludes the step
 with every rank's :class:`~gradient_scaling.core.scaler.Payload`: the
 transitions are then the same on every rank, since the payloads are.
 
@@ -19,7 +19,7 @@ transitions are then the same on every rank, since the payloads are.
     >>> import numpy as np
     >>> from gradient_scaling.core import recipes
     >>> from gradient_scaling.core.controller import ScaleController
-    >>> from gradient_scaling.core.step import PassResult
+    >>> from gradient_scaling.core.faults import PassResult
     >>> controller = ScaleController(recipes.GradientScalingRecipe())
     >>> step = controller.begin_pass()
     >>> rng = np.random.default_rng(0)
@@ -43,7 +43,7 @@ from gradient_scaling.core import lifecycle
 from gradient_scaling.core import recipes
 from gradient_scaling.core import scale_state
 from gradient_scaling.core import scaler
-from gradient_scaling.core import step as step_module
+from gradient_scaling.core import faults
 from gradient_scaling.core import telemetry
 from gradient_scaling.core.step_scales import StepScales
 
@@ -65,7 +65,7 @@ class ScaleController(object):
 
     Attributes:
         step (StepScales): The open step's scales, or None between steps.
-        last_result (~gradient_scaling.core.step.PassResult): Of the last
+        last_result (~gradient_scaling.core.faults.PassResult): Of the last
             concluded step.
         iteration (int): Backward passes seen (telemetry).
 
@@ -86,7 +86,7 @@ class ScaleController(object):
         self.backoff = scale_state.WeightPathBackoff(
             recipe.weight_backoff, recipe.weight_backoff_floor,
             recipe.weight_headroom)
-        self.guard = step_module.OverflowGuard(
+        self.guard = faults.OverflowGuard(
             recipe.mode, recipe.patience)
         self.records = telemetry.SiteRecords()
         self.lifecycle = lifecycle.StepLifecycle()

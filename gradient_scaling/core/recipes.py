@@ -168,7 +168,7 @@ class GradScalerRecipe(Recipe):
     (GradScaler cannot tell a data fault), and no number of skips raises.
     The default keeps ``min_scale`` <= scale <= ``max_scale``, leaves the
     scale alone on a data fault, and raises
-    :class:`~gradient_scaling.core.step.GradientOverflowError` after
+    :class:`~gradient_scaling.core.faults.GradientOverflowError` after
     ``patience`` skips in a row with nothing left to lower.
     """
 

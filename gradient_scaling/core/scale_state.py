@@ -12,7 +12,7 @@ with its own transition table and ``state_dict``:
   or bias gradient overflows.
 
 Every transition happens when a step is *concluded* (taken or skipped, see
-:mod:`gradient_scaling.step`); during a backward pass nothing here changes
+:mod:`gradient_scaling.core.faults`); during a backward pass nothing here changes
 except what is staged in the step. A skip caused by data discards what was
 staged and changes nothing, so the next step runs as if the bad batch had
 never been seen (docs/DESIGN.md, 6).

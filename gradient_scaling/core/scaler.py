@@ -4,7 +4,7 @@ A scaler is a *policy* (what its mode does from step to step: the loss
 scale, whether steps are checked, the state machine a decided step moves)
 and a :class:`Scaler` (the step: every rank's :class:`Payload`, decided
 once, the update or a skip, then the policy's transition and the
-:class:`~gradient_scaling.core.step.OverflowGuard`). The adapters keep only
+:class:`~gradient_scaling.core.faults.OverflowGuard`). The adapters keep only
 their framework's verbs: Chainer's backward with a loss scale, Chainer's own
 Dyn-LS methods and the MPI gather; PyTorch's fused unscale, its collectives
 and the modules' buffers.
@@ -38,7 +38,7 @@ any            ``update`` (conclude)           every optimizer ``ready`` again
 
     >>> from gradient_scaling.core import recipes
     >>> from gradient_scaling.core.scaler import Payload, Scaler, policy_for
-    >>> from gradient_scaling.core.step import PassResult
+    >>> from gradient_scaling.core.faults import PassResult
     >>> scaler = Scaler(policy_for(recipes.for_mode('dynamic-gradscaler')))
     >>> scaler.decide('sgd', lambda: [Payload((PassResult(),))]).finite
     True
@@ -53,9 +53,9 @@ import math
 
 from gradient_scaling.core import recipes
 from gradient_scaling.core import scale_state
-from gradient_scaling.core.step import FINITE  # NOQA: part of this API
-from gradient_scaling.core.step import OverflowGuard
-from gradient_scaling.core.step import PassResult
+from gradient_scaling.core.faults import FINITE  # NOQA: part of this API
+from gradient_scaling.core.faults import OverflowGuard
+from gradient_scaling.core.faults import PassResult
 
 __all__ = ['FINITE', 'Payload', 'Unscaled', 'FixedScale', 'PaperDynamic',
            'GradScalerDynamic', 'policy_for', 'Scaler', 'StageError']
@@ -72,7 +72,7 @@ class Payload(object):
     :meth:`to_dict` is what ranks exchange, as JSON, never pickled).
 
     Attributes:
-        results (tuple): The :class:`~gradient_scaling.core.step.
+        results (tuple): The :class:`~gradient_scaling.core.faults.
             PassResult` of each of the rank's passes (a loss-scaled mode:
             one, its gradients' check).
         staged (~gradient_scaling.core.scale_state.StagedScales): GS: the
@@ -119,7 +119,7 @@ class Unscaled(object):
             gradients of the whole step were checked as they landed).
         loss_scale (float): The factor on the loss (and on the gradients
             after the backward, before unscaling).
-        guard (~gradient_scaling.core.step.OverflowGuard): Skips and
+        guard (~gradient_scaling.core.faults.OverflowGuard): Skips and
             patience.
 
     """
@@ -294,7 +294,7 @@ class Scaler(object):
         policy: One of the policies above (:func:`policy_for`).
 
     Attributes:
-        last_result (~gradient_scaling.core.step.PassResult): Of the last
+        last_result (~gradient_scaling.core.faults.PassResult): Of the last
             concluded step (None before any).
 
     """
@@ -319,7 +319,7 @@ class Scaler(object):
 
     def decide(self, key, payloads_of, own_finite=None):
         """Decides optimizer ``key``'s step; returns its
-        :class:`~gradient_scaling.core.step.PassResult` (not finite: the
+        :class:`~gradient_scaling.core.faults.PassResult` (not finite: the
         optimizer's step is skipped).
 
         Args:

@@ -16,21 +16,10 @@ from gradient_scaling.core import arrays
 from gradient_scaling.core import rules
 from gradient_scaling.core import scale_state
 from gradient_scaling.core import underflow
-from gradient_scaling.core.step import GemmTrace
+from gradient_scaling.core.faults import GemmTrace
 from gradient_scaling.core.telemetry import SiteRecord
 
 __all__ = ['StepScales']
-
-
-class _PassSites(object):
-    """What one backward pass counts and collects (reset every pass)."""
-
-    def __init__(self):
-        self.occurrences = {}  # GEMM base name -> uses so far
-        self.cast_count = 0
-        self.branch_count = 0
-        self.traces = {}  # parameter name -> [GemmTrace]
-        self.nonfinite_sites = []
 
 
 class StepScales(object):
@@ -49,7 +38,7 @@ class StepScales(object):
         records (dict): Site key -> the :class:`SiteRecord` of this step.
         weight_maxima (dict): Largest weight-path gradient value measured,
             per parameter with a backoff.
-        results (list): The :class:`~gradient_scaling.core.step.PassResult`
+        results (list): The :class:`~gradient_scaling.core.faults.PassResult`
             of every pass ended so far.
 
     """
@@ -62,27 +51,32 @@ class StepScales(object):
         self.records = {}
         self.weight_maxima = {}
         self.results = []
-        self.sites = _PassSites()
+        self.new_pass()
 
     def new_pass(self):
-        """Forgets what the previous pass counted and collected."""
-        self.sites = _PassSites()
+        """Forgets what the previous pass counted and collected: the uses
+        of each GEMM's weight, the cast and branch sites met, the traces
+        a failed weight gradient needs, the sites whose incoming gradient
+        was not finite."""
+        self.occurrences = {}  # GEMM base name -> uses so far
+        self.cast_count = 0
+        self.branch_count = 0
+        self.traces = {}  # parameter name -> [GemmTrace]
+        self.nonfinite_sites = []
 
     # -- keys ---------------------------------------------------------------
 
     def gemm_key(self, base):
         """``base``, then ``base#1``, ... for a weight used again."""
-        k = self.sites.occurrences.get(base, 0)
-        self.sites.occurrences[base] = k + 1
+        k = self.occurrences.get(base, 0)
+        self.occurrences[base] = k + 1
         return base if k == 0 else '{}#{}'.format(base, k)
 
     def _next_key(self, kind):
         if kind == 'cast':
-            k, self.sites.cast_count = (self.sites.cast_count,
-                                        self.sites.cast_count + 1)
+            k, self.cast_count = self.cast_count, self.cast_count + 1
         else:
-            k, self.sites.branch_count = (self.sites.branch_count,
-                                          self.sites.branch_count + 1)
+            k, self.branch_count = self.branch_count, self.branch_count + 1
         return '{}#{}'.format(kind, k)
 
     # -- the rules ----------------------------------------------------------
@@ -154,7 +148,7 @@ class StepScales(object):
         maxima = [arrays.ops_for(g).max_abs(g) for g in grads]
         common = rules.branch_scale(maxima, scales, self.recipe.fmt)
         if common is None:
-            self.sites.nonfinite_sites.append(key)
+            self.nonfinite_sites.append(key)
             return max(scales)
         self.staged.stage(key, common, signature)
         self.records[key] = SiteRecord(
@@ -181,7 +175,7 @@ class StepScales(object):
             beta, estimated, estimated_at_one = estimate(*args)
         except underflow.NonFiniteStatisticsError:
             # Not staged: the step cannot be taken anyway.
-            self.sites.nonfinite_sites.append(key)
+            self.nonfinite_sites.append(key)
             return 1.0, False
         if not self.recipe.apply_scales:
             beta, estimated = 1.0, estimated_at_one
@@ -222,9 +216,9 @@ class StepScales(object):
 
     def trace(self, name, incoming_finite, operands, grad):
         """Records, on a refresh, what attributes a failed weight gradient
-        of parameter ``name`` (see :func:`~gradient_scaling.core.step.
+        of parameter ``name`` (see :func:`~gradient_scaling.core.faults.
         pass_result`), and the largest value of a backed-off path."""
-        self.sites.traces.setdefault(name, []).append(
+        self.traces.setdefault(name, []).append(
             GemmTrace(incoming_finite, operands))
         if grad is not None and self.controller.backoff.managed(name):
             largest = arrays.ops_for(grad).max_abs(grad)
@@ -233,4 +227,4 @@ class StepScales(object):
 
     def traces_of(self, names):
         """The traces this pass recorded for ``names``."""
-        return {name: self.sites.traces.get(name, []) for name in names}
+        return {name: self.traces.get(name, []) for name in names}

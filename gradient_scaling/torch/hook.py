@@ -17,7 +17,7 @@ import weakref
 import torch
 
 from gradient_scaling.core import arrays
-from gradient_scaling.core import step as step_module
+from gradient_scaling.core import faults
 from gradient_scaling.core.controller import ControllerViews
 from gradient_scaling.torch import _internals as internals
 from gradient_scaling.torch import arrays as torch_arrays  # NOQA: registers
@@ -472,14 +472,14 @@ class GradientScaling(ControllerViews):
         # losses (GradScaler's check, with nothing left to divide).
         if unscaling.unscale([(g, 1.0) for _, g in grads], current.losses,
                              check=True):
-            result = step_module.PassResult()
+            result = faults.PassResult()
         else:
             result = self._result(current, grads)
         if self.controller.end_pass(result):
             self.controller.conclude([self.controller.payload()])
 
     def _result(self, current, grads):
-        """The pass's :class:`~gradient_scaling.core.step.PassResult`."""
+        """The pass's :class:`~gradient_scaling.core.faults.PassResult`."""
         step = self.controller.step
 
         def traces_of(names):
@@ -488,11 +488,11 @@ class GradientScaling(ControllerViews):
             # After a cached pass the activations are freed: only the
             # weights can tell a data fault.
             by_name = {self.parameter_name(p): p for p, _ in grads}
-            return {n: [step_module.GemmTrace(None, (by_name[n],))]
+            return {n: [faults.GemmTrace(None, (by_name[n],))]
                     for n in names if n in by_name}
-        return step_module.pass_result(
+        return faults.pass_result(
             current.losses, grads, self.parameter_name, traces_of,
-            step.sites.nonfinite_sites)
+            step.nonfinite_sites)
 
     def step_payload(self):
         self.finish_pass()

@@ -29,7 +29,7 @@ model (BatchNorm's running statistics, which the forward pass already
 moved, are put back). A data fault (a non-finite loss, input or forward
 activation) changes no scale; a scale fault backs off what overflowed;
 ``patience`` skips in a row with nothing left to back off raise
-:class:`~gradient_scaling.core.step.GradientOverflowError`, on every rank
+:class:`~gradient_scaling.core.faults.GradientOverflowError`, on every rank
 (``mode='dynamic', bounded=False``: GradScaler's own behaviour, never).
 
 Per optimizer, as GradScaler's ``OptState``: the stages of
@@ -55,7 +55,7 @@ import torch.distributed as dist
 
 from gradient_scaling.core import recipes
 from gradient_scaling.core import scaler as core
-from gradient_scaling.core import step as step_module
+from gradient_scaling.core import faults
 from gradient_scaling.core import telemetry
 from gradient_scaling.torch import agreement
 from gradient_scaling.torch import unscaling
@@ -374,7 +374,7 @@ class GradientScaler(object):
             return core.Payload((core.FINITE,))
         names = {p: self._param_names.get(p, 'param#{}'.format(i))
                  for i, p in enumerate(params)}
-        return core.Payload((step_module.pass_result(
+        return core.Payload((faults.pass_result(
             losses, grads, names.get),))
 
     def _finite(self, params):

@@ -8,10 +8,10 @@ import warnings
 import numpy as np
 import pytest
 
-from gradient_scaling.core import step
-from gradient_scaling.core.step import GradientOverflowError
-from gradient_scaling.core.step import OverflowGuard
-from gradient_scaling.core.step import PassResult
+from gradient_scaling.core import faults
+from gradient_scaling.core.faults import GradientOverflowError
+from gradient_scaling.core.faults import OverflowGuard
+from gradient_scaling.core.faults import PassResult
 
 
 def bad(cause, *params, sites=(), weight_paths=()):
@@ -105,11 +105,11 @@ def test_guard_accepts_numpy_counts():
 def test_pass_result_of_a_loss_scaled_backward_attributes_cause():
     bias = np.array([1, np.inf], np.float32)
     named = [('/W', np.ones((2, 2), np.float32)), ('/b', bias), ('/c', None)]
-    assert step.pass_result([np.float32(1)], named) == \
+    assert faults.pass_result([np.float32(1)], named) == \
         bad('scale', '/b')
-    assert step.pass_result([np.float32(np.nan)], named) == \
+    assert faults.pass_result([np.float32(np.nan)], named) == \
         bad('data', '/b')
     bias[:] = 0
-    assert step.pass_result([np.float32(1)], named).finite
-    assert step.pass_result([np.float32(np.inf)], named) == \
+    assert faults.pass_result([np.float32(1)], named).finite
+    assert faults.pass_result([np.float32(np.inf)], named) == \
         PassResult(finite=False, cause='data')

@@ -147,7 +147,7 @@ class OverflowGuard(object):
 
     .. admonition:: Example
 
-        >>> from gradient_scaling.core.step import OverflowGuard, PassResult
+        >>> from gradient_scaling.core.faults import OverflowGuard, PassResult
         >>> guard = OverflowGuard('gs', patience=2)
         >>> guard.observe(PassResult(), backed_off=False)
         False
