@@ -16,10 +16,11 @@
 #   install, info          the wheels; versions, device, CUDA/cuDNN as Chainer sees them
 #   gpu-tests              pytest -m gpu
 #   kernels, smoke-train   scripts/gpu_smoke.py kernels / train
-#   torch_*                the PyTorch adapter (scripts/gpu_torch.py, at most 2
+#   torch_*                the PyTorch adapter (scripts/gpu_torch.py, at most 3.5
 #                          minutes): the device; the statistics on it against
 #                          NumPy; GS against torch.amp.GradScaler under CUDA
-#                          autocast float16; 20 iterations of
+#                          autocast float16, eager and under torch.compile
+#                          (GS's Inductor backend); 20 iterations of
 #                          examples/torch/train.py (SegNet, autocast-fp16, GS).
 #                          Skipped (not run, counted as not ok) when this
 #                          PyTorch has no CUDA
@@ -153,7 +154,7 @@ torch_steps() {
     local last=${STEPS[-1]}
     if [[ $last != "torch_info|ok|"* ]]; then
         local why=${last##*|}
-        for name in torch_statistics torch_compare torch_example; do
+        for name in torch_statistics torch_compare torch_compiled torch_example; do
             STEPS+=("$name|skipped|0|torch_info not ok: ${why:0:100}")
             FAILED=$((FAILED + 1))
             echo "=== $name: skipped, torch_info was not ok"
@@ -162,6 +163,9 @@ torch_steps() {
     fi
     step torch_statistics 20 "$PYTHON" scripts/gpu_torch.py statistics --gpu "$GPU"
     step torch_compare 40 "$PYTHON" scripts/gpu_torch.py compare --gpu "$GPU"
+    # GS inside torch.compile (Inductor) against eager GS and compiled
+    # GradScaler: its sites, its scales, its cost.
+    step torch_compiled 90 "$PYTHON" scripts/gpu_torch.py compiled --gpu "$GPU"
     # SegNetBasic at 352x480 (CamVid's 360x480, to a multiple of 16).
     step torch_example 40 "$PYTHON" examples/torch/train.py --task segmentation \
         --gpu "$GPU" --precision autocast-fp16 --scaling gs --iteration 20 \

@@ -13,7 +13,14 @@ Run by scripts/gpu_check.sh, one command per step:
   :class:`~gradient_scaling.torch.GradientScaler` (GS) and with
   ``torch.amp.GradScaler`` from the same weights and batches: both finite,
   their losses close, and the per-site scales powers of two; ms/iteration
-  of each.
+  of each;
+* ``compiled``: the same ResNet-20 under ``torch.compile`` with GS's
+  backend (:func:`~gradient_scaling.torch.compile_backend`, Inductor) and
+  in eager GS, from the same weights and batches: every site the eager
+  hook scales is scaled inside the compiled graph, the first refresh's
+  scales within one power of two of eager GS's (Inductor's kernels round
+  differently from eager ones), the losses close; ms/iteration of
+  compiled GS against compiled ``torch.amp.GradScaler``.
 
 Prints what it measured; exits non-zero on any failure.
 """
@@ -30,6 +37,7 @@ import torch.nn.functional as F
 from gradient_scaling.core import arrays
 from gradient_scaling.core import statistics
 from gradient_scaling.torch import GradientScaler
+from gradient_scaling.torch import compile_backend
 from gradient_scaling.torch import arrays as torch_arrays  # NOQA: registers
 
 import torch_models
@@ -104,11 +112,16 @@ def statistics_check(device):
     return 0
 
 
-def train(device, scaler_of, steps, batches, dtype):
+def train(device, scaler_of, steps, batches, dtype, compiled=None):
+    """``steps`` steps of ResNet-20; ``compiled``: ``torch.compile`` the
+    model with ``compiled(scaler)`` as its backend."""
     torch.manual_seed(0)
     model = torch_models.resnet20(10).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scaler = scaler_of(model)
+    if compiled is not None:
+        model = torch.compile(model, backend=compiled(scaler))
+    first_sites = None
     losses = []
     for step in range(steps):
         if step == 5:  # after the first refreshes and kernel choices
@@ -122,8 +135,11 @@ def train(device, scaler_of, steps, batches, dtype):
         scaler.step(optimizer)
         scaler.update()
         losses.append(float(loss.detach()))
+        if first_sites is None and hasattr(scaler, 'site_scales'):
+            first_sites = scaler.site_scales()
     _synchronize(device)
     ms = 1e3 * (time.perf_counter() - start) / (steps - 5)
+    scaler.first_sites = first_sites
     return losses, ms, scaler
 
 
@@ -156,6 +172,55 @@ def compare(device, steps=60, batch=64, dtype=torch.float16):
     return 0
 
 
+def compiled_check(device, steps=30, batch=64, dtype=torch.float16,
+                   inner='inductor'):
+    g = torch.Generator(device=device).manual_seed(1)
+    batches = [(torch.randn(batch, 3, 32, 32, device=device, generator=g),
+                torch.randint(0, 10, (batch,), device=device, generator=g))
+               for _ in range(4)]
+
+    def gs(model):
+        return GradientScaler(model, 'gs', update_interval=10)
+
+    def gradscaler(model):
+        return torch.amp.GradScaler(device.type)
+
+    def with_gs_backend(scaler):
+        return compile_backend(scaler, inner=inner)
+    runs = {}
+    for name, scaler_of, compiled in (
+            ('eager gs', gs, None),
+            ('compiled gs', gs, with_gs_backend),
+            ('compiled GradScaler', gradscaler, lambda scaler: inner)):
+        start = time.perf_counter()
+        losses, ms, scaler = train(device, scaler_of, steps, batches, dtype,
+                                   compiled)
+        runs[name] = losses, ms, scaler
+        print('{}: loss {:.4f} -> {:.4f}, {:.2f} ms/iter ({:.0f} s with '
+              'compilation), scale(s) {}'.format(
+                  name, losses[0], losses[-1], ms,
+                  time.perf_counter() - start, _scale_text(scaler)))
+        assert all(math.isfinite(v) for v in losses[1:]), name
+    eager = runs['eager gs'][2].first_sites
+    compiled = runs['compiled gs'][2].first_sites
+    assert set(compiled) == set(eager), sorted(
+        set(compiled) ^ set(eager))
+    apart = {k: abs(math.log2(compiled[k]) - math.log2(eager[k]))
+             for k in eager}
+    print('first refresh: {} sites, {} with the eager scale, at most {:g} '
+          'power(s) of two apart'.format(
+              len(apart), sum(1 for v in apart.values() if v == 0),
+              max(apart.values())))
+    assert max(apart.values()) <= 1, apart
+    final = [np.mean(runs[name][0][-4:]) for name in ('eager gs',
+                                                        'compiled gs')]
+    assert abs(final[0] - final[1]) < 0.1 * runs['eager gs'][0][0], final
+    ratio = runs['compiled gs'][1] / runs['compiled GradScaler'][1]
+    print('compiled gs / compiled GradScaler: {:.3f} (ms/iter, after the '
+          'first 5 steps; refresh every 10)'.format(ratio))
+    return 0
+
+
 def _scale_text(scaler):
     sites = getattr(scaler, 'site_scales', None)  # GradScaler has none
     scale = (sites() if sites else None) or scaler.get_scale()
@@ -168,7 +233,8 @@ def _scale_text(scaler):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    parser.add_argument('command', choices=('info', 'statistics', 'compare'))
+    parser.add_argument('command', choices=('info', 'statistics', 'compare',
+                                            'compiled'))
     parser.add_argument('--gpu', type=int, default=0)
     parser.add_argument('--cpu', action='store_true',
                         help='run on the CPU (the tests: the same checks, '
@@ -177,6 +243,9 @@ def main(argv=None):
     parser.add_argument('--batch', type=int, default=64)
     parser.add_argument('--dtype', choices=('float16', 'bfloat16'),
                         default='float16', help="compare: autocast's")
+    parser.add_argument('--inner', choices=('inductor', 'aot_eager'),
+                        default='inductor', help='compiled: what compiles '
+                        'the rewritten graphs')
     args = parser.parse_args(argv)
     if args.cpu:
         device = torch.device('cpu')
@@ -188,6 +257,9 @@ def main(argv=None):
     if args.command == 'compare':
         return compare(device, args.steps, args.batch,
                        getattr(torch, args.dtype))
+    if args.command == 'compiled':
+        return compiled_check(device, args.steps, args.batch,
+                              getattr(torch, args.dtype), args.inner)
     return {'info': info, 'statistics': statistics_check}[args.command](
         device)
 

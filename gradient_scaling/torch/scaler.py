@@ -334,7 +334,7 @@ class GradientScaler(object):
                                    if self.policy.per_step else
                                    'it does not change' if not
                                    self.policy.checks else
-                                   "Chainer's Dyn-LS sets its own"))
+                                   "the paper's Dyn-LS moves its own"))
         if isinstance(new_scale, torch.Tensor):
             if new_scale.numel() != 1 or new_scale.requires_grad:
                 raise ValueError('new_scale should be a float or a '
