@@ -27,7 +27,12 @@ paragraph in the report says what its columns are. Modes (``--modes``):
   GS's cached pass and GS@k against Dyn-LS.
 * ``targets``: the issue's framework-bound targets, ResNet-50 at 32x32,
   batch 1, on ONE model copy: GS@1 <= 1.15 and GS@100 <= 1.02 (minima over
-  ``--target-rounds`` rounds) against a plain step with the same check.
+  ``--target-rounds`` rounds) against a plain step with the same check;
+  PyTorch's against ``torch.amp.GradScaler``, also on a nanoGPT-like
+  transformer (``gpt``: 2 layers of width 32, batch 1, 8 tokens,
+  framework-bound: GS@100 <= 1.10, GS@1 <= 1.5; ``gpt-256``: 4 layers of
+  width 256, batch 4, 128 tokens, compute-bound: GS cached <= 1.02).
+  ``--target-models`` picks the models.
 * ``simulation``: the simulation's own cost, an iteration without scaling
   under sim-fp16 / sim-fp8 / S2FP8 against FP32 (target: sim-fp16 <= 1.5).
 
@@ -39,6 +44,8 @@ Examples::
     python scripts/benchmark.py --quick --models small_cnn --out /tmp/b.md
     python scripts/benchmark.py --memory-only --modes full framework
     python scripts/benchmark.py --gpu 0 --shape resnet50=32x224
+    python scripts/benchmark.py --framework torch --modes targets \
+        --target-models gpt gpt-256 --target-rounds 40 --out /tmp/gpt.md
 
 Full-size targets: GS@100 / none <= 1.01, GS@1 / none <= 1.05, peak memory
 <= 1.01; the added microseconds per node flat from ResNet-18 to ResNet-101.
@@ -69,7 +76,7 @@ FRAMEWORK_PRECISIONS = {
     'chainer': ('fp32', 'sim-fp16', 'mixed16'),
     'torch': ('fp32', 'sim-fp16', 'autocast-fp16', 'autocast-bf16')}
 MODELS = ('small_cnn', 'resnet18', 'resnet50', 'resnet101', 'ssd300',
-          'segnet')
+          'segnet', 'gpt', 'gpt-256')
 MODES = ('full', 'framework', 'targets', 'simulation')
 INTERVALS = (1, 10, 100)
 # (batch, input size) per mode and model; a model a mode lacks is skipped
@@ -80,15 +87,19 @@ SHAPES = {
              'ssd300': (1, 300)},
     'framework': {'small_cnn': (1, 16), 'resnet18': (1, 32),
                   'resnet50': (1, 32), 'resnet101': (1, 32)},
-    'targets': {'resnet50': (1, 32)},
+    'targets': {'resnet50': (1, 32), 'gpt': (1, 8), 'gpt-256': (4, 128)},
     'simulation': {'small_cnn': (32, 32), 'segnet': (2, (64, 96))},
 }
 QUICK = {'small_cnn': (4, 16), 'resnet18': (1, 32), 'resnet50': (1, 64),
-         'resnet101': (1, 32), 'ssd300': (1, 300), 'segnet': (1, (32, 48))}
+         'resnet101': (1, 32), 'ssd300': (1, 300), 'segnet': (1, (32, 48)),
+         'gpt': (1, 8), 'gpt-256': (1, 16)}
 DEFAULT_MODELS = {
     'full': ('small_cnn', 'resnet50', 'ssd300'),
     'framework': ('small_cnn', 'resnet18', 'resnet50', 'resnet101'),
-    'targets': ('resnet50',), 'simulation': ('small_cnn', 'segnet')}
+    'targets': ('resnet50', 'gpt', 'gpt-256'),
+    'simulation': ('small_cnn', 'segnet')}
+# --quick's targets: without the compute-bound transformer.
+QUICK_TARGETS = ('resnet50', 'gpt')
 ATTRIBUTED = {rows.REFRESH: 'refresh', rows.CACHED: 'cached',
               rows.REFRESH + '+measure': 'refresh+measure'}
 
@@ -172,10 +183,11 @@ def run_targets(args, adapter, device, model, results, log):
     if 'gs-cached' in samples:  # GS@100 amortised from refresh and cached
         samples['gs@100'] = harness.amortised(samples['gs@1'],
                                               samples['gs-cached'], 100)
+    targets = getattr(adapter, 'MODEL_TARGETS', {}).get(
+        model, getattr(adapter, 'TARGETS', None))
     results.targets += rows.target_rows(
         case_name(adapter, model), shape_text(shape), 'fp32', samples,
-        'cpu' if _on_cpu(device) else 'wall', baseline,
-        getattr(adapter, 'TARGETS', None))
+        'cpu' if _on_cpu(device) else 'wall', baseline, targets)
 
 
 def _on_cpu(device):
@@ -199,7 +211,7 @@ def run(args, adapter, device, log, results=None):
     framework = framework_of(adapter)
     cases = _cases(adapter)
     for mode in args.modes:
-        models = DEFAULT_MODELS[mode] if mode == 'targets' else (
+        models = args.target_models if mode == 'targets' else (
             args.models or DEFAULT_MODELS[mode])
         shapes = shapes_of(args, adapter, mode)
         for model in models:
@@ -297,7 +309,11 @@ def parse_args(argv):
     add('--models', nargs='+', default=None, choices=MODELS,
         help='per mode, default: ' + '; '.join(
             '{} {}'.format(m, ' '.join(v)) for m, v in DEFAULT_MODELS.items())
-        + ' (targets: always resnet50)')
+        + ' (targets: see --target-models)')
+    add('--target-models', nargs='+', default=None, choices=MODELS,
+        help='the targets mode\'s models, each framework those it has '
+        '(default: {}; --quick {})'.format(' '.join(DEFAULT_MODELS[
+            'targets']), ' '.join(QUICK_TARGETS)))
     add('--shape', nargs='+', default=[], metavar='MODEL=BATCHxSIZE',
         help="override a model's batch and input size in the full mode, "
         "e.g. resnet50=32x224")
@@ -356,6 +372,9 @@ def parse_args(argv):
             setattr(args, name, quick if args.quick else default)
         elif getattr(args, name) < 1:
             parser.error('--{} must be >= 1'.format(name.replace('_', '-')))
+    if args.target_models is None:
+        args.target_models = list(QUICK_TARGETS if args.quick
+                                  else DEFAULT_MODELS['targets'])
     if args.precisions is None:
         args.precisions = ['fp32'] + (['mixed16', 'autocast-fp16']
                                       if args.gpu is not None

@@ -358,11 +358,18 @@ def test_quick_torch_tables_against_pytorchs_own_baselines(torch_report):
         if row[3] == 'none':
             assert float(row[6]) == float(row[7]) == float(row[10]) == 1.0
     assert '## Peak memory' not in torch_report  # --memory-only's table
-    targets = _table(torch_report, '## Framework-bound targets')
-    assert [(r[0], r[1], r[3]) for r in targets] == [
-        ('resnet50 (torch)', '2x32', v) for v in (
-            'GradScaler', 'GradScaler (A/A)', 'gs-cached', 'gs@1',
-            'gs@100')]
+    everything = _table(torch_report, '## Framework-bound targets')
+    variants = ('GradScaler', 'GradScaler (A/A)', 'gs-cached', 'gs@1',
+                'gs@100')
+    # --quick's targets: ResNet-50 and the framework-bound transformer.
+    assert [(r[0], r[1], r[3]) for r in everything] == [
+        (model, shape, v) for model, shape in (
+            ('resnet50 (torch)', '2x32'), ('gpt (torch)', '1x8'))
+        for v in variants]
+    gpt = {r[3]: (r[11], r[12]) for r in everything[len(variants):]}
+    assert gpt['gs@100'][0] == '<= 1.10' and gpt['gs@1'][0] == '<= 1.50'
+    assert gpt['gs-cached'] == ('-', '-')
+    targets = everything[:len(variants)]
     assert [float(c) for c in targets[0][7:11]] == [1.0] * 4
     met = {r[3]: (r[11], r[12]) for r in targets}
     assert met['gs-cached'][0] == '<= 1.05' and met['gs@100'][0] == '<= 1.02'

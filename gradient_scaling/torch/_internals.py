@@ -31,6 +31,9 @@ What the autograd-graph hook needs that PyTorch's public API does not give:
   which parameter name an unsharded parameter in the graph stands for.
 * ``Node._raw_saved_<name>.unpack_hook``: whether a saved tensor is packed
   by hooks (a checkpoint's): such a tensor is never unpacked by the hook.
+* ``Tensor._post_accumulate_grad_hooks``: how many post-accumulate hooks a
+  parameter has (a large gradient is unscaled in place by the hook's own
+  only where no other runs before it).
 """
 
 import torch
@@ -38,8 +41,8 @@ import torch
 from gradient_scaling.core import patches
 
 __all__ = ['input_dtype', 'input_shape', 'saved', 'unsharded_names',
-           'sparse_values', 'current_node', 'queue_end_of_backward',
-           'install', 'uninstall', 'active_handler', 'check_and_unscale',
+           'post_accumulate_hooks', 'sparse_values', 'current_node',
+           'queue_end_of_backward', 'install', 'uninstall', 'active_handler', 'check_and_unscale',
            'copy_all']
 
 
@@ -86,6 +89,12 @@ def unsharded_names(module):
                 if unsharded is not None and name is not None:
                     names[unsharded] = name
     return names
+
+
+def post_accumulate_hooks(tensor):
+    """How many post-accumulate-grad hooks ``tensor`` has."""
+    hooks = getattr(tensor, '_post_accumulate_grad_hooks', None)
+    return 0 if hooks is None else len(hooks)
 
 
 def sparse_values(tensor):

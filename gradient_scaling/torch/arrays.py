@@ -31,7 +31,7 @@ from gradient_scaling.core.histogram import ExponentHistogram
 from gradient_scaling.core.statistics import TensorStatistics
 from gradient_scaling.torch import _internals as internals
 
-__all__ = ['TorchOps', 'TORCH_OPS']
+__all__ = ['TorchOps', 'TORCH_OPS', 'times_power_of_two', 'power_of_two']
 
 _LOW = (torch.float16, torch.bfloat16)
 _FUSED = (torch.float16, torch.float32)
@@ -41,7 +41,12 @@ _UNSCALED_EXPONENT = 40
 
 
 def _values(*tensors):
-    """Python numbers of 0-d tensors, with one host transfer."""
+    """Python numbers (floats) of 0-d tensors, with one host transfer
+    (stacked as they are where they share a dtype: its values are exact
+    Python floats)."""
+    dtype = tensors[0].dtype
+    if dtype.is_floating_point and all(t.dtype == dtype for t in tensors):
+        return torch.stack(tensors).tolist()
     return torch.stack([t.to(torch.float64) for t in tensors]).tolist()
 
 
@@ -69,6 +74,44 @@ def _spread(flat, largest):
     return math.sqrt(max(squares / n - mean * mean, 0.0)) / scale
 
 
+def _spread_and_max(flat, sample=True):
+    """:meth:`TorchOps.spread_and_max` of a flat float32 or float64
+    tensor: its extremes read first, then :func:`_spread`."""
+    low, high = _values(*torch.aminmax(flat))
+    largest = max(-low, high)
+    if not math.isfinite(largest):
+        return math.nan, largest
+    if largest == 0:
+        return 0.0, 0.0
+    if sample and flat.numel() > statistics.SPREAD_SAMPLE:
+        flat = statistics.spread_sample(flat)
+    return _spread(flat, largest), largest
+
+
+def _small_spread_and_max(flat):
+    """:func:`_spread_and_max` of a float32 tensor of at most
+    ``SPREAD_SAMPLE`` elements with one host read where its values are
+    not near-constant: extremes, sum and sum of squares at once, in
+    float64, as :func:`_spread` sums such a tensor. The squares of float32
+    numbers are normal float64 numbers, so the power-of-two factor that
+    :func:`_spread` may apply first changes no bit of the result (every
+    rounding commutes with it): the same standard deviation."""
+    y = flat.to(torch.float64)
+    low, high, total, squares = _values(*torch.aminmax(y), y.sum(),
+                                        torch.dot(y, y))
+    largest = max(-low, high)
+    if not math.isfinite(largest):
+        return math.nan, largest
+    if largest == 0:
+        return 0.0, 0.0
+    n = y.numel()
+    if total * total > 0.5 * n * squares:  # mean >> spread: centre first
+        d = y - total / n
+        total, squares = _values(d.sum(), torch.dot(d, d))
+    mean = total / n
+    return math.sqrt(max(squares / n - mean * mean, 0.0)), largest
+
+
 class TorchOps(arrays.ArrayOps):
 
     """What the core asks of ``torch.Tensor`` (see the module docstring)."""
@@ -87,15 +130,10 @@ class TorchOps(arrays.ArrayOps):
         flat = x.reshape(-1)
         if flat.dtype not in _WIDE:
             flat = flat.float()  # float16 and bfloat16 widen exactly
-        low, high = _values(*torch.aminmax(flat))
-        largest = max(-low, high)
-        if not math.isfinite(largest):
-            return math.nan, largest
-        if largest == 0:
-            return 0.0, 0.0
-        if sample and flat.numel() > statistics.SPREAD_SAMPLE:
-            flat = statistics.spread_sample(flat)
-        return _spread(flat, largest), largest
+        if flat.dtype == torch.float32 and \
+                flat.numel() <= statistics.SPREAD_SAMPLE:
+            return _small_spread_and_max(flat)
+        return _spread_and_max(flat, sample)
 
     def spread_and_max_bounds(self, x):
         # aminmax reads a tensor about as fast as a sum of squares: the
@@ -203,6 +241,35 @@ class TorchOps(arrays.ArrayOps):
             exponent -= step
         return result if result is not x else x.clone()
 
+
+def times_power_of_two(x, ratio):
+    """``x * ratio`` for a power of two ``ratio`` (a new tensor, exact
+    wherever the product is representable): a float32 or float64 tensor
+    is multiplied by ``ratio`` as a 0-d CPU tensor of its dtype (kept: a
+    Python float is wrapped into one on every call, half of a small
+    multiplication's time) where ``ratio`` is a normal float32 number;
+    otherwise as :meth:`TorchOps.scaled` does."""
+    dtype = x.dtype
+    if dtype in _WIDE and _NORMAL_FLOAT32[0] <= ratio <= _NORMAL_FLOAT32[1]:
+        factor = _FACTORS.get((ratio, dtype))
+        return x * (power_of_two(ratio, dtype) if factor is None else factor)
+    return TORCH_OPS.scaled(x, ratio)
+
+
+def power_of_two(ratio, dtype):
+    """``ratio`` (a power of two, a normal float32 number) as a 0-d CPU
+    tensor of ``dtype`` (float32 or float64: of the tensor it multiplies,
+    which keeps the multiplication on its fast path), made once."""
+    factor = _FACTORS.get((ratio, dtype))
+    if factor is None:
+        factor = _FACTORS[ratio, dtype] = torch.tensor(ratio, dtype=dtype)
+    return factor
+
+
+# The powers of two that are normal float32 numbers: a float32 tensor
+# multiplied by one is exact wherever the product is normal.
+_NORMAL_FLOAT32 = (2.0 ** -126, 2.0 ** 127)
+_FACTORS = {}  # (power of two, dtype) -> it as a 0-d CPU tensor
 
 #: The operations on ``torch.Tensor``.
 TORCH_OPS = TorchOps()

@@ -1,7 +1,9 @@
 """One backward pass of the PyTorch hook: the callbacks that apply the rules.
 
 A :class:`BackwardPass` is made for each backward the hook attaches to: it
-reads the graph (:func:`gradient_scaling.torch.graph.walk`), registers
+reads the graph (:func:`gradient_scaling.torch.graph.walk`, or the plan of
+the last graph of the same structure: :class:`~gradient_scaling.torch.
+graph.PlanCache`), registers
 callbacks on the nodes that scale or unify gradients and on no other, and
 keeps the scale of every gradient as it goes. Which scale a site gets comes
 from the open step's :class:`~gradient_scaling.core.step_scales.StepScales`
@@ -40,7 +42,7 @@ import collections
 import functools
 
 from gradient_scaling.core import arrays
-from gradient_scaling.torch import graph
+from gradient_scaling.torch.arrays import times_power_of_two
 
 __all__ = ['BackwardPass']
 
@@ -75,24 +77,29 @@ class BackwardPass(object):
         self.nested = nested
         self.inner_leaves = []  # parameters of nested passes, to check
         self.step = hook.controller.step
-        self.plan = graph.walk([node for node, _ in roots],
-                               hook.recipe.cast_rule)
+        self.plan = hook.plans.plan([node for node, _ in roots],
+                                    hook.recipe.cast_rule)
         self.losses = losses
         self.started = self.finished = False
         self.root_slot = dict(roots)
         self.slot_scales = {slot: loss_scale for slot in roots}
         self.edge_scales = {}
         self.node_scales = {}
+        self._set_at = (self.slot_scales.get, self.edge_scales.get, None,
+                        self._root_scale)
         self.sites = {}  # GEMM node -> what its pre-hook chose
         self.posts = set()  # GEMM nodes with a post-hook
         self.stashes = {slot: _Stash(len(edges))
                         for slot, edges in self.plan.branches.items()}
-        #: leaf tensor -> its accumulation node (where its gradient lands).
-        self.leaves = {var: node for node, var in
-                       self.plan.accumulators.items()}
-        #: leaf tensor -> the scale its last gradient carried, divided out
-        #: as it landed.
-        self.landed = {}
+        #: ``id(leaf)`` -> its accumulation node (the plan holds the leaves:
+        #: the ids stand for them while the pass lives; a tensor's hash is
+        #: a Python call).
+        self.leaf_nodes = {id(var): node for node, var in
+                           self.plan.accumulators.items()}
+        self._leaves = None
+        #: ``(leaf, scale)``: the scale each landed gradient carried,
+        #: divided out as it landed.
+        self.landed = []
         #: (leaf, 0-d finiteness witness) of what landed, when the hook
         #: checks on landing.
         self.witnesses = []
@@ -107,7 +114,20 @@ class BackwardPass(object):
     def slot_scale(self, node, k):
         """The scale of the gradient reaching slot ``(node, k)``: set by
         the consumer that scaled or unified it, or passed through plain
-        nodes from the nearest one that did."""
+        nodes from the nearest one that did (on a reused plan, looked up
+        only where it can have been set)."""
+        checks = self.plan.scale_checks
+        if checks is not None:
+            at = (checks.index[node], k)
+            found = checks.known.get(at)
+            if found is None:
+                found = checks.find(at)
+            order = checks.order
+            for kind, a, b in found:
+                scale = self._set_at[kind]((order[a], b)) if kind != 2 \
+                    else self.node_scales.get(order[a])
+                if scale is not None:
+                    return scale
         path, slot = [], (node, k)
         scale = self.slot_scales.get(slot)
         while scale is None:
@@ -141,17 +161,31 @@ class BackwardPass(object):
     def checked_leaves(self):
         """The leaves whose gradients the pass's result checks: its own
         and the parameters of the nested passes it ran."""
-        return list(self.leaves) + self.inner_leaves
+        return list(self.plan.accumulators.values()) + self.inner_leaves
 
     def absorb(self, inner):
         """Takes over what a nested pass (run from one of this pass's
         nodes) landed."""
-        self.landed.update(inner.landed)
+        self.landed.extend(inner.landed)
         self.witnesses.extend(inner.witnesses)
         self.inner_leaves.extend(inner.inner_leaves)
         self.inner_leaves.extend(
             leaf for leaf in inner.leaves
             if self.hook._lands_unscaled_in_nested(leaf))
+
+    def _root_scale(self, slot):
+        """The scale of root node ``slot[0]``'s own slot."""
+        node = slot[0]
+        return self.slot_scales.get((node, self.root_slot.get(node)))
+
+    @property
+    def leaves(self):
+        """Leaf tensor -> its accumulation node (where its gradient
+        lands)."""
+        if self._leaves is None:
+            self._leaves = {var: node for node, var in
+                            self.plan.accumulators.items()}
+        return self._leaves
 
     def landing_scale(self, leaf):
         """The scale of the gradient reaching ``leaf`` in this pass."""
@@ -181,9 +215,9 @@ class BackwardPass(object):
                 consumers[node].append((i, slot))
         for node, edges in consumers.items():
             on(node.register_hook(self._contribute(node, edges)))
-        lands = self.hook.land
-        for leaf in self.leaves:
-            if not self.hook.lands_itself(leaf):
+        lands, itself = self.hook.land, self.hook.landing_ids
+        for leaf in plan.accumulators.values():
+            if id(leaf) not in itself:  # (not lands_itself: a call each)
                 on(leaf.register_hook(functools.partial(lands, leaf)))
 
     def remove(self):
@@ -241,8 +275,9 @@ class BackwardPass(object):
                 g, alpha = self._cast_site(g, alpha)
             chosen = self._gemm_scales(site, g, alpha)
             beta, gammas = chosen[1], chosen[2]
-            for i in range(len(node.next_functions)):
-                self.edge_scales[node, i] = alpha * gammas.get(i, beta)
+            edge_scales = self.edge_scales
+            for i in range(site.edges):
+                edge_scales[node, i] = alpha * gammas.get(i, beta)
             if node in self.posts:
                 self.sites[node] = chosen
             if site.scales_itself:
@@ -272,9 +307,14 @@ class BackwardPass(object):
         # input: they keep its scale (exact, unscaled by the scaler), a
         # backoff below it where their path overflowed. The simulation's
         # GEMMs apply the recipe's own weight-path scale.
-        gammas = {edge: step.weight_path(
-            name, alpha, beta, shares or not site.scales_itself)
-            for edge, name in names.items()}
+        if named:
+            gammas = {edge: step.weight_path(
+                name, alpha, beta, shares or not site.scales_itself)
+                for edge, name in names.items()}
+        else:  # no name, no backoff: one scale for every parameter
+            gammas = dict.fromkeys(names, step.weight_path(
+                None, alpha, beta, shares or not site.scales_itself)) \
+                if names else {}
         if coupled and gammas:
             # One scaled low-precision input makes both paths: a
             # weight-path backoff lowers the data path too.
@@ -371,4 +411,4 @@ def _times(tensor, ratio):
     """``tensor * ratio`` (a power of two), a new tensor unless it is 1."""
     if ratio == 1.0:
         return tensor
-    return arrays.ops_for(tensor).scaled(tensor, ratio)
+    return times_power_of_two(tensor, ratio)

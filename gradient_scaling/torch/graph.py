@@ -1,19 +1,21 @@
 """What each node of PyTorch's autograd graph is, for gradient scaling.
 
 :func:`walk` reads the graph a backward pass will run, from its roots
-(``loss.grad_fn``), once per pass (about 0.3 us a node), and returns a
-:class:`Plan`: the GEMM sites (the backward nodes of linear / addmm / mm /
-bmm / matmul and of convolutions, keyed by their weight parameter, or by
-the part of it they multiply by: the q, k, v projections of a packed
-``in_proj_weight``), the casts before a softmax (the gradient of a
-softmax is followed through shape-only nodes and through adds to their
-same-shape operands: a bias added apart from its GEMM), the gradient
-slots that several consumers feed (branches, residual adds), the nodes
-with several used outputs (split, chunk, unbind), the parameters'
-accumulation nodes, and, for every other node, where the scale of its
-gradient comes from. The hook (:mod:`gradient_scaling.torch.hook`) puts
-callbacks on the nodes that scale or unify and nowhere else: a plain
-node's gradient has the scale of the gradient that reached it.
+(``loss.grad_fn``), and returns a :class:`Plan` (:class:`PlanCache`
+reuses it for the next graph of the same structure, which it reads in a
+fifth of a walk's time): the GEMM sites (the backward nodes of linear /
+addmm / mm / bmm / matmul and of convolutions, keyed by their weight
+parameter, or by the part of it they multiply by: the q, k, v
+projections of a packed ``in_proj_weight``), the casts before a softmax
+(the gradient of a softmax is followed through shape-only nodes and
+through adds to their same-shape operands: a bias added apart from its
+GEMM), the gradient slots that several consumers feed (branches,
+residual adds), the nodes with several used outputs (split, chunk,
+unbind), the parameters' accumulation nodes, and, for every other node,
+where the scale of its gradient comes from. The hook
+(:mod:`gradient_scaling.torch.hook`) puts callbacks on the nodes that
+scale or unify and nowhere else: a plain node's gradient has the scale
+of the gradient that reached it.
 
 A *slot* ``(node, k)`` is output ``k`` of a node's forward, i.e. gradient
 input ``k`` of its backward; an *edge* ``(node, i)`` is input ``i`` of its
@@ -21,13 +23,15 @@ forward, i.e. entry ``i`` of its ``next_functions`` and of the gradients
 its backward returns.
 """
 
+import collections
 import math
 
 import torch
 
 from gradient_scaling.torch import _internals as internals
 
-__all__ = ['GemmSite', 'Plan', 'walk', 'register_gemm_kind', 'GEMM_NODES',
+__all__ = ['GemmSite', 'Plan', 'PlanCache', 'Reads', 'ScaleChecks', 'walk',
+           'register_gemm_kind', 'GEMM_NODES',
            'SOFTMAX_NODES', 'SHAPE_ONLY_NODES']
 
 #: Backward nodes whose data gradient is a GEMM with a weight.
@@ -106,7 +110,7 @@ class GemmSite(object):
 
     def __init__(self, node, weight, data, parameters, accumulation_length,
                  scales_itself=False, weight_edge=None, part=None,
-                 weight_index=None):
+                 weight_index=None, edges=None):
         self.node = node
         self.weight = weight
         self.part = part
@@ -116,6 +120,8 @@ class GemmSite(object):
         self._length = accumulation_length
         self.scales_itself = scales_itself
         self.weight_edge = weight_edge
+        #: How many edges the node has (inputs of its forward).
+        self.edges = len(node.next_functions) if edges is None else edges
 
     @property
     def accumulation_length(self):
@@ -212,9 +218,58 @@ class Plan(object):
         self.used_slots = {}
         self.compiled = []
         self.softmax_gradients = set()
+        #: On a reused plan, where the scale of each slot can have been
+        #: set (:class:`ScaleChecks`); None on a walked plan.
+        self.scale_checks = None
+
+
+class Reads(object):
+
+    """What :func:`walk` reads of the nodes beyond the graph's structure
+    (the dtypes and shapes of gradient slots, saved fields, a parameter's
+    shape), each read logged with its answer when ``log`` is a list: a
+    plan is reused for a graph of the same structure only where every
+    logged read gives the same answer on the new graph's nodes."""
+
+    def __init__(self, log=None):
+        self.log = log
+
+    def _logged(self, node, what, arg, value):
+        if self.log is not None:
+            self.log.append((node, what, arg, value))
+        return value
+
+    def dtype(self, node, k):
+        return self._logged(node, 'dtype', k, internals.input_dtype(node, k))
+
+    def shape(self, node, k):
+        return self._logged(node, 'shape', k, internals.input_shape(node, k))
+
+    def saved(self, node, name):
+        return self._logged(node, 'saved', name, internals.saved(node, name))
+
+    def saved_int(self, node, name):
+        return self._logged(node, 'saved_int', name,
+                            internals.saved_int(node, name))
+
+    def variable_shape(self, node):
+        """The shape of an accumulation node's tensor."""
+        return self._logged(node, 'variable_shape', None,
+                            tuple(node.variable.shape))
+
+    @staticmethod
+    def again(node, what, arg):
+        """The read ``what`` of ``node`` again, unlogged."""
+        if what == 'variable_shape':
+            return _READS.variable_shape(node)
+        return getattr(_READS, what)(node, arg)
+
+
+_READS = Reads()
 
 
 _EXTRA_GEMMS = []  # (predicate, site factory)
+_GENERATION = [0]  # register_gemm_kind calls so far
 # Node class -> what the walk does with its nodes (asked once per class).
 _ROLES = {}
 _PLAIN, _GEMM, _EXTRA, _CAST, _SOFTMAX, _ACCUMULATE_ROLE, _COMPILED = (
@@ -232,6 +287,7 @@ def register_gemm_kind(predicate, site):
     (a backward node's class is its forward function)."""
     _EXTRA_GEMMS.append((predicate, site))
     _ROLES.clear()
+    _GENERATION[0] += 1  # the plans made before are stale
 
 
 def _role(node):
@@ -253,7 +309,7 @@ def _role(node):
     return role
 
 
-def walk(roots, cast_rule='softmax'):
+def walk(roots, cast_rule='softmax', reads=None):
     """The :class:`Plan` of the graph below ``roots`` (backward nodes).
 
     One visit per node (the graph's edges are read once); the softmax
@@ -262,8 +318,11 @@ def walk(roots, cast_rule='softmax'):
     Args:
         roots (list): ``grad_fn`` of the tensors backward starts from.
         cast_rule (str): ``'softmax'``, ``'all'`` or ``'none'``.
+        reads (Reads): Logs what the walk read of the nodes beyond the
+            graph's structure (default: nothing is logged).
 
     """
+    reads = _READS if reads is None else reads
     plan = Plan()
     plan.roots = [r for r in roots if r is not None]
     consumers, used, branches = plan.consumers, plan.used_slots, \
@@ -303,27 +362,27 @@ def walk(roots, cast_rule='softmax'):
             if producer not in seen:
                 seen.add(producer)
                 todo.append(producer)
-    softmax = _softmax_gradients(softmax_nodes, plan) \
+    softmax = _softmax_gradients(softmax_nodes, plan, reads) \
         if cast_rule != 'none' else set()
     plan.softmax_gradients = softmax
     if cast_rule != 'none':
         # (Every add is a candidate: its dtypes are read only where it
         # takes a softmax gradient.)
         plan.casts.update(c for c in casts if (
-            cast_rule == 'all' or c in softmax) and _is_up_cast(c))
+            cast_rule == 'all' or c in softmax) and _is_up_cast(c, reads))
     for node, role in gemms:
-        site = _native_gemm(node, type(node).__name__) if role == _GEMM \
-            else role[1](node)
+        site = _native_gemm(node, type(node).__name__, reads) \
+            if role == _GEMM else role[1](node)
         if site is None:
             continue
         plan.gemms[node] = site
         if cast_rule != 'none' and node in softmax and \
-                internals.input_dtype(node, 0).itemsize > 2:
+                reads.dtype(node, 0).itemsize > 2:
             plan.softmax_gemms.add(node)
     return plan
 
 
-def _softmax_gradients(softmax_nodes, plan):
+def _softmax_gradients(softmax_nodes, plan, reads):
     """Nodes whose incoming gradient is a softmax gradient: every edge
     into them comes from a softmax node, or from a node whose own incoming
     gradient is one and that hands it on to that edge (:func:`_hands_on`).
@@ -340,14 +399,15 @@ def _softmax_gradients(softmax_nodes, plan):
                  for e in plan.consumers[node, k]]
         if edges and all(
                 type(c).__name__ in SOFTMAX_NODES or
-                (c in softmax and _hands_on(c, i)) for c, i in edges):
+                (c in softmax and _hands_on(c, i, reads))
+                for c, i in edges):
             softmax.add(node)
             todo.extend(p for i, (p, _) in enumerate(node.next_functions)
-                        if p is not None and _hands_on(node, i))
+                        if p is not None and _hands_on(node, i, reads))
     return softmax
 
 
-def _hands_on(node, i):
+def _hands_on(node, i, reads):
     """Whether a node's backward hands the values it gets on to its input
     ``i``, only moved, exactly converted or negated: shape-only nodes and
     casts that do not widen (a widening cast is a cast site itself), as in
@@ -361,38 +421,37 @@ def _hands_on(node, i):
     if name in SHAPE_ONLY_NODES:
         return True
     if name == _CAST_NODE:
-        return not _is_up_cast(node)
+        return not _is_up_cast(node, reads)
     if name in _ADDS:
         producer, k = node.next_functions[i]
         # The second operand's gradient is alpha times the output's.
-        return producer is not None and _same_shape(node, i) and \
-            internals.input_dtype(producer, k) == \
-            internals.input_dtype(node, 0) and \
-            (i == 0 or internals.saved(node, 'alpha') == 1)
+        return producer is not None and _same_shape(node, i, reads) and \
+            reads.dtype(producer, k) == reads.dtype(node, 0) and \
+            (i == 0 or reads.saved(node, 'alpha') == 1)
     return False
 
 
-def _same_shape(node, i):
+def _same_shape(node, i, reads):
     producer, k = node.next_functions[i]
-    return internals.input_shape(producer, k) == \
-        internals.input_shape(node, 0)
+    return reads.shape(producer, k) == reads.shape(node, 0)
 
 
-def _is_up_cast(node):
+def _is_up_cast(node, reads=None):
     """A cast that widens a floating-point gradient's type; an add or a
     subtraction that widens an input of its output's shape (type
     promotion: ``bf16_logits + fp32_bias``) is one too."""
+    reads = _READS if reads is None else reads
     if type(node).__name__ in _ADDS:
-        return any(p is not None and _widens(node, i) and
-                   _same_shape(node, i)
+        return any(p is not None and _widens(node, i, reads) and
+                   _same_shape(node, i, reads)
                    for i, (p, _) in enumerate(node.next_functions))
-    return node.next_functions[0][0] is not None and _widens(node, 0)
+    return node.next_functions[0][0] is not None and \
+        _widens(node, 0, reads)
 
 
-def _widens(node, i):
+def _widens(node, i, reads):
     producer, k = node.next_functions[i]
-    before, after = internals.input_dtype(producer, k), \
-        internals.input_dtype(node, 0)
+    before, after = reads.dtype(producer, k), reads.dtype(node, 0)
     return (before.is_floating_point and after.is_floating_point
             and before.itemsize < after.itemsize)
 
@@ -404,12 +463,13 @@ def parameter_behind(node, depth=16):
     return _behind(node, 0, depth)[0]
 
 
-def _behind(node, k, depth=16):
+def _behind(node, k, depth=16, reads=None):
     """``(parameter, index)`` slot ``k`` of ``node`` leads to, the index
     (a ``range`` per axis of the parameter) None for the whole parameter;
     ``(None, None)`` if it leads to none. Between a part and its parameter
     only shape-keeping nodes (casts, copies) may come: then the part's
     coordinates are the parameter's."""
+    reads = _READS if reads is None else reads
     parts = []  # (axis, slice), from the GEMM towards the parameter
     while node is not None and depth:
         name = type(node).__name__
@@ -417,9 +477,10 @@ def _behind(node, k, depth=16):
             variable = node.variable
             if not isinstance(variable, torch.nn.Parameter):
                 return None, None
-            return variable, _index(variable.shape, parts)
+            return variable, _index(reads.variable_shape(node), parts) \
+                if parts else None
         if name in _PART_FIELDS:
-            taken = _part_taken(node, name, k)
+            taken = _part_taken(node, name, k, reads)
             if taken is None:
                 return None, None
             parts.append(taken)
@@ -432,10 +493,10 @@ def _behind(node, k, depth=16):
     return None, None
 
 
-def _part_taken(node, name, k):
+def _part_taken(node, name, k, reads):
     """``(axis, slice)`` of its input that output ``k`` of a split or
     slice node is (None where the node did not save it)."""
-    fields = {f: internals.saved_int(node, f) for f in _PART_FIELDS[name]}
+    fields = {f: reads.saved_int(node, f) for f in _PART_FIELDS[name]}
     if None in fields.values():
         return None
     if name == 'SliceBackward0':
@@ -482,8 +543,8 @@ def _part_name(weight, index):
     return ','.join(text)
 
 
-def _native_gemm(node, name):
-    behind = [_behind(n, k) for n, k in node.next_functions]
+def _native_gemm(node, name, reads):
+    behind = [_behind(n, k, reads=reads) for n, k in node.next_functions]
     params = [p for p, _ in behind]
     if name == 'ConvolutionBackward0':
         data, weight_edge = 0, 1
@@ -502,13 +563,19 @@ def _native_gemm(node, name):
                   if p is not None and i != data}
     if node.next_functions[data][0] is None:
         data = None
-    shape = tuple(weight.shape) if index is None else tuple(
-        len(r) for r in index)
-    return GemmSite(node, weight, data, parameters,
-                    lambda: _accumulation_length(node, name, weight_edge,
-                                                 shape),
-                    weight_edge=weight_edge, part=_part_name(weight, index),
-                    weight_index=index)
+    return _gemm_site(node, name, weight, data, parameters, weight_edge,
+                      _part_name(weight, index), index)
+
+
+def _gemm_site(node, name, weight, data, parameters, weight_edge, part,
+               index, edges=None):
+    def length():
+        shape = tuple(weight.shape) if index is None else tuple(
+            len(r) for r in index)
+        return _accumulation_length(node, name, weight_edge, shape)
+    return GemmSite(node, weight, data, parameters, length,
+                    weight_edge=weight_edge, part=part, weight_index=index,
+                    edges=edges)
 
 
 # (node, edge of the weight) -> (the other factor's saved sizes, the axis
@@ -540,3 +607,267 @@ def _accumulation_length(node, name, weight_edge, shape):
     field, axis = _GEMM_SUMS[name, weight_edge]
     sizes = internals.saved_int(node, field)
     return int(sizes[axis])
+
+
+# -- plans reused for graphs of the same structure ---------------------------
+
+
+class PlanCache(object):
+
+    """The plans of the last graphs walked, reused for a graph of the same
+    structure (what a training loop builds every step).
+
+    A graph's *structure* is read in one pass over its nodes (about a fifth
+    of a walk's time): every node's class and, in the order of its
+    ``next_functions``, which node (by its first visit) and which slot each
+    edge leads to; for an accumulation node, the identity and the class of
+    its tensor. A
+    plan is reused only for a graph whose structure is equal to the one it
+    was walked on AND on whose nodes every read the walk made beyond the
+    structure (:class:`Reads`: dtypes and shapes where a softmax gradient
+    is followed or a cast is told apart, the parts of a parameter that a
+    split takes, a parameter's shape) gives the same answer; the plan's
+    parameters are those of the new graph's accumulation nodes. Anything
+    else (a branch taken or not, another sequence length where a shape
+    was read, a parameter frozen, another dtype) walks the graph afresh:
+    the plan of a graph is always the one :func:`walk` would make.
+
+    Args:
+        size (int): Plans kept (the least recently used is forgotten).
+
+    """
+
+    def __init__(self, size=8):
+        self.size = size
+        self._templates = collections.OrderedDict()
+        #: Plans reused and graphs walked so far.
+        self.reused = self.walked = 0
+
+    def plan(self, roots, cast_rule='softmax'):
+        """The :class:`Plan` of the graph below ``roots``, as
+        :func:`walk` makes it."""
+        roots = [r for r in roots if r is not None]
+        order, index, signature = structure(roots)
+        key = (cast_rule, _GENERATION[0], signature)
+        template = self._templates.get(key)
+        if template is not None:
+            plan = template.instantiate(order, index)
+            if plan is not None:
+                self._templates.move_to_end(key)
+                self.reused += 1
+                return plan
+        reads = Reads([])
+        plan = walk(roots, cast_rule, reads)
+        self.walked += 1
+        self._templates[key] = _Template(plan, reads.log, index, order)
+        self._templates.move_to_end(key)
+        while len(self._templates) > self.size:
+            self._templates.popitem(last=False)
+        return plan
+
+
+_IS_ACCUMULATE = {}  # node class -> whether it is AccumulateGrad
+
+
+def structure(roots):
+    """``(nodes, index, signature)`` of the graph below ``roots``: its
+    nodes in the order first met (breadth first), node -> its position,
+    and a hashable description that two graphs share exactly when their
+    nodes are of the same classes, linked alike (edge by edge, slot by
+    slot), and accumulate into tensors of the same ids and classes (what
+    a walk reads of a tensor beyond them, its shape, is a :class:`Reads`
+    read; the plan's tensors are the new graph's own)."""
+    index, order, signature = {}, [], []
+    add = signature.append
+    for root in roots:
+        i = index.get(root)
+        if i is None:
+            i = index[root] = len(order)
+            order.append(root)
+        add(i)
+    add(None)
+    for node in order:  # (grows while read)
+        cls = type(node)
+        add(cls)
+        edges = node.next_functions
+        if not edges:  # a leaf's accumulation node, or a dead end
+            accumulates = _IS_ACCUMULATE.get(cls)
+            if accumulates is None:
+                accumulates = _IS_ACCUMULATE[cls] = \
+                    cls.__name__ == _ACCUMULATE
+            if accumulates:
+                variable = node.variable
+                add(id(variable))
+                add(type(variable))  # (a parameter or not: a site or not)
+                continue
+        add(len(edges))
+        for producer, k in edges:
+            if producer is None:
+                add(None)
+                continue
+            i = index.get(producer)
+            if i is None:
+                i = index[producer] = len(order)
+                order.append(producer)
+            add(i)
+            add(k)
+    return order, index, tuple(signature)
+
+
+class _Template(object):
+
+    """A plan with its nodes as positions in :func:`structure`'s order
+    (it holds no node and no tensor), and the reads it depends on."""
+
+    def __init__(self, plan, log, index, order):
+        at = index.__getitem__
+        self.reads = [(at(n), what, arg, value)
+                      for n, what, arg, value in log]
+        self.roots = [at(n) for n in plan.roots]
+        self.accumulators = [at(n) for n in plan.accumulators]
+        accumulator = {id(v): at(n) for n, v in plan.accumulators.items()}
+        self.gemms = [
+            (at(node), accumulator[id(site.weight)], site.data,
+             {e: accumulator[id(p)] for e, p in site.parameters.items()},
+             site.weight_edge, site.part, site.weight_index, site.edges)
+            for node, site in plan.gemms.items()
+            if _role(node) == _GEMM]
+        # Another kind's sites are read by its own factory on each graph.
+        self.extra = [i for i, node in enumerate(order)
+                      if isinstance(_role(node), tuple)]
+        self.extra_sites = {at(n) for n in plan.gemms} & set(self.extra)
+        self.casts = [at(n) for n in plan.casts]
+        self.softmax_gemms = [at(n) for n in plan.softmax_gemms]
+        self.consumers = {(at(n), k): [(at(c), i) for c, i in edges]
+                          for (n, k), edges in plan.consumers.items()}
+        self.branches = [(at(n), k) for n, k in plan.branches]
+        self.multi_output = [at(n) for n in plan.multi_output]
+        self.used_slots = {at(n): list(ks)
+                           for n, ks in plan.used_slots.items()}
+        self.compiled = [at(n) for n in plan.compiled]
+        self.softmax_gradients = [at(n) for n in plan.softmax_gradients]
+        # Nodes whose callbacks may set the scale of their edges or of
+        # their whole output: the scaled and unifying sites, compiled
+        # regions (which scale themselves), and Python functions (whose
+        # backward may run a nested one: a reentrant checkpoint).
+        python = [i for i, n in enumerate(order)
+                  if isinstance(n, torch.autograd.function.BackwardCFunction)]
+        self.edge_setters = frozenset(
+            [site[0] for site in self.gemms] + self.extra +
+            self.compiled + python)
+        self.node_setters = frozenset(self.casts + self.multi_output +
+                                      self.compiled + python)
+        self.slot_setters = frozenset(self.branches)
+        self.root_set = frozenset(self.roots)
+        self.checks = {}  # slot position -> (kind, a, b) of chain()
+
+    def instantiate(self, order, index):
+        """The plan on the graph of ``order`` (``index``: node -> its
+        position), or None where a read differs (or another kind's
+        factory decides otherwise)."""
+        for i, what, arg, value in self.reads:
+            if Reads.again(order[i], what, arg) != value:
+                return None
+        plan = Plan()
+        plan.roots = [order[i] for i in self.roots]
+        variables = {i: order[i].variable for i in self.accumulators}
+        plan.accumulators = {order[i]: v for i, v in variables.items()}
+        gemms = plan.gemms
+        for (i, w, data, parameters, edge, part, weight_index,
+             edges) in self.gemms:
+            node = order[i]
+            gemms[node] = _gemm_site(
+                node, type(node).__name__, variables[w], data,
+                {e: variables[a] for e, a in parameters.items()}, edge,
+                part, weight_index, edges)
+        for i in self.extra:
+            node = order[i]
+            site = _role(node)[1](node)
+            if (site is not None) != (i in self.extra_sites):
+                return None
+            if site is not None:
+                gemms[node] = site
+        plan.casts = {order[i] for i in self.casts}
+        plan.softmax_gemms = {order[i] for i in self.softmax_gemms}
+        plan.consumers = _Positions(self.consumers, order, index)
+        plan.used_slots = _Positions(self.used_slots, order, index)
+        plan.branches = {(order[n], k): plan.consumers[order[n], k]
+                         for n, k in self.branches}
+        plan.multi_output = {order[i] for i in self.multi_output}
+        plan.compiled = [order[i] for i in self.compiled]
+        plan.softmax_gradients = {order[i] for i in self.softmax_gradients}
+        plan.scale_checks = ScaleChecks(self, order, index)
+        return plan
+
+    def chain(self, n, k):
+        """Where the scale of slot ``(n, k)`` may have been set (see
+        :class:`ScaleChecks`), from the slot towards the roots, up to a
+        slot without one consumer."""
+        while True:
+            if n in self.root_set:
+                yield 0, n, k
+            edges = self.consumers.get((n, k))
+            if edges is None or len(edges) != 1:
+                if (n, k) in self.slot_setters:
+                    yield 0, n, k
+                return
+            c, i = edges[0]
+            if c in self.edge_setters:
+                yield 1, c, i
+            if c in self.node_setters:
+                yield 2, c, None
+            slots = self.used_slots.get(c)
+            if not slots:
+                yield 3, c, None
+                return
+            n, k = c, slots[0]
+
+
+class ScaleChecks(object):
+
+    """Where the scale of a slot of a reused plan's graph may have been
+    set, nearest first: ``known[(index[node], k)]`` (or ``find`` of that
+    position) is a tuple of ``(kind, a, b)``, ``a`` a position in
+    ``order``: kind 0 slot ``(a, b)``'s scale (a root's, a branch's), 1
+    edge ``(a, b)``'s (a GEMM's, a compiled region's), 2 node ``a``'s (a
+    cast's, a split's, a Python function's), 3 root node ``a``'s own
+    slot. A backward pass's scales are set only there: the slots, edges
+    and nodes between hold none (plain nodes pass their gradient on at its
+    scale), so the first found is what following the consumers slot by
+    slot would give. (Read from the template, made once per slot.)"""
+
+    def __init__(self, template, order, index):
+        self.template, self.order, self.index = template, order, index
+        self.known = template.checks
+
+    def find(self, at):
+        found = self.known[at] = tuple(self.template.chain(*at))
+        return found
+
+
+class _Positions(object):
+
+    """A reused plan's ``consumers`` (slot -> its edges) or ``used_slots``
+    (node -> its slots), read from the template on demand: a pass asks
+    only about the few slots whose scale it needs."""
+
+    def __init__(self, table, order, index):
+        self._table, self._order, self._index = table, order, index
+
+    def get(self, key, default=None):
+        order = self._order
+        if isinstance(key, tuple):  # a slot
+            i = self._index.get(key[0])
+            found = None if i is None else self._table.get((i, key[1]))
+            if found is None:
+                return default
+            return [(order[c], e) for c, e in found]
+        i = self._index.get(key)
+        found = None if i is None else self._table.get(i)
+        return default if found is None else found
+
+    def __getitem__(self, key):
+        found = self.get(key)
+        if found is None:
+            raise KeyError(key)
+        return found

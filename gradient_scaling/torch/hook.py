@@ -10,6 +10,7 @@ recipes, rules and state machines as the Chainer adapter. Every private
 PyTorch touch is in :mod:`gradient_scaling.torch._internals`.
 """
 
+import contextlib
 import functools
 import warnings
 import weakref
@@ -21,6 +22,7 @@ from gradient_scaling.core import faults
 from gradient_scaling.core.controller import ControllerViews
 from gradient_scaling.torch import _internals as internals
 from gradient_scaling.torch import arrays as torch_arrays  # NOQA: registers
+from gradient_scaling.torch import graph
 from gradient_scaling.torch import unscaling
 from gradient_scaling.torch.backward_rules import BackwardPass
 
@@ -93,15 +95,18 @@ class GradientScaling(ControllerViews):
         self._names = {} if module is None else {
             p: name for name, p in module.named_parameters()}
         self._unnamed = {}  # parameters not the model's -> their names
+        self._site_names = {}  # (id(weight), part) -> (weight, site name)
         self._warned_compiled = False
-        #: The scale each parameter's (or leaf's) last gradient carried when
-        #: it landed (divided out before ``.grad`` saw it).
-        self.landed_scales = {}
+        self._landed = {}  # leaf -> scale, as of the passes flushed
+        self._landed_pending = []  # (leaf, scale) of passes ended since
         #: Check each gradient's finiteness as it lands (a 0-d witness,
         #: no host read), before anything averages it over ranks: set by
         #: the scaler under ``torch.distributed``, so that a rank's result
         #: is its own (one rank's NaN, all-reduced, is every rank's).
         self.check_on_landing = False
+        #: The plans of the last graphs walked, reused for a graph of the
+        #: same structure (:class:`~gradient_scaling.torch.graph.PlanCache`).
+        self.plans = graph.PlanCache()
         self._pass = None
         self._running = []  # passes whose backward runs now, innermost last
         self._bare = False  # active as ``with hook:``
@@ -111,11 +116,24 @@ class GradientScaling(ControllerViews):
         # graph's nested backward included); removed when the hook is
         # collected.
         self._landing = {}
+        handles = []
         for param in self._names:
             if param.requires_grad:
                 self._landing[param] = param.register_hook(
                     functools.partial(_land_weakly, weakref.ref(self), param))
-        weakref.finalize(self, _remove_all, list(self._landing.values()))
+                if param.numel() >= IN_PLACE_NUMEL:
+                    handles.append(param.register_post_accumulate_grad_hook(
+                        functools.partial(_unscale_weakly, weakref.ref(self))))
+        #: ``id`` of the large parameters whose gradient may be unscaled in
+        #: ``.grad`` as soon as it is accumulated (see :meth:`land`).
+        self.in_place_ids = frozenset(
+            id(p) for p in self._landing if p.numel() >= IN_PLACE_NUMEL)
+        self._deferred = {}  # id(param) -> the inverse of its scale
+        self._capturing = 0  # torch.autograd.grad calls running
+        #: ``id`` of the parameters with the hook's own landing hook.
+        self.landing_ids = frozenset(id(p) for p in self._landing)
+        weakref.finalize(self, _remove_all,
+                         list(self._landing.values()) + handles)
 
     # -- names -----------------------------------------------------------
 
@@ -143,8 +161,26 @@ class GradientScaling(ControllerViews):
     def site_name(self, weight, part=None):
         """A GEMM site's name: its weight's, with the part of the weight
         it multiplies by (``in_proj_weight[q]``) when it is a slice."""
+        key = (id(weight), part)
+        known = self._site_names.get(key)
+        if known is not None and known[0] is weight:
+            return known[1]  # (a parameter's hash is a Python call)
         name = self.parameter_name(weight)
-        return name if part is None else '{}[{}]'.format(name, part)
+        name = name if part is None else '{}[{}]'.format(name, part)
+        if len(self._site_names) > 4096:
+            self._site_names.clear()
+        self._site_names[key] = (weight, name)
+        return name
+
+    @property
+    def landed_scales(self):
+        """The scale each parameter's (or leaf's) last gradient carried
+        when it landed (divided out before ``.grad`` saw it): a dict."""
+        if self._landed_pending:  # (a tensor's hash is a Python call:
+            for landed in self._landed_pending:  # only when asked)
+                self._landed.update(landed)
+            self._landed_pending = []
+        return self._landed
 
     def scale_of(self, param):
         """The factor on ``param.grad``: 1, since gradients land unscaled
@@ -156,7 +192,7 @@ class GradientScaling(ControllerViews):
     def lands_itself(self, leaf):
         """Whether ``leaf`` has the hook's own landing hook (a parameter
         of the model); a pass hooks the other leaves of its graph."""
-        return leaf in self._landing
+        return id(leaf) in self.landing_ids
 
     def land(self, leaf, grad):
         """A leaf's gradient before it is accumulated: divided by the
@@ -167,10 +203,13 @@ class GradientScaling(ControllerViews):
                 gradient came through.
 
         """
-        if not self._running:
+        running = self._running
+        if not running:
             return None  # a backward the hook does not scale
-        for current in reversed(self._running):
-            if leaf in current.leaves:
+        key = id(leaf)
+        for current in reversed(running):
+            node = current.leaf_nodes.get(key)
+            if node is not None:
                 break
         else:
             raise RuntimeError(
@@ -185,10 +224,26 @@ class GradientScaling(ControllerViews):
                     self.parameter_name(leaf)))
         if current.nested and not self._lands_unscaled_in_nested(leaf):
             return None  # handed back to the outer pass with its scale
-        scale = current.landing_scale(leaf)
-        current.landed[leaf] = scale
+        scale = current.slot_scale(node, 0)
+        current.landed.append((leaf, scale))
+        if scale != 1.0 and key in self.in_place_ids and leaf.grad is None \
+                and not self._capturing and not self.check_on_landing and \
+                grad.dtype in _IN_PLACE and not grad.is_sparse and \
+                _NORMAL_FLOAT32[0] <= 1.0 / scale <= _NORMAL_FLOAT32[1] \
+                and not torch.is_grad_enabled() and \
+                internals.post_accumulate_hooks(leaf) == 1:
+            # A large gradient is unscaled in place once accumulated (a new
+            # tensor of its size costs a fresh allocation, page faults
+            # included, each step): the engine makes ``.grad`` this tensor
+            # or a copy, its own either way, and calls the parameter's
+            # post-accumulate hook, the hook's own and only one there,
+            # before anything else sees it (DistributedDataParallel's
+            # reducer, the next node).
+            self._deferred[key] = 1.0 / scale
+            return None
         if scale != 1.0:
-            grad = unscaled(grad, scale)
+            grad = unscaled(grad, scale) if grad.dtype in _LOW else \
+                torch_arrays.times_power_of_two(grad, 1.0 / scale)
         if self.check_on_landing:
             current.witnesses.append(
                 (leaf, arrays.ops_for(grad).finite_witness(grad)))
@@ -312,7 +367,8 @@ class GradientScaling(ControllerViews):
         from inside a running pass (a compiler tracing a compiled region's
         backward, a custom backward's own) runs as called."""
         if self._running or torch.compiler.is_compiling():
-            return original(outputs, inputs, *args, **kwargs)
+            with self._captured():
+                return original(outputs, inputs, *args, **kwargs)
         tensors = [inputs] if isinstance(inputs, torch.Tensor) \
             else list(inputs)
         inner = [t for t in tensors if t.grad_fn is not None]
@@ -330,18 +386,30 @@ class GradientScaling(ControllerViews):
         if not self._bare:
             self._root_at(outputs)
             try:
-                return original(outputs, inputs, *args, **kwargs)
+                with self._captured():
+                    return original(outputs, inputs, *args, **kwargs)
             except BaseException:
                 self.abort()
                 raise
         self.attach(outputs)
         try:
-            result = original(outputs, inputs, *args, **kwargs)
+            with self._captured():
+                result = original(outputs, inputs, *args, **kwargs)
         except BaseException:
             self.abort()
             raise
         self.finish_pass()
         return result
+
+    @contextlib.contextmanager
+    def _captured(self):
+        """While ``torch.autograd.grad`` runs: its gradients are returned,
+        not accumulated, so each lands unscaled at once."""
+        self._capturing += 1
+        try:
+            yield
+        finally:
+            self._capturing -= 1
 
     def _nested(self, outer, node, original, tensors, grad_tensors,
                 retain_graph, create_graph, inputs):
@@ -438,6 +506,7 @@ class GradientScaling(ControllerViews):
     def abort(self):
         """The backward pass raised: forget its step."""
         self._running = []
+        self._deferred.clear()
         if not self._bare:
             self._unpatch()
         if self._pass is not None:
@@ -462,7 +531,9 @@ class GradientScaling(ControllerViews):
             self.controller.abort_pass()
             return
         self._warn_compiled(current)
-        self.landed_scales.update(current.landed)
+        self._landed_pending.append(current.landed)
+        if len(self._landed_pending) > 64:
+            self.landed_scales  # NOQA: flushed now and then
         if self.check_on_landing:  # what landed here, before any average
             grads = current.witnesses
         else:
@@ -470,9 +541,8 @@ class GradientScaling(ControllerViews):
                      if p.grad is not None]
         # The gradients landed unscaled: one fused read checks them and the
         # losses (GradScaler's check, with nothing left to divide).
-        if unscaling.unscale([(g, 1.0) for _, g in grads], current.losses,
-                             check=True):
-            result = faults.PassResult()
+        if _all_finite([g for _, g in grads], current.losses):
+            result = faults.FINITE
         else:
             result = self._result(current, grads)
         if self.controller.end_pass(result):
@@ -516,6 +586,22 @@ class GradientScaling(ControllerViews):
         self.controller.load_state_dict(state)
 
 
+def _all_finite(tensors, losses):
+    """Whether every value of ``tensors`` and ``losses`` is finite:
+    GradScaler's fused check of them all (the losses copied: it works in
+    place, multiplying by 1) and one host read; where it refuses them
+    (several devices, a sparse gradient), :func:`~gradient_scaling.torch.
+    unscaling.unscale`'s check."""
+    checked = tensors + [t.reshape(-1).clone() for t in losses]
+    if checked:
+        try:
+            return internals.check_and_unscale(checked, 1.0).item() == 0
+        except (RuntimeError, NotImplementedError):
+            pass
+    return unscaling.unscale([(g, 1.0) for g in tensors], losses,
+                             check=True)
+
+
 def _free_routing():
     """Whether no hook holds ``torch.autograd.backward``'s routing, after
     taking it back from one whose scaler pass is attached but not running
@@ -555,18 +641,31 @@ def unscaled(grad, scale):
     inverse = 1.0 / scale
     if grad.dtype in (torch.float16, torch.bfloat16):
         return _times(grad.float(), inverse).to(grad.dtype)
-    if _NORMAL_FLOAT32[0] <= inverse <= _NORMAL_FLOAT32[1]:
-        return grad * inverse  # one exact multiplication
-    return _times(grad, inverse)
-
-
-# The powers of two that are normal float32 numbers: a multiplication by
-# one is exact wherever the product is normal.
-_NORMAL_FLOAT32 = (2.0 ** -126, 2.0 ** 127)
+    # One exact multiplication where the inverse is a normal float32.
+    return torch_arrays.times_power_of_two(grad, inverse)
 
 
 def _times(tensor, ratio):
     return arrays.ops_for(tensor).scaled(tensor, ratio)
+
+
+def _unscale_weakly(hook_ref, param):
+    """A large parameter's post-accumulate hook: ``.grad`` divided, in
+    place, by the scale its new gradient carried, where :meth:`~
+    GradientScaling.land` left that to it."""
+    hook = hook_ref()
+    if hook is not None and hook._deferred:
+        inverse = hook._deferred.pop(id(param), None)
+        if inverse is not None:
+            param.grad.mul_(torch_arrays.power_of_two(inverse,
+                                                      param.grad.dtype))
+
+
+#: Parameters of at least this many elements are unscaled in place.
+IN_PLACE_NUMEL = 2 ** 16
+_IN_PLACE = (torch.float32, torch.float64)
+_LOW = (torch.float16, torch.bfloat16)
+_NORMAL_FLOAT32 = (2.0 ** -126, 2.0 ** 127)
 
 
 def _land_weakly(hook_ref, param, grad):

@@ -5,7 +5,10 @@ The same cases as :mod:`benchmarking.cases` (Chainer): a case is a function
 loss of a freshly initialised model on random inputs drawn from ``rng`` (a
 ``numpy.random.Generator``). ResNet-50 and -101 are ChainerCV's
 ``arch='he'`` (the stride on the 3x3 convolution of a bottleneck);
-ResNet-18 and SegNetBasic are :mod:`torch_models`'.
+ResNet-18 and SegNetBasic are :mod:`torch_models`'. ``gpt`` is a
+nanoGPT-like decoder (:class:`GPT`): its ``size`` is the sequence length;
+``gpt`` is the framework-bound one (2 layers, width 32), ``gpt-256`` the
+compute-bound one (4 layers, width 256).
 """
 
 import numpy
@@ -13,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ['Classification', 'SmallCNN', 'ResNet', 'CASES']
+__all__ = ['Classification', 'SmallCNN', 'ResNet', 'GPT', 'CASES']
 
 
 class Classification(nn.Module):
@@ -98,6 +101,84 @@ class ResNet(nn.Module):
         return self.fc(self.layers(h).mean((2, 3)))
 
 
+class _CausalSelfAttention(nn.Module):
+
+    def __init__(self, n_embd, n_head):
+        super().__init__()
+        self.n_head = n_head
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.c_attn(x).split(c, dim=2)
+        q, k, v = (a.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
+                   for a in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+class _Block(nn.Module):
+
+    def __init__(self, n_embd, n_head):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd)
+        self.attn = _CausalSelfAttention(n_embd, n_head)
+        self.ln_2 = nn.LayerNorm(n_embd)
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd)
+        self.c_proj = nn.Linear(4 * n_embd, n_embd)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.c_proj(F.gelu(self.c_fc(self.ln_2(x))))
+
+
+class GPT(nn.Module):
+
+    """A nanoGPT-like decoder (Karpathy's ``model.py``: pre-LayerNorm
+    blocks, causal ``scaled_dot_product_attention``, GELU MLP, the
+    language-model head tied to the token embedding), returning the
+    next-token cross entropy of ``(idx, targets)``."""
+
+    def __init__(self, vocab_size=64, block_size=128, n_layer=2, n_head=2,
+                 n_embd=32):
+        super().__init__()
+        self.wte = nn.Embedding(vocab_size, n_embd)
+        self.wpe = nn.Embedding(block_size, n_embd)
+        self.blocks = nn.ModuleList(_Block(n_embd, n_head)
+                                    for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # weight tying, as nanoGPT
+
+    def forward(self, idx, targets):
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(positions)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]),
+                               targets.view(-1))
+
+
+def _tokens(rng, batch, length, vocab):
+    idx = rng.integers(0, vocab, (batch, length + 1))
+    return (torch.from_numpy(numpy.ascontiguousarray(idx[:, :-1])),
+            torch.from_numpy(numpy.ascontiguousarray(idx[:, 1:])))
+
+
+def gpt(batch, size, rng):
+    """The framework-bound GPT: 2 layers of width 32, 2 heads."""
+    return GPT(vocab_size=64, block_size=max(size, 8), n_layer=2,
+               n_head=2, n_embd=32), _tokens(rng, batch, size, 64)
+
+
+def gpt256(batch, size, rng):
+    """The compute-bound GPT: 4 layers of width 256, 4 heads."""
+    return GPT(vocab_size=512, block_size=max(size, 8), n_layer=4,
+               n_head=4, n_embd=256), _tokens(rng, batch, size, 512)
+
+
 def _batch(rng, batch, size, n_class, label_shape=()):
     x = rng.standard_normal((batch, 3) + size).astype(numpy.float32)
     t = rng.integers(0, n_class, (batch,) + label_shape)
@@ -132,4 +213,5 @@ def segnet(batch, size, rng):
 
 
 CASES = {'small_cnn': small_cnn, 'resnet18': resnet18, 'resnet50': resnet50,
-         'resnet101': resnet101, 'segnet': segnet}
+         'resnet101': resnet101, 'segnet': segnet, 'gpt': gpt,
+         'gpt-256': gpt256}

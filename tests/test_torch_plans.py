@@ -1,0 +1,269 @@
+"""Plans reused between backward passes (issue 35): a graph of the same
+structure reuses the plan of the last one walked; a graph that changes (a
+branch taken or not, another length where the walk read a shape, a frozen
+parameter) is walked afresh, and its gradients and scales are a fresh
+walk's."""
+
+import copy
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip('torch')
+
+import torch.nn as nn  # NOQA: after torch
+import torch.nn.functional as F  # NOQA
+
+from gradient_scaling.torch import GradientScaling  # NOQA
+from gradient_scaling.torch import graph  # NOQA
+
+from torch_nets import EveryConstructNet  # NOQA
+from torch_nets import every_construct_batch  # NOQA
+
+
+class Switchable(nn.Module):
+
+    """A classifier whose graph changes on request: a residual branch
+    taken or not; and logits ``b(h) + pooled(mean of the rows)``, whose
+    two operands have the same shape only for one row, so that the
+    softmax gradient reaches ``pooled``'s GEMM (a second cast site) only
+    then: the same structure, another plan."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.extra = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 5)
+        self.pooled = nn.Linear(4, 5)
+
+    def forward(self, x, t, branch=True):
+        h = torch.tanh(self.a(x))
+        if branch:
+            h = h + self.extra(torch.relu(h))
+        logits = self.b(h) + self.pooled(x.mean(0, keepdim=True))
+        return F.cross_entropy(logits, t) * 2.0 ** -24
+
+
+def _batch(rows, seed=0):
+    rng = np.random.default_rng(seed)
+    return (torch.from_numpy(rng.standard_normal((rows, 4))),
+            torch.from_numpy(rng.integers(0, 5, rows)))
+
+
+def _same_plan(a, b):
+    """Two plans of one graph are equal (every field, nodes by identity)."""
+    def sites(plan):
+        return {n: (s.weight, s.data, s.parameters, s.weight_edge, s.part,
+                    s.weight_index, s.edges) for n, s in plan.gemms.items()}
+    assert a.roots == b.roots
+    assert sites(a) == sites(b)
+    assert a.casts == b.casts and a.softmax_gemms == b.softmax_gemms
+    assert a.multi_output == b.multi_output
+    assert a.accumulators == b.accumulators
+    assert a.compiled == b.compiled
+    assert a.softmax_gradients == b.softmax_gradients
+    assert a.branches == b.branches
+    for (node, k), edges in b.consumers.items():
+        assert a.consumers.get((node, k)) == edges
+    for node, slots in b.used_slots.items():
+        assert a.used_slots.get(node) == slots
+
+
+def test_a_reused_plan_is_the_walk_of_the_new_graph():
+    torch.manual_seed(0)
+    net = EveryConstructNet().double()
+    _, _, x, t = every_construct_batch(np.random.default_rng(0))
+    cache = graph.PlanCache()
+    first = net(x, t).grad_fn
+    cache.plan([first])
+    assert (cache.reused, cache.walked) == (0, 1)
+    for _ in range(2):  # a new graph of the same structure each time
+        root = net(x, t).grad_fn
+        reused = cache.plan([root])
+        _same_plan(reused, graph.walk([root]))
+    assert (cache.reused, cache.walked) == (2, 1)
+    # What a pass asks of the plan: every slot's scale is found where a
+    # fresh walk's plan would find it.
+    assert reused.scale_checks is not None and \
+        graph.walk([root]).scale_checks is None
+
+
+def test_the_same_structure_with_another_shape_read_is_walked_again():
+    torch.manual_seed(0)
+    net = Switchable().double()
+    cache = graph.PlanCache()
+    plans = {}
+    for rows in (3, 1, 3, 1):
+        root = net(*_batch(rows)).grad_fn
+        before = cache.walked
+        plan = cache.plan([root])
+        _same_plan(plan, graph.walk([root]))
+        plans[rows] = (plan, cache.walked - before)
+    # One row: the pooled GEMM takes the softmax gradient too (a second
+    # cast site), with a structure equal to three rows'.
+    assert len(plans[1][0].softmax_gemms) == 2
+    assert len(plans[3][0].softmax_gemms) == 1
+    assert plans[1][1] == plans[3][1] == 1  # walked, not the stale plan
+
+
+def _steps():
+    """(branch, rows, frozen parameter) of each step: the structure
+    changes, comes back, and a parameter is frozen then thawed."""
+    return [(True, 3, None), (True, 3, None), (False, 3, None),
+            (False, 3, None), (True, 1, None), (True, 3, None),
+            (True, 3, 'extra.weight'), (True, 3, 'extra.weight'),
+            (True, 3, None), (False, 1, None), (True, 3, None)]
+
+
+@pytest.mark.parametrize('interval', [1, 100])
+def test_changing_graphs_keep_exact_gradients_and_fresh_walk_scales(
+        interval):
+    torch.manual_seed(0)
+    plain = Switchable().double()
+    nets = {kind: copy.deepcopy(plain) for kind in ('reused', 'walked')}
+    hooks = {kind: GradientScaling(net, update_interval=interval)
+             for kind, net in nets.items()}
+    hooks['walked'].plans = graph.PlanCache(size=0)  # walks every pass
+    for branch, rows, frozen in _steps():
+        x, t = _batch(rows)
+        grads = {}
+        for kind, net in dict(nets, plain=plain).items():
+            for name, p in net.named_parameters():
+                p.requires_grad_(name != frozen)
+            net.zero_grad(set_to_none=True)
+            if kind == 'plain':
+                net(x, t, branch).backward()
+            else:
+                with hooks[kind]:
+                    net(x, t, branch).backward()
+                assert hooks[kind].last_result.finite
+            grads[kind] = {n: p.grad for n, p in net.named_parameters()}
+        for name, expected in grads['plain'].items():
+            for kind in ('reused', 'walked'):
+                actual = grads[kind][name]
+                assert (actual is None) == (expected is None), name
+                if expected is not None:  # 0 relative error
+                    assert torch.equal(actual, expected), (name, kind)
+        landed = [{n: hooks[k].landed_scales.get(p)
+                   for n, p in nets[k].named_parameters()}
+                  for k in ('reused', 'walked')]
+        assert landed[0] == landed[1]
+        assert max(s for s in landed[0].values() if s) >= 2 ** 10
+        assert hooks['reused'].table.scales == hooks['walked'].table.scales
+        assert [(r.name, r.local_scale) for r in hooks['reused'].report()] \
+            == [(r.name, r.local_scale) for r in hooks['walked'].report()]
+    plans = hooks['reused'].plans
+    assert plans.reused >= 4 and plans.walked >= 6
+    assert hooks['walked'].plans.reused == 0
+
+
+def test_a_frozen_parameter_changes_the_structure():
+    torch.manual_seed(0)
+    net = Switchable().double()
+    x, t = _batch(3)
+    first = graph.structure([net(x, t).grad_fn])[2]
+    assert graph.structure([net(x, t).grad_fn])[2] == first
+    net.extra.weight.requires_grad_(False)
+    assert graph.structure([net(x, t).grad_fn])[2] != first
+    net.extra.weight.requires_grad_(True)
+    other = copy.deepcopy(net)  # the same graph on other parameters
+    assert graph.structure([other(x, t).grad_fn])[2] != first
+
+
+# -- large gradients unscaled in place (issue 35) ---------------------------
+
+
+class Wide(nn.Module):
+
+    """A classifier with a weight of 2**16 elements: its gradient lands
+    unscaled in place, in ``.grad``, once accumulated."""
+
+    def __init__(self):
+        super().__init__()
+        self.wide = nn.Linear(256, 256)
+        self.out = nn.Linear(256, 5)
+
+    def forward(self, x, t):
+        return F.cross_entropy(self.out(torch.tanh(self.wide(x))), t) \
+            * 2.0 ** -24
+
+
+def _wide_batch():
+    rng = np.random.default_rng(0)
+    return (torch.from_numpy(rng.standard_normal((3, 256))),
+            torch.from_numpy(rng.integers(0, 5, 3)))
+
+
+@pytest.mark.parametrize('interval', [1, 100])
+def test_a_large_gradient_unscaled_in_place_is_exact(interval):
+    from gradient_scaling.torch import hook as hook_module
+    torch.manual_seed(0)
+    plain = Wide().double()
+    net = copy.deepcopy(plain)
+    assert net.wide.weight.numel() >= hook_module.IN_PLACE_NUMEL
+    hook = GradientScaling(net, update_interval=interval)
+    assert hook.in_place_ids == {id(net.wide.weight)}
+    x, t = _wide_batch()
+    for passes in (1, 2, 2):  # a pass, then two accumulated into .grad
+        plain.zero_grad(set_to_none=True)
+        net.zero_grad(set_to_none=True)
+        for _ in range(passes):
+            plain(x, t).backward()
+            with hook:
+                net(x, t).backward()
+        for (name, p), q in zip(net.named_parameters(), plain.parameters()):
+            assert torch.equal(p.grad, q.grad), (name, passes)
+        assert hook.landed_scales[net.wide.weight] >= 2 ** 10
+        assert not hook._deferred
+    # torch.autograd.grad returns the gradient (nothing is accumulated):
+    # it is unscaled at once.
+    expected = torch.autograd.grad(plain(x, t), [plain.wide.weight])
+    with hook:
+        actual = torch.autograd.grad(net(x, t), [net.wide.weight])
+    assert torch.equal(actual[0], expected[0]) and not hook._deferred
+
+
+# -- statistics read at once (issue 35) -------------------------------------
+
+
+@pytest.mark.parametrize('case', ['normal', 'offset', 'huge', 'tiny',
+                                  'subnormal', 'zeros', 'inf', 'nan', 'one'])
+def test_small_float32_spread_at_once_is_the_two_read_spread(case):
+    from gradient_scaling.torch import arrays as torch_arrays
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(4099).astype(np.float32)
+    x = {'normal': x, 'offset': 1e4 + x, 'huge': x * 2.0 ** 100,
+         'tiny': x * 2.0 ** -100, 'subnormal': x * 2.0 ** -140,
+         'zeros': x * 0, 'inf': np.where(x > 2, np.inf, x),
+         'nan': np.where(x > 2, np.nan, x), 'one': x[:1]}[case]
+    flat = torch.from_numpy(np.ascontiguousarray(x, np.float32))
+    at_once = torch_arrays._small_spread_and_max(flat)
+    two_reads = torch_arrays._spread_and_max(flat)
+    assert at_once == two_reads or (
+        np.isnan(at_once[0]) and np.isnan(two_reads[0]) and
+        (at_once[1] == two_reads[1] or np.isnan(at_once[1])))
+    assert torch_arrays.TORCH_OPS.spread_and_max(flat) == at_once or \
+        np.isnan(at_once[0])
+
+
+@pytest.mark.parametrize('before', [True, False])
+def test_other_post_accumulate_hooks_see_the_true_gradient(before):
+    torch.manual_seed(0)
+    plain = Wide().double()
+    net = copy.deepcopy(plain)
+    x, t = _wide_batch()
+    seen = []
+
+    def user_hook(param):  # (an optimizer step in backward reads .grad)
+        seen.append(param.grad.clone())
+    if before:
+        net.wide.weight.register_post_accumulate_grad_hook(user_hook)
+    hook = GradientScaling(net)
+    if not before:
+        net.wide.weight.register_post_accumulate_grad_hook(user_hook)
+    plain(x, t).backward()
+    with hook:
+        net(x, t).backward()
+    assert hook.landed_scales[net.wide.weight] >= 2 ** 10
+    assert torch.equal(seen[0], plain.wide.weight.grad)
+    assert torch.equal(net.wide.weight.grad, plain.wide.weight.grad)
