@@ -5,17 +5,24 @@ Subcommands (each resumable: an existing result is kept unless --force)::
     python scripts/reproduce.py model      # claim 1: the statistical model
     python scripts/reproduce.py figure2    # Figure 2: GS scale per SSD layer
     python scripts/reproduce.py segnet     # Figure 3b and the cast claim
+    python scripts/reproduce.py figure3b-long  # Figure 3b, 2000 iterations:
+                                               # does the cap bind?
     python scripts/reproduce.py s2fp8      # S2FP8 Table 1 shape, ResNet-20
     python scripts/reproduce.py detection  # Table 2 / Figure 1 shape, SSD
     python scripts/reproduce.py classification  # Table 1 shape, ResNet-18
     python scripts/reproduce.py segmentation    # Table 3 shape, SegNet
+    python scripts/reproduce.py residual   # Table 1: lost with/without skips
     python scripts/reproduce.py block-scaling   # GS against MXFP8, NVFP4...
     python scripts/reproduce.py segnet-frameworks  # Chainer and PyTorch
     python scripts/reproduce.py ssd-backbone  # Table 2's mechanism: scales
                                               # of backbone and heads
+    python scripts/reproduce.py table2-mechanism  # Table 2 from a
+                                                  # pretrained backbone
     python scripts/reproduce.py verdicts   # the 2-SE verdicts, from results/
     python scripts/reproduce.py all        # every subcommand in turn
     python scripts/reproduce.py --check    # is every results/ file fresh?
+    python scripts/reproduce.py --check --verify [study ...]
+        # stale files: same bits by fingerprint with the code then and now?
 
 Several subcommands may be given at once; the training studies (s2fp8,
 detection, ...) then share one queue of runs (``--jobs`` at a time, seed
@@ -46,13 +53,17 @@ from studies.common import log
 from studies.common import ROOT
 from studies import block_scaling
 from studies import figure2
+from studies import figure3b_long
+from studies import fingerprint
 from studies import model_fit
 from studies import provenance
 from studies import recording
+from studies import residual
 from studies import s2fp8
 from studies import segnet
 from studies import segnet_frameworks
 from studies import ssd_backbone
+from studies import table2_mechanism
 from studies import training
 from studies import verdicts
 
@@ -60,11 +71,14 @@ from studies import verdicts
 # block-scaling and segnet-frameworks train their runs themselves (several
 # tasks or frameworks, one table).
 SINGLE_STUDIES = collections.OrderedDict(
-    (m.NAME, m) for m in (figure2, model_fit, segnet, block_scaling,
-                          segnet_frameworks, ssd_backbone, verdicts))
+    (m.NAME, m) for m in (figure2, model_fit, segnet, figure3b_long,
+                          block_scaling,
+                          segnet_frameworks, ssd_backbone,
+                          table2_mechanism, verdicts))
 # Studies of training runs of the example scripts.
 TRAINING_STUDIES = collections.OrderedDict(
-    list(training.STUDIES.items()) + [(s2fp8.STUDY.name, s2fp8.STUDY)])
+    list(training.STUDIES.items()) + [(s2fp8.STUDY.name, s2fp8.STUDY),
+                                      (residual.STUDY.name, residual.STUDY)])
 
 
 def parse_args(argv):
@@ -81,12 +95,23 @@ def parse_args(argv):
                         'stale (their study\'s code changed since the '
                         'recorded commit) or have no provenance, exit 1 if '
                         'any')
+    parser.add_argument('--verify', action='store_true',
+                        help='with --check: for each stale file of the '
+                        'given studies (all if none), compare a short '
+                        'deterministic run (fingerprint) with the code of '
+                        'its recorded commit and with the code now; equal: '
+                        'recorded as fresh by fingerprint '
+                        '(studies/fingerprint.py); minutes per study')
+    parser.add_argument('--fingerprints-dir', default=None,
+                        help='with --verify: keep each fingerprint\'s '
+                        'material (JSON) here')
     parser.add_argument('--out', default=os.path.join(ROOT, 'results'))
     parser.add_argument('--force', action='store_true',
                         help='recompute results that exist already')
     model_fit.add_arguments(parser.add_argument_group('model'))
     figure2.add_arguments(parser.add_argument_group('figure2'))
     segnet.add_arguments(parser.add_argument_group('segnet'))
+    figure3b_long.add_arguments(parser.add_argument_group('figure3b-long'))
     block_scaling.add_arguments(parser.add_argument_group('block-scaling'))
     ssd_backbone.add_arguments(parser.add_argument_group('ssd-backbone'))
     recording.add_arguments(parser.add_argument_group('figure2, segnet'))
@@ -94,14 +119,22 @@ def parse_args(argv):
         'training studies ({})'.format(', '.join(
             list(TRAINING_STUDIES) + [block_scaling.NAME,
                                       segnet_frameworks.NAME,
-                                      ssd_backbone.NAME]))))
+                                      ssd_backbone.NAME,
+                                      table2_mechanism.NAME]))))
     args = parser.parse_args(argv)
     if not args.command and not args.check:
         parser.error('give a study (or all), or --check')
-    unknown = [c for c in args.command if c not in choices]
+    unknown = [c for c in args.command if c not in choices
+               and not args.check]
     if unknown:
         parser.error('unknown study {}; choose from {}'.format(
             ', '.join(unknown), ', '.join(choices)))
+    if args.verify and not args.check:
+        parser.error('--verify goes with --check')
+    unknown = [c for c in args.command if c not in provenance.SOURCES] \
+        if args.check else []
+    if unknown:
+        parser.error('no such study: ' + ', '.join(unknown))
     if args.jobs < 1:
         parser.error('--jobs must be >= 1')
     return args
@@ -117,6 +150,7 @@ def run_single(study, args, command):
         return
     start = time.time()
     log('{}: start'.format(study.NAME))
+    args.command_line = command
     records = study.run(args)
     entry = (provenance.for_runs(study.NAME, command, records)
              if records else provenance.current(study.NAME, command))
@@ -135,7 +169,11 @@ def check(results_dir):
                 if os.path.isfile(os.path.join(results_dir, name))
                 and name != provenance.MANIFEST
                 and not any(re.fullmatch(p, name) for p in NOT_CHECKED))
-    print('\n'.join(provenance.check_lines(problems, total)))
+    verified = provenance.fresh_by_fingerprint(results_dir)
+    lines = provenance.check_lines(problems, total)
+    lines[-1:-1] = ['{}: fresh by fingerprint ({})'.format(
+        name, provenance.verified_text(v)) for name, v in verified.items()]
+    print('\n'.join(lines))
     return 1 if problems else 0
 
 
@@ -143,6 +181,9 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if args.check:
+        if args.verify:
+            fingerprint.verify_stale(args.out, args.command or None,
+                                     keep=args.fingerprints_dir)
         return check(args.out)
     os.makedirs(args.out, exist_ok=True)
     command_line = 'python scripts/reproduce.py ' + shlex.join(argv)

@@ -456,3 +456,211 @@ def test_results_verdicts_are_todays(studies, tmp_path):
     written = path.read_text().splitlines()
     assert [line for line in recorded if line] == [
         line for line in written if line]
+
+
+# Fingerprints: a stale file whose code changed without changing the bits
+# of a short run of its study is fresh by fingerprint (reproduce.py
+# --check --verify); one whose bits changed stays stale.
+
+_TOY_REPRODUCE = '''
+import argparse, json, os, time
+from lib.a import loss
+parser = argparse.ArgumentParser()
+parser.add_argument('study')
+parser.add_argument('--out')
+parser.add_argument('--runs-dir')
+args = parser.parse_args()
+run = os.path.join(args.runs_dir, args.study, 'gs-b8-s0')
+os.makedirs(run)
+with open(os.path.join(run, 'log'), 'w') as f:
+    json.dump([{'iteration': i, 'main/loss': loss(i),
+                'elapsed_time': time.time()} for i in range(3)], f)
+with open(os.path.join(run, 'scales.csv'), 'w') as f:
+    f.write('iteration,local_scale,seconds\\n0,{},{}\\n'.format(
+        2.0 ** -loss(0), time.time()))
+'''
+
+
+def test_fingerprint_verifies_only_unchanged_bits(studies, tmp_path,
+                                                  monkeypatch):
+    provenance = pytest.importorskip('studies.provenance')
+    fingerprint = pytest.importorskip('studies.fingerprint')
+    monkeypatch.setitem(provenance.SOURCES, 'toy', ['lib'])
+    monkeypatch.setitem(fingerprint.REDUCED, 'toy', [])
+    repo = tmp_path / 'repo'
+    for folder in ('lib', 'scripts', 'results'):
+        (repo / folder).mkdir(parents=True)
+    (repo / 'scripts' / 'reproduce.py').write_text(_TOY_REPRODUCE)
+    (repo / 'lib' / 'a.py').write_text(
+        'def loss(i):\n    return 1.0 / (i + 1)\n')
+    _git(repo, 'init', '-q')
+    _git(repo, 'add', 'lib', 'scripts')
+    _git(repo, 'commit', '-qm', 'one')
+    results = str(repo / 'results')
+    (repo / 'results' / 'toy.md').write_text('# Toy\n\nrows\n')
+    (repo / 'results' / 'toy.csv').write_text('a\n1\n')
+    entry = provenance.current('toy', 'python scripts/reproduce.py toy',
+                               str(repo))
+    provenance.record_entry(results, entry, ['toy.md', 'toy.csv'])
+    one = entry['commit']
+    # Two runs of the same code: the same fingerprint (clock times
+    # dropped), of exactly the losses.
+    first = fingerprint.compute('toy', str(repo))
+    second = fingerprint.compute('toy', str(repo))
+    assert first[0] is not None, first[2]
+    assert first[0] == second[0]
+    assert first[1]['runs/toy/gs-b8-s0/log'] == [
+        {'iteration': 0, 'main/loss': 1.0},
+        {'iteration': 1, 'main/loss': 0.5},
+        {'iteration': 2, 'main/loss': 1.0 / 3}]
+    assert first[1]['runs/toy/gs-b8-s0/scales.csv'] == [
+        ['iteration', 'local_scale'], ['0', '0.5']]
+    # A refactoring that gives the same bits: stale by the sources,
+    # fresh by fingerprint, recorded; `--check` accepts it.
+    (repo / 'lib' / 'a.py').write_text(
+        'def loss(i):\n    """Refactored."""\n    return 1 / (1.0 + i)\n')
+    _git(repo, 'commit', '-qam', 'two')
+    assert sorted(provenance.check(results, str(repo))) == [
+        'toy.csv', 'toy.md']
+    outcome = fingerprint.verify(results, ['toy'], str(repo),
+                                 report=lambda *a: None)
+    assert outcome['toy.md'] == (True, 'verified equivalent at {} by '
+                                 'fingerprint {}'.format(one[:12],
+                                                         first[0][:16]))
+    assert provenance.check(results, str(repo)) == {}
+    assert list(provenance.fresh_by_fingerprint(results, str(repo))) == [
+        'toy.csv', 'toy.md']
+    record = provenance.load(results)['toy.md']['verified']
+    assert record['commit'] == one and record['fingerprint'] == first[0]
+    assert 'verified equivalent at {} by fingerprint {}'.format(
+        one[:12], first[0][:16]) in (repo / 'results' / 'toy.md').read_text()
+    # The temporary worktree is gone.
+    listed = subprocess.run(['git', 'worktree', 'list'], cwd=repo,
+                            capture_output=True, text=True).stdout
+    assert len(listed.splitlines()) == 1
+    # The record counts only for the sources it verified: any further
+    # change makes the files stale again until verified again.
+    (repo / 'lib' / 'a.py').write_text(
+        'def loss(i):\n    return 1.0 / (i + 1) + 1e-12\n')
+    assert sorted(provenance.check(results, str(repo))) == [
+        'toy.csv', 'toy.md']
+    outcome = fingerprint.verify(results, ['toy'], str(repo),
+                                 report=lambda *a: None)
+    ok, reason = outcome['toy.md']
+    assert not ok
+    assert reason.startswith('changed: fingerprint {} then'.format(
+        first[0][:16]))
+    assert "main/loss 1.0 -> 1.000000000001" in reason
+    assert sorted(provenance.check(results, str(repo))) == [
+        'toy.csv', 'toy.md']
+    # A commit whose code does not run here: stale, with the reason.
+    (repo / 'lib' / 'a.py').write_text(
+        'def loss(i):\n    return 1.0 / (i + 1)\n')
+    _git(repo, 'commit', '-qam', 'three')
+    (repo / 'scripts' / 'reproduce.py').write_text(
+        'raise SystemExit("no such option")\n')
+    _git(repo, 'commit', '-qam', 'four: an old script that fails')
+    entry = provenance.current('toy', 'python scripts/reproduce.py toy',
+                               str(repo))
+    provenance.record_entry(results, entry, ['toy.csv'])
+    (repo / 'scripts' / 'reproduce.py').write_text(_TOY_REPRODUCE)
+    (repo / 'lib' / 'a.py').write_text(
+        'def loss(i):\n    return 1.0 / (1 + i)\n')
+    _git(repo, 'commit', '-qam', 'five')
+    outcome = fingerprint.verify(results, ['toy'], str(repo),
+                                 report=lambda *a: None)
+    ok, reason = outcome['toy.csv']
+    assert not ok
+    assert reason.startswith('the code of {} does not run here (exit '
+                             'status 1'.format(entry['commit'][:12]))
+
+
+def test_every_study_has_a_fingerprint(studies):
+    provenance = pytest.importorskip('studies.provenance')
+    fingerprint = pytest.importorskip('studies.fingerprint')
+    # verdicts trains nothing (made from the other results); the runs of
+    # segnet-frameworks take no --run-args: no short version of it.
+    assert set(provenance.SOURCES) - set(fingerprint.REDUCED) == {
+        'verdicts', 'segnet-frameworks'}
+    assert '--iteration 3' in ' '.join(fingerprint.REDUCED['detection'])
+
+
+def test_figure3b_long_says_whether_the_cap_binds(studies):
+    long = pytest.importorskip('studies.figure3b_long')
+    rows = [{'site': 'conv4', 'kind': 'gemm', 'iteration': '0',
+             'local_scale': '1.0'},
+            {'site': 'cast#0', 'kind': 'cast', 'iteration': '0',
+             'local_scale': '512.0'},
+            {'site': 'conv4', 'kind': 'gemm', 'iteration': '10',
+             'local_scale': '0.25'},
+            {'site': 'cast#0', 'kind': 'cast', 'iteration': '10',
+             'local_scale': '2048.0'},
+            {'site': 'cast#0', 'kind': 'cast', 'iteration': '20',
+             'local_scale': '1024.0'}]
+    assert long.cap_statement(rows, 30) == (
+        'The overflow cap binds: 1 refresh(es) give a local scale below 1, '
+        'first at iteration 10 (conv4, 2^-2); sites: conv4. The cast scale '
+        'goes from 2^9 to 2^10 (peak 2^11 at iteration 10; 1 of 2 '
+        'refreshes lower it).')
+    rows[2]['local_scale'] = '2.0'
+    assert long.cap_statement(rows, 30).startswith(
+        'The overflow cap does not bind within 30 iterations: no site\'s '
+        'local scale goes below 1 (minimum over all sites and refreshes '
+        '2^0).')
+
+
+def test_residual_train_drops_only_the_shortcut():
+    import numpy as np
+    from chainer_links import resnet
+    residual_train = load_script('residual_train')
+    block = resnet.BasicBlock(4, 4)
+    x = np.random.RandomState(0).randn(2, 4, 6, 6).astype(np.float32)
+    import chainer
+    import chainer.functions as F
+    with chainer.using_config('train', False):
+        plain = residual_train.plain_forward(block, x).array
+        h = block.conv2(block.conv1(x)).array
+        with_skip = block(x).array
+    np.testing.assert_array_equal(plain, F.relu(h).array)
+    np.testing.assert_array_equal(with_skip, F.relu(h + x).array)
+    assert np.abs(plain - with_skip).max() > 0.1
+    residual = pytest.importorskip('studies.residual')
+    names = [v.name for v in residual.STUDY.variants]
+    assert names == ['FP16, skips', 'FP16, no skips', 'E5M2, skips',
+                     'E5M2, no skips']
+    assert [('--no-skips' in v.args) for v in residual.STUDY.variants] == [
+        False, True, False, True]
+    assert residual.STUDY.script == 'scripts/residual_train.py'
+
+
+def test_verdicts_compare_lost_fractions_too(studies, tmp_path):
+    verdicts = pytest.importorskip('studies.verdicts')
+    path = tmp_path / 'residual_runs.csv'
+    lines = ['study,variant,batchsize,seed,metric,underflow']
+    for seed, (skips, plain) in enumerate([(0.01, 0.05), (0.02, 0.07),
+                                           (0.01, 0.06)]):
+        lines.append('residual,"FP16, skips",32,{},0.5,{}'.format(
+            seed, skips))
+        lines.append('residual,"FP16, no skips",32,{},0.4,{}'.format(
+            seed, plain))
+    path.write_text('\n'.join(lines) + '\n')
+    rows = verdicts.compute(str(tmp_path))
+    lost = [r for r in rows if 'lost' in r[0]]
+    accuracy = [r for r in rows if 'accuracy' in r[0]]
+    (label, a, b, v), = lost
+    assert (a, b) == ('FP16, no skips', 'FP16, skips')
+    assert v.difference == pytest.approx(0.0466666667)
+    assert v.within is False and v.all_above
+    (_, _, _, w), = accuracy
+    assert w.difference == pytest.approx(-0.1) and w.all_below
+
+
+def test_table2_mechanism_starts_every_variant_from_the_backbone(studies):
+    table2 = pytest.importorskip('studies.table2_mechanism')
+    study = table2.study('b.npz', (8, 32))
+    assert [v.name for v in study.variants] == [
+        'FP32', 'Fixed-LS (128)', 'Dyn-LS (interval 1000)', 'GS']
+    assert all(v.args[-2:] == ['--pretrained-model', 'b.npz']
+               for v in study.variants)
+    assert study.precision == 'sim-fp8-e5m2' and study.batchsizes == [8, 32]
+    assert '--lr' in study.common and study.script == 'examples/ssd/train.py'

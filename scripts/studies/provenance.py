@@ -13,7 +13,11 @@ results file whether it is *fresh*: its study's sources are the same now
 as when it was made, i.e. ``git diff --quiet <commit> -- <sources>``
 succeeds, or (for a file made from uncommitted code) the digest of the
 sources now equals the recorded one.  A file with no record, or whose
-sources changed, is reported; the check fails then.
+sources changed, is reported; the check fails then, unless a fingerprint
+record (``verified``, written by ``reproduce.py --check --verify``:
+:mod:`studies.fingerprint`) says that a short run of the study gives the
+same bits with the code of the recorded commit and with the code now; it
+counts only for the digest of the sources it verified.
 
 Files made before this module existed carry a record *reconstructed*
 from git (``recorded_afterwards``): the commit is the one that last
@@ -59,12 +63,17 @@ SOURCES = collections.OrderedDict([
                             'scripts/studies/recording.py']),
     ('segnet', _CHAINER + ['scripts/studies/segnet.py',
                            'scripts/studies/recording.py']),
+    ('figure3b-long', _CHAINER + ['scripts/studies/segnet.py',
+                                  'scripts/studies/figure3b_long.py',
+                                  'scripts/studies/recording.py']),
     ('detection', _TRAINING + ['examples/ssd']),
     ('detection-fp8', _TRAINING + ['examples/ssd']),
     ('classification', _TRAINING + ['examples/classification']),
     ('segmentation', _TRAINING + ['examples/segnet']),
     ('segmentation-paper-loss', _TRAINING + ['examples/segnet']),
     ('s2fp8', _TRAINING + ['examples/cifar', 'scripts/studies/s2fp8.py']),
+    ('residual', _TRAINING + ['examples/cifar', 'scripts/residual_train.py',
+                              'scripts/studies/residual.py']),
     ('block-scaling', _TRAINING + [
         'examples/ssd', 'examples/segnet', 'examples/cifar',
         'scripts/studies/block_scaling.py']),
@@ -75,6 +84,9 @@ SOURCES = collections.OrderedDict([
                           'scripts/demo_settings.py']),
     ('ssd-backbone', _TRAINING + ['examples/ssd',
                                   'scripts/studies/ssd_backbone.py']),
+    ('table2-mechanism', _TRAINING + [
+        'examples/ssd', 'scripts/studies/ssd_backbone.py',
+        'scripts/studies/table2_mechanism.py']),
     ('verdicts', ['scripts/studies/verdicts.py']),
 ])
 
@@ -89,6 +101,8 @@ PRODUCTS = collections.OrderedDict([
     ('figure2', ['figure2.md', 'figure2.csv', 'figure2.png']),
     ('segnet', ['segnet_cast_underflow.md', 'segnet_cast_underflow.csv',
                 'figure3b.csv', 'figure3b.png']),
+    ('figure3b-long', ['figure3b_long.md', 'figure3b_long.png',
+                       'figure3b_long_cast.csv', 'figure3b_long.csv']),
     ('detection', _training_products('detection')),
     ('detection-fp8', _training_products('detection-fp8')),
     ('classification', _training_products('classification')),
@@ -96,6 +110,7 @@ PRODUCTS = collections.OrderedDict([
     ('segmentation-paper-loss',
      _training_products('segmentation-paper-loss')),
     ('s2fp8', _training_products('s2fp8')),
+    ('residual', _training_products('residual')),
     ('block-scaling', ['block_scaling.md', 'block_scaling.csv',
                        'block_scaling.png', 'block_scaling_runs.csv',
                        'block_scaling_sites.csv']),
@@ -106,6 +121,7 @@ PRODUCTS = collections.OrderedDict([
     ('demo', ['demo.md']),
     ('ssd-backbone', ['ssd_backbone.md', 'ssd_backbone.png',
                       'ssd_backbone.csv']),
+    ('table2-mechanism', _training_products('table2-mechanism')),
     ('verdicts', ['verdicts.md']),
 ])
 
@@ -182,7 +198,22 @@ def provenance_line(entry):
             'runs trained ' + entry['runs_trained']
             if entry.get('runs_trained') else '',
             'recorded afterwards: ' + entry.get('note', '')
-            if entry.get('recorded_afterwards') else '') if text))
+            if entry.get('recorded_afterwards') else '',
+            verified_text(entry['verified'])
+            if entry.get('verified') else '') if text))
+
+
+def verified_text(verified):
+    """``verified equivalent at <commit> by fingerprint <hash>, the code
+    of <head> (+ uncommitted changes), <date>``: a fingerprint record
+    (:mod:`studies.fingerprint`)."""
+    return ('verified equivalent at {} by fingerprint {}: the code of {}{}, '
+            '{}'.format(verified['commit'][:12],
+                        verified['fingerprint'][:16],
+                        verified['head'][:12],
+                        ' + uncommitted changes'
+                        if verified.get('uncommitted') else '',
+                        verified['date']))
 
 
 def stamp_markdown(path, entry):
@@ -282,10 +313,36 @@ def check(results_dir, repo=ROOT, ignore=()):
             problems[name] = 'record lacks ' + ', '.join(missing)
             continue
         changed = _changed(entry, repo)
+        if changed and _verified(entry, repo):
+            continue  # fresh by fingerprint, for these very sources
         if changed:
             problems[name] = 'stale: {} changed since commit {} ({})'.format(
                 _shorten(changed), entry['commit'][:12], entry['date'])
     return problems
+
+
+def _verified(entry, repo):
+    """Whether a fingerprint record (``verified``) vouches for ``entry``
+    with the study's sources as they are now: it counts only for the
+    digest of the sources it verified."""
+    verified = entry.get('verified')
+    if not verified or not verified.get('digest'):
+        return False
+    paths = SOURCES.get(entry.get('study')) or entry['sources']
+    return verified['digest'] == sources_digest(paths, repo)
+
+
+def fresh_by_fingerprint(results_dir, repo=ROOT):
+    """``{file: record}`` of the files that are fresh only by a
+    fingerprint record (their sources differ from their commit's)."""
+    manifest = load(results_dir)
+    out = collections.OrderedDict()
+    for name, entry in sorted(manifest.items()):
+        if entry.get('verified') and os.path.exists(
+                os.path.join(results_dir, name)) and \
+                _verified(entry, repo) and _changed(entry, repo):
+            out[name] = entry['verified']
+    return out
 
 
 def _shorten(paths, n=4):

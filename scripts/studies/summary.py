@@ -7,6 +7,7 @@ trains.
 import collections
 import math
 import os
+import re
 
 import numpy as np
 
@@ -133,11 +134,16 @@ def _description(study, records, command, runs_dir, wall):
     if real:
         lines += ['Data: {} (as the runs\' start lines say).'.format(
             ', '.join(real)), '']
+    jobs = re.search(r'--jobs[ =](\d+)', command)
+    at_once = ('one run' if jobs and jobs.group(1) == '1' else
+               '{} runs'.format(jobs.group(1)) if jobs else
+               '--jobs (default: the CPUs) runs')
     return lines + [
-        'Machine: CPU only, 2 cores, one thread per run and two runs at a '
-        'time. Total CPU time of the runs: {:.0f} min; wall time of this '
+        'Machine: CPU only, 2 cores (shared with other work), one thread per '
+        'run and {} at a time. Total CPU time of the runs (wall time of '
+        'each run, summed): {:.0f} min; wall time of this '
         'invocation (finished runs are reused): {:.0f} min. Logs: `{}`.'
-        .format(sum(r['seconds'] for r in records) / 60, wall / 60,
+        .format(at_once, sum(r['seconds'] for r in records) / 60, wall / 60,
                 os.path.relpath(os.path.join(runs_dir, study.name), ROOT)),
         '']
 

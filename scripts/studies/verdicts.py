@@ -138,6 +138,18 @@ COMPARISONS = [
          ('Dyn-LS (interval 1000)', 'FP32'), ('amax-current', 'FP32'),
          ('amax-delayed', 'FP32'), ('E4M3: no scaling', 'FP32'),
          ('E4M3: amax-current', 'FP32'), ('E4M3: GS (hybrid)', 'FP32')]),
+    ('residual_runs.csv', 'residual', 'Residual connections: accuracy, '
+     'no scaling', [('FP16, no skips', 'FP16, skips'),
+                    ('E5M2, no skips', 'E5M2, skips')]),
+    ('table2-mechanism_runs.csv', 'table2-mechanism',
+     'Table 2 mechanism: SSD from a pretrained backbone, E5M2, batch 8', [
+         ('GS', 'FP32'), ('GS', 'Dyn-LS (interval 1000)'),
+         ('GS', 'Fixed-LS (128)'), ('Dyn-LS (interval 1000)', 'FP32'),
+         ('Fixed-LS (128)', 'FP32')], 8),
+    ('table2-mechanism_runs.csv', 'table2-mechanism',
+     'Table 2 mechanism: SSD from a pretrained backbone, E5M2, batch 32', [
+         ('GS', 'FP32'), ('GS', 'Dyn-LS (interval 1000)'),
+         ('Dyn-LS (interval 1000)', 'FP32')], 32),
 ] + [('block_scaling_runs.csv', 'block-scaling-' + task,
        'Block scaling, ' + task, _block_pairs(extra))
       for task, extra in (
@@ -146,17 +158,30 @@ COMPARISONS = [
                                'E4M3: GS')]))]
 
 
-def read_runs(path, study, batchsize=None):
+#: Comparisons of the lost fraction (the runs CSV's ``underflow``
+#: column: the mean fraction of non-zero gradient values rounding turned
+#: into zeros), not of the metric; the same format as :data:`COMPARISONS`.
+UNDERFLOW = [
+    ('residual_runs.csv', 'residual',
+     'Residual connections: fraction of gradient values lost, no scaling', [
+         ('FP16, no skips', 'FP16, skips'),
+         ('E5M2, no skips', 'E5M2, skips')]),
+]
+
+
+def read_runs(path, study, batchsize=None, column='metric'):
     """``{variant: {seed: metric}}`` of one study's finished runs (of
-    one batch size, if given)."""
+    one batch size, if given); ``column``: another column of the runs CSV
+    (``underflow``) instead of the metric, over the runs with a metric."""
     out = collections.OrderedDict()
     with open(path, newline='') as f:
         for row in csv.DictReader(f):
             if row['study'] != study or row['metric'] in ('', 'None') or (
                     batchsize is not None
-                    and int(row['batchsize']) != batchsize):
+                    and int(row['batchsize']) != batchsize) or \
+                    row.get(column) in (None, '', 'None'):
                 continue
-            metric = float(row['metric'])
+            metric = float(row[column])
             if math.isfinite(metric):
                 out.setdefault(row['variant'], {})[int(row['seed'])] = metric
     return out
@@ -184,24 +209,26 @@ def read_demo(path):
 DEMO_PAIRS = [('GS', 'no scaling'), ('GS', 'FP32'), ('no scaling', 'FP32')]
 
 
-def compute(results_dir, comparisons=COMPARISONS):
+def compute(results_dir, comparisons=COMPARISONS, underflow=UNDERFLOW):
     """Rows ``(label, a, b, Verdict)`` of every comparison whose runs CSV
     holds both variants (metrics in [0, 1]; make demo's, from
-    results/demo.md, too)."""
+    results/demo.md, too; then the lost fractions of :data:`UNDERFLOW`)."""
     rows = []
     demo = read_demo(os.path.join(results_dir, 'demo.md'))
     for a, b in DEMO_PAIRS:
         if a in demo and b in demo:
             rows.append(('make demo (results/demo.md)', a, b,
                          two_se(demo[a], demo[b])))
-    for name, study, label, pairs, *batch in comparisons:
-        path = os.path.join(results_dir, name)
-        if not os.path.exists(path):
-            continue
-        runs = read_runs(path, study, *batch)
-        for a, b in pairs:
-            if a in runs and b in runs:
-                rows.append((label, a, b, two_se(runs[a], runs[b])))
+    for column, listed in (('metric', comparisons),
+                           ('underflow', underflow)):
+        for name, study, label, pairs, *batch in listed:
+            path = os.path.join(results_dir, name)
+            if not os.path.exists(path):
+                continue
+            runs = read_runs(path, study, *batch, column=column)
+            for a, b in pairs:
+                if a in runs and b in runs:
+                    rows.append((label, a, b, two_se(runs[a], runs[b])))
     return rows
 
 
@@ -224,6 +251,9 @@ def write(results_dir, path=None):
         'standard deviation of the per-seed differences over sqrt(n)). '
         '"within seed noise": |a - b| <= 2 SE; otherwise above or below, '
         'in standard errors; "too few seeds": fewer than 3 in common. '
+        'The rows labelled "fraction of gradient values lost" compare the '
+        'runs\' lost fractions (percent of the non-zero gradient values), '
+        'not their metric. '
         'Computed by `scripts/studies/verdicts.py` (`two_se`) from the runs '
         'CSVs under results/; nothing is trained.',
         '', '| study | a | b | a - b | 2 SE | seeds | per seed | verdict |',
