@@ -293,15 +293,10 @@ class Scaler(object):
     Args:
         policy: One of the policies above (:func:`policy_for`).
 
-    Attributes:
-        last_result (~gradient_scaling.core.faults.PassResult): Of the last
-            concluded step (None before any).
-
     """
 
     def __init__(self, policy):
         self.policy = policy
-        self.last_result = None
         self.reset()
 
     @property
@@ -413,7 +408,6 @@ class Scaler(object):
             result = decided[0][1] if len(decided) == 1 else \
                 PassResult.combine(r for _, r in decided)
         self.reset()
-        self.last_result = result
         backed_off = self.policy.transition(payloads, result)
         self.guard.observe(result, backed_off, self.policy.scale_text())
         return result
@@ -429,11 +423,6 @@ class Scaler(object):
     def reset(self):
         """Forgets the stages and decisions (a new step)."""
         self._stages, self._decided, self._step = {}, {}, None
-
-    @property
-    def skipped(self):
-        """Whether the last concluded step was skipped."""
-        return self.last_result is not None and not self.last_result.finite
 
     # -- state and what is logged -------------------------------------------
 
