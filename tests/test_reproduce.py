@@ -344,9 +344,14 @@ def test_check_finds_results_whose_code_changed(studies, tmp_path):
 def test_a_table_of_runs_takes_the_runs_code(studies):
     provenance = pytest.importorskip('studies.provenance')
     provenance._STAMP.clear()  # the code as it is now, not at a past run
-    now = provenance.run_stamp()
+    now = provenance.run_stamp('detection')
     entry = provenance.for_runs('detection', 'cmd', [{'code': now}] * 2)
     assert entry['commit'] == now['commit'] and entry['digest']
+    # A run's stamp digests its own study's sources only: another study's
+    # code (here the verdicts table's) is not in it.
+    assert now['digest'] == provenance.sources_digest(
+        provenance.SOURCES['detection'])
+    assert now['digest'] != provenance.run_stamp('verdicts')['digest']
     old = dict(now, commit='0' * 40, digest='old', date='2026-01-01')
     entry = provenance.for_runs('detection', 'cmd', [{'code': now},
                                                      {'code': old}])

@@ -359,20 +359,21 @@ def check_lines(problems, total):
     return lines
 
 
-#: Every source path of every study: what a run's stamp digests.
-ALL_SOURCES = sorted({p for paths in SOURCES.values() for p in paths})
 _STAMP = {}
 
 
-def run_stamp(repo=ROOT):
-    """The code a training run is trained by: commit, uncommitted
-    changes, the digest of :data:`ALL_SOURCES`, the date (computed once
-    per process: a study's runs start from the code it started with)."""
-    if repo not in _STAMP:
-        entry = current('demo', '', repo, sources=ALL_SOURCES)
-        _STAMP[repo] = {k: entry[k] for k in ('commit', 'uncommitted',
-                                              'digest', 'date')}
-    return dict(_STAMP[repo])
+def run_stamp(study, repo=ROOT):
+    """The code a training run of ``study`` is trained by: commit,
+    uncommitted changes, the digest of the study's own :data:`SOURCES`,
+    the date (computed once per process and study: a study's runs start
+    from the code it started with).  Another study's sources are not in
+    it: a change there leaves this study's runs current."""
+    key = (repo, study)
+    if key not in _STAMP:
+        entry = current(study, '', repo)
+        _STAMP[key] = {k: entry[k] for k in ('commit', 'uncommitted',
+                                             'digest', 'date')}
+    return dict(_STAMP[key])
 
 
 def for_runs(study, command, records, repo=ROOT):
@@ -389,7 +390,7 @@ def for_runs(study, command, records, repo=ROOT):
                      'records'.format(sum(s is None for s in stamps),
                                       len(stamps)))
         return entry
-    now = sources_digest(ALL_SOURCES, repo)
+    now = sources_digest(SOURCES[study], repo)
     if all(s['digest'] == now for s in stamps):
         return entry
     earliest = min(stamps, key=lambda s: s['date'])

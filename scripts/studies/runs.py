@@ -91,7 +91,12 @@ class Run(object):
         if os.path.isdir(self.out):
             shutil.rmtree(self.out)  # an interrupted attempt
         os.makedirs(self.out)
-        code = provenance.run_stamp()
+        # A study of scripts/reproduce.py is stamped with its own sources;
+        # a demo candidate (scripts/demo.py, named by its settings) with
+        # the demo's.
+        code = provenance.run_stamp(
+            self.study.name if self.study.name in provenance.SOURCES
+            else 'demo')
         env = dict(os.environ, OMP_NUM_THREADS='1', OPENBLAS_NUM_THREADS='1',
                    MKL_NUM_THREADS='1', PYTHONUNBUFFERED='1')
         start = time.time()
