@@ -679,14 +679,25 @@ def structure(roots):
     read; the plan's tensors are the new graph's own)."""
     index, order, signature = {}, [], []
     add = signature.append
-    for root in roots:
-        i = index.get(root)
-        if i is None:
-            i = index[root] = len(order)
-            order.append(root)
-        add(i)
-    add(None)
-    for node in order:  # (grows while read)
+    # The roots first, as the edges of a node before the graph's first;
+    # then each node met, in order, with its edges (order grows while
+    # read).
+    edges, following = [(root, None) for root in roots], 0
+    while True:
+        for producer, k in edges:
+            if producer is None:
+                add(None)
+                continue
+            i = index.get(producer)
+            if i is None:
+                i = index[producer] = len(order)
+                order.append(producer)
+            add(i)
+            add(k)
+        if following == len(order):
+            break
+        node = order[following]
+        following += 1
         cls = type(node)
         add(cls)
         edges = node.next_functions
@@ -701,16 +712,6 @@ def structure(roots):
                 add(type(variable))  # (a parameter or not: a site or not)
                 continue
         add(len(edges))
-        for producer, k in edges:
-            if producer is None:
-                add(None)
-                continue
-            i = index.get(producer)
-            if i is None:
-                i = index[producer] = len(order)
-                order.append(producer)
-            add(i)
-            add(k)
     return order, index, tuple(signature)
 
 
