@@ -92,10 +92,12 @@ def torch_step():
 def chainer_step():
     """One cached GS step of the Chainer adapter's ``train_step``."""
     import numpy as np
+    # The library first: it fits Chainer 7.8.1 to today's NumPy and
+    # setuptools as Chainer is imported.
+    from gradient_scaling.chainer import training
     import chainer
     import chainer.functions as F
     import chainer.links as L
-    from gradient_scaling.chainer import training
     rng = np.random.default_rng(0)
     model = chainer.Sequential(L.Linear(8, 16), F.relu, L.Linear(16, 4))
     config = training.ScalingConfig('gs', update_interval=100)
