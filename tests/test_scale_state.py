@@ -169,3 +169,29 @@ def test_dynamic_loss_scale_table_row_by_row():
     again.load_state_dict(d.state_dict())
     assert again.state_dict() == d.state_dict() == {'loss_scale': 1.0,
                                                      'clean_steps': 0}
+
+
+def test_site_records_worst_follows_every_commit_and_load():
+    # A training log asks for the worst rates every step; the answer is
+    # kept until the records change, and must follow every change.
+    from gradient_scaling.core.telemetry import SiteRecord, SiteRecords
+    records = SiteRecords()
+    assert records.worst('estimated_underflow_rate') is None
+    records.update({'a': SiteRecord('a', 'gemm',
+                                    estimated_underflow_rate=1e-4)})
+    assert records.worst('estimated_underflow_rate') == 1e-4
+    assert records.worst('measured_underflow_rate') is None  # NaN only
+    records.update({'b': SiteRecord('b', 'cast',
+                                    estimated_underflow_rate=5e-4,
+                                    measured_underflow_rate=2e-4)})
+    assert records.worst('estimated_underflow_rate') == 5e-4
+    assert records.worst('measured_underflow_rate') == 2e-4
+    records.update({'b': SiteRecord('b', 'cast',
+                                    estimated_underflow_rate=3e-5)})
+    assert records.worst('estimated_underflow_rate') == 1e-4
+    state = records.state_dict()
+    fresh = SiteRecords()
+    fresh.update({'c': SiteRecord('c', 'gemm', estimated_underflow_rate=1.0)})
+    assert fresh.worst('estimated_underflow_rate') == 1.0
+    fresh.load_state_dict(state)
+    assert fresh.worst('estimated_underflow_rate') == 1e-4

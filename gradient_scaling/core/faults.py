@@ -181,7 +181,9 @@ class OverflowGuard(object):
             result (PassResult): The step's combined result.
             backed_off (bool): Whether the scaler lowered a scale because of
                 it (ignored for a finite result).
-            scale_text (str): The scaler's scale(s), for messages.
+            scale_text (str or callable): The scaler's scale(s), for
+                messages (a callable giving them: called only for a
+                skipped step's message).
 
         Raises:
             GradientOverflowError: At the ``patience``-th stalled skip in a
@@ -194,6 +196,8 @@ class OverflowGuard(object):
         self.skips[result.cause] += 1
         if result.cause == 'data' or not backed_off:
             self.stalled += 1
+        if callable(scale_text):
+            scale_text = scale_text()
         message = '{}: step skipped: {}{} (skips so far: {} data, {} scale)' \
             .format(self.mode, result.describe(),
                     '; ' + scale_text if scale_text else '',

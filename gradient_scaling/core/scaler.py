@@ -409,7 +409,7 @@ class Scaler(object):
                 PassResult.combine(r for _, r in decided)
         self.reset()
         backed_off = self.policy.transition(payloads, result)
-        self.guard.observe(result, backed_off, self.policy.scale_text())
+        self.guard.observe(result, backed_off, self.policy.scale_text)
         return result
 
     def run(self, key, payloads_of, update=None):

@@ -69,6 +69,7 @@ class SiteRecords(object):
 
     def __init__(self):
         self._records = {}
+        self._worst = {}  # field -> worst value, until the records change
 
     def __len__(self):
         return len(self._records)
@@ -79,6 +80,7 @@ class SiteRecords(object):
     def update(self, records):
         """Commits a step's records (a dict key -> record)."""
         self._records.update(records)
+        self._worst.clear()
 
     def count_overflows(self, names):
         """Counts a skipped step against the named sites."""
@@ -89,9 +91,11 @@ class SiteRecords(object):
     def worst(self, field):
         """The largest value of a rate ``field`` over the records (NaN
         values left out), or None if there is none."""
-        values = [getattr(r, field) for r in self._records.values()]
-        values = [v for v in values if not math.isnan(v)]
-        return max(values) if values else None
+        if field not in self._worst:  # (a training log asks every step)
+            values = [getattr(r, field) for r in self._records.values()]
+            values = [v for v in values if not math.isnan(v)]
+            self._worst[field] = max(values) if values else None
+        return self._worst[field]
 
     def report(self):
         """Copies of every record, in order of first appearance."""
@@ -112,6 +116,7 @@ class SiteRecords(object):
         snapshot) leaves them empty until the next refresh."""
         columns = [state.get(f.name) for f in _FIELDS]
         self._records = {}
+        self._worst.clear()
         if any(c is None for c in columns):
             return
         for values in zip(*columns):
