@@ -5,7 +5,8 @@ Every script in ``examples/`` reads top to bottom as ChainerCV's examples do
 the steps they all take are here, one module per concern:
 
 * :mod:`~example_common.arguments`: the options every script has, their
-  checks, the defaults for the data actually used, seeding and the device.
+  checks, the defaults for the data actually used, seeding and the device;
+  a script's opening (seed, data, model in its dtype on its device).
 * :mod:`~example_common.errors`: the bad inputs (an option value, a
   file; :class:`~example_data.errors.DatasetError` too) and how a script
   ends on one (one line, exit status 2).

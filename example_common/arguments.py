@@ -45,7 +45,8 @@ from example_common import snapshots
 __all__ = ['make_parser', 'add_dataset', 'add_embedded_size',
            'add_schedule', 'add_run_options', 'check_options',
            'check_inputs', 'check_out', 'check_gpu', 'apply_defaults',
-           'seed_generators', 'start_run', 'launched_by_mpi', 'use_device']
+           'seed_generators', 'start_run', 'launched_by_mpi', 'use_device',
+           'start_training']
 
 # Options that count something: a value below 1 is refused.
 _COUNTS = ('batchsize', 'iteration', 'epoch', 'eval_interval',
@@ -288,3 +289,35 @@ def use_device(link, gpu):
     device.use()
     link.to_device(device)
     return device
+
+
+def start_training(args, load_datasets, build_model, train_chain, seed=None,
+                   place=None):
+    """A training script's opening, in the order of ChainerCV's examples:
+    seeds the generators and makes the run's config (:func:`start_run`),
+    loads the data, builds the model and its train chain in the model's
+    dtype (``config.model_dtype()``: float16 weights under mixed16) and
+    places the chain on its device.
+
+    Args:
+        args (argparse.Namespace): The script's parsed options.
+        load_datasets: ``load_datasets(args)``: ``(train, test,
+            label_names)``.
+        build_model: ``build_model(args, n_class)``: the model.
+        train_chain: ``train_chain(model)``: the chain that computes its
+            loss (e.g. ``ClassifierTrainChain``).
+        seed (int): :func:`start_run`'s (default: ``--seed``).
+        place: ``place(train_chain, args.gpu)`` moves the chain and
+            returns the device (default: :func:`use_device`).
+
+    Returns:
+        tuple: ``(config, train, test, label_names, model, train_chain,
+        device)``.
+    """
+    config = start_run(args, seed)
+    train, test, label_names = load_datasets(args)
+    with config.model_dtype():
+        model = build_model(args, len(label_names))
+        chain = train_chain(model)
+    device = (place or use_device)(chain, args.gpu)
+    return config, train, test, label_names, model, chain, device

@@ -140,15 +140,15 @@ def load_datasets(args):
     return datasets
 
 
+def build_model(args, n_class):
+    return ARCHS[args.arch](n_class=n_class)
+
+
 def main(argv=None):
     args = parse_args(argv)
-    config = arguments.start_run(args)
-    train, test, label_names = load_datasets(args)
-
-    with config.model_dtype():
-        model = ARCHS[args.arch](n_class=len(label_names))
-        train_chain = ClassifierTrainChain(model)
-    device = arguments.use_device(train_chain, args.gpu)
+    config, train, test, label_names, model, train_chain, device = \
+        arguments.start_training(args, load_datasets, build_model,
+                                 ClassifierTrainChain)
 
     train = TransformDataset(TransformDataset(train, PadCropFlip()),
                              Subtract(model.mean))

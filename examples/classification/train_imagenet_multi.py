@@ -44,6 +44,7 @@ downloaded.
 
 import gradient_scaling  # NOQA: restores what Chainer needs, first
 
+import functools
 import math
 import multiprocessing
 
@@ -330,13 +331,11 @@ def main(argv=None):
     if args.precision_note:
         log(args.precision_note)
     # Augmentations draw from NumPy's generator: one stream per rank.
-    config = arguments.start_run(args, seed=args.seed + rank)
-    train, val, label_names = load_datasets(args, comm, log)
-
-    with config.model_dtype():
-        model = build_model(args, len(label_names))
-        train_chain = ClassifierTrainChain(model)
-    device = to_devices(train_chain, args.gpu, comm)
+    config, train, val, label_names, model, train_chain, device = \
+        arguments.start_training(
+            args, functools.partial(load_datasets, comm=comm, log=log),
+            build_model, ClassifierTrainChain, seed=args.seed + rank,
+            place=functools.partial(to_devices, comm=comm))
 
     train, val, (n_train, n_val) = share_datasets(train, val, model, args,
                                                   comm)

@@ -373,13 +373,9 @@ def gs_summary(train_chain, train, scaler, config, batchsize):
 
 def main(argv=None):
     args = parse_args(argv)
-    config = arguments.start_run(args)
-    train, test, label_names = load_datasets(args)
-
-    with config.model_dtype():
-        model = build_model(args, len(label_names))
-        train_chain = MultiboxTrainChain(model)
-    device = arguments.use_device(train_chain, args.gpu)
+    config, train, test, label_names, model, train_chain, device = \
+        arguments.start_training(args, load_datasets, build_model,
+                                 MultiboxTrainChain)
 
     train = TransformDataset(
         train, Transform(model.coder, model.insize, model.mean))

@@ -1,8 +1,9 @@
 """The benchmarks' results: one dataclass per table row, and their builders.
 
-Each field that is a column says so (:func:`column`: its header and
-format); :func:`benchmarking.report.markdown_table` renders any list of
-them, and a row class's docstring is its table's paragraph in the report.
+A row class lists its columns in order (:func:`_columns`: each field's
+name, type, header and format, the groups several tables share built
+once); :func:`benchmarking.report.markdown_table` renders any list of
+rows, and a row class's docstring is its table's paragraph in the report.
 The builders take the samples of :func:`benchmarking.harness.
 time_alternately` and the peaks of :func:`benchmarking.harness.
 peak_memory`, keyed by the variant labels below, whichever framework ran
@@ -50,6 +51,7 @@ def column(header, fmt='{}'):
 
 
 _RATIO, _SECONDS, _SPREAD = '{:.3f}', '{:.4f}', '{0[0]:.3f}-{0[1]:.3f}'
+_MS = '{:.2f}'
 
 
 def _met(ratio, target, shown=_RATIO):
@@ -58,7 +60,55 @@ def _met(ratio, target, shown=_RATIO):
     return 'yes' if float(shown.format(ratio)) <= target else 'no'
 
 
-@dataclasses.dataclass
+def _columns(*specs):
+    """Makes the class it decorates a dataclass of table columns, in the
+    order of ``specs``: each ``(name, type, header[, format])`` (the field
+    ``name: type = column(header, format)``), or a list of them (a group
+    of columns that several tables share)."""
+    def make(cls):
+        cls.__annotations__ = {}
+        for spec in specs:
+            for name, kind, *shown in (spec if isinstance(spec, list)
+                                       else [spec]):
+                cls.__annotations__[name] = kind
+                setattr(cls, name, column(*shown))
+        return dataclasses.dataclass(cls)
+    return make
+
+
+def _case(inputs='input (mode, batch x size)'):
+    """The columns that say which case and variant a training table's row
+    is; ``inputs``: the input column's header."""
+    return [('model', str, 'model'), ('input', str, inputs),
+            ('precision', str, 'precision'), ('variant', str, 'variant')]
+
+
+def _timed(baseline):
+    """Wall and CPU time (medians over the rounds) and the medians of their
+    per-round ratios to ``baseline``."""
+    return [('wall', float, 'wall (s)', _SECONDS),
+            ('cpu', float, 'CPU (s)', _SECONDS),
+            ('wall_ratio', float, 'wall / ' + baseline, _RATIO),
+            ('cpu_ratio', float, 'CPU / ' + baseline, _RATIO)]
+
+
+def _spread(baseline):
+    """The quartiles of the per-round CPU ratios to ``baseline``."""
+    return ('spread', tuple, 'CPU / {}, quartiles'.format(baseline), _SPREAD)
+
+
+#: A variant's target and whether it meets it (``-``: none).
+_VERDICT = [('target', str, 'target'), ('met', str, 'met')]
+#: The cost model's case: how the benchmark ran, the model, its precision.
+_MODE_CASE = [('mode', str, 'mode'), ('model', str, 'model'),
+              ('precision', str, 'precision')]
+
+
+@_columns(_case(), _timed('none'),
+          ('cpu_to_dynamic', float, 'CPU / dynamic', _RATIO),
+          ('peak_mb', float, 'peak (MB)', '{:.1f}'),
+          ('peak_ratio', float, 'peak / none', _RATIO),
+          ('skips', int, 'skips'), _spread('none'))
 class IterationRow(object):
     """Forward + backward + update (`training.train_step`, what
     `ScalingUpdater.update_core` runs), each variant on its own copy of the
@@ -75,22 +125,10 @@ class IterationRow(object):
     PyTorch's rows `none+check` is `torch.amp.GradScaler` at scale 1 that
     never grows, `dynamic` is `torch.amp.GradScaler` itself."""
 
-    model: str = column('model')
-    input: str = column('input (mode, batch x size)')
-    precision: str = column('precision')
-    variant: str = column('variant')
-    wall: float = column('wall (s)', _SECONDS)
-    cpu: float = column('CPU (s)', _SECONDS)
-    wall_ratio: float = column('wall / none', _RATIO)
-    cpu_ratio: float = column('CPU / none', _RATIO)
-    cpu_to_dynamic: float = column('CPU / dynamic', _RATIO)
-    peak_mb: float = column('peak (MB)', '{:.1f}')
-    peak_ratio: float = column('peak / none', _RATIO)
-    skips: int = column('skips')
-    spread: tuple = column('CPU / none, quartiles', _SPREAD)
 
-
-@dataclasses.dataclass
+@_columns(_case(), ('peak_mb', float, 'peak (MB)', '{:.3f}'),
+          ('peak_ratio', float, 'peak / dynamic', '{:.4f}'),
+          ('skips', int, 'skips'), _VERDICT)
 class MemoryRow(object):
     """Peak memory of an iteration against Dyn-LS (`dynamic`; in PyTorch's
     rows `torch.amp.GradScaler`), the iteration table's peak-memory rounds
@@ -109,18 +147,13 @@ class MemoryRow(object):
     CUDA allocator (`max_memory_allocated`). Target (PyTorch's rows): GS
     <= 1.05x GradScaler's."""
 
-    model: str = column('model')
-    input: str = column('input (mode, batch x size)')
-    precision: str = column('precision')
-    variant: str = column('variant')
-    peak_mb: float = column('peak (MB)', '{:.3f}')
-    peak_ratio: float = column('peak / dynamic', '{:.4f}')
-    skips: int = column('skips')
-    target: str = column('target')
-    met: str = column('met')
 
-
-@dataclasses.dataclass
+@_columns(_MODE_CASE, ('nodes', int, 'nodes'),
+          ('dynamic_cpu', float, 'Dyn-LS CPU (s)', _SECONDS),
+          ('cached_us', float, 'cached (us/node)', '{:.1f}'),
+          ('refresh_us', float, 'refresh (us/node)', '{:.1f}'),
+          ('elements_m', float, 'elements read at a refresh (M)', '{:.2f}'),
+          ('refresh_ns', float, 'refresh (ns/element)', '{:.2f}'))
 class NodeCostRow(object):
     """The hook adds host-side work per backward function node; the device
     only speeds up the arithmetic. Added CPU time per node against a plain
@@ -133,33 +166,25 @@ class NodeCostRow(object):
     gradient once: its cost grows with those elements (last two columns),
     not with the nodes."""
 
-    mode: str = column('mode')
-    model: str = column('model')
-    precision: str = column('precision')
-    nodes: int = column('nodes')
-    dynamic_cpu: float = column('Dyn-LS CPU (s)', _SECONDS)
-    cached_us: float = column('cached (us/node)', '{:.1f}')
-    refresh_us: float = column('refresh (us/node)', '{:.1f}')
-    elements_m: float = column('elements read at a refresh (M)', '{:.2f}')
-    refresh_ns: float = column('refresh (ns/element)', '{:.2f}')
 
-
-@dataclasses.dataclass
+@_columns(_MODE_CASE, ('device_ms', float, 'T (ms)', '{:.1f}'),
+          ('gs1', float, 'GS@1 / Dyn-LS', _RATIO),
+          ('gs100', float, 'GS@100 / Dyn-LS', _RATIO))
 class PredictionRow(object):
     """GS@1 and GS@100 / Dyn-LS predicted for a device iteration time."""
 
-    mode: str = column('mode')
-    model: str = column('model')
-    precision: str = column('precision')
-    device_ms: float = column('T (ms)', '{:.1f}')
-    gs1: float = column('GS@1 / Dyn-LS', _RATIO)
-    gs100: float = column('GS@100 / Dyn-LS', _RATIO)
 
-
-_MS = '{:.2f}'
-
-
-@dataclasses.dataclass
+@_columns(('case', str, 'case'), ('precision', str, 'precision'),
+          ('kind', str, 'pass'),
+          ('iteration', float, 'iteration (s)', _SECONDS),
+          # one column a section, headed by its name in SECTIONS
+          [(name, float, section + ' (ms)', _MS) for name, section in zip(
+              ('dispatch', 'scale_choice', 'rescaling', 'branches', 'traces',
+               'measurement', 'check'), SECTIONS)],
+          ('hook', float, 'hook, total (ms)', _MS),
+          ('hook_ratio', float, 'hook / none', _SECONDS),
+          ('with_check_ratio', float, '(hook + check) / none', _SECONDS),
+          ('calls', int, 'timed calls'))
 class AttributionRow(object):
     """GS's own work per pass (wall time, mean over the `--passes` passes),
     timed by wrapping the hook's own methods on its objects
@@ -177,41 +202,24 @@ class AttributionRow(object):
     costs ~0.3 us, part of it counted (last column: timed calls per
     pass)."""
 
-    case: str = column('case')
-    precision: str = column('precision')
-    kind: str = column('pass')
-    iteration: float = column('iteration (s)', _SECONDS)
-    dispatch: float = column('dispatch (ms)', _MS)
-    scale_choice: float = column('scale choice (ms)', _MS)
-    rescaling: float = column('rescaling (ms)', _MS)
-    branches: float = column('branches (ms)', _MS)
-    traces: float = column('traces (ms)', _MS)
-    measurement: float = column('measurement (ms)', _MS)
-    check: float = column('finiteness check (ms)', _MS)
-    hook: float = column('hook, total (ms)', _MS)
-    hook_ratio: float = column('hook / none', _SECONDS)
-    with_check_ratio: float = column('(hook + check) / none', _SECONDS)
-    calls: int = column('timed calls')
 
-
-@dataclasses.dataclass
+@_columns(('model', str, 'model'), ('input', str, 'input (batch x size)'),
+          ('variant', str, 'variant'), _timed('fp32'), _spread('fp32'))
 class SimulationRow(object):
     """The simulation's own cost: an iteration without scaling
     (`train_step`, MomentumSGD) under each simulated precision against FP32,
     on one copy of the model, alternated; `fp32 (again)` is the A/A control.
     Target: sim-fp16 / fp32 <= 1.5."""
 
-    model: str = column('model')
-    input: str = column('input (batch x size)')
-    variant: str = column('variant')
-    wall: float = column('wall (s)', _SECONDS)
-    cpu: float = column('CPU (s)', _SECONDS)
-    wall_ratio: float = column('wall / fp32', _RATIO)
-    cpu_ratio: float = column('CPU / fp32', _RATIO)
-    spread: tuple = column('CPU / fp32, quartiles', _SPREAD)
 
-
-@dataclasses.dataclass
+@_columns(_case('input (batch x size)'), ('rounds', int, 'rounds'),
+          ('min_wall', float, 'min wall (s)', _SECONDS),
+          ('min_cpu', float, 'min CPU (s)', _SECONDS),
+          ('cpu_min_ratio', float, 'CPU: min ratio', _RATIO),
+          ('cpu_median_ratio', float, 'CPU: median ratio', _RATIO),
+          ('wall_min_ratio', float, 'wall: min ratio', _RATIO),
+          ('wall_median_ratio', float, 'wall: median ratio', _RATIO),
+          _VERDICT)
 class TargetRow(object):
     """The issue's targets for the framework-bound case: GS by
     `training.train_step` with a GS scaler (update interval 1 and 100,
@@ -232,36 +240,18 @@ class TargetRow(object):
     GS@100 amortised from the GS@1 and cached rounds,
     `(t_1 + 99 t_cached) / 100`; targets: cached <= 1.05, GS@100 <= 1.02."""
 
-    model: str = column('model')
-    input: str = column('input (batch x size)')
-    precision: str = column('precision')
-    variant: str = column('variant')
-    rounds: int = column('rounds')
-    min_wall: float = column('min wall (s)', _SECONDS)
-    min_cpu: float = column('min CPU (s)', _SECONDS)
-    cpu_min_ratio: float = column('CPU: min ratio', _RATIO)
-    cpu_median_ratio: float = column('CPU: median ratio', _RATIO)
-    wall_min_ratio: float = column('wall: min ratio', _RATIO)
-    wall_median_ratio: float = column('wall: median ratio', _RATIO)
-    target: str = column('target')
-    met: str = column('met')
 
-
-@dataclasses.dataclass
+@_columns(('operation', str, 'operation'), ('timing', str, 'timed'),
+          ('dtype', str, 'dtype'), ('elements', int, 'elements'),
+          ('ms', float, 'time (ms)', '{:.3f}'),
+          ('gb_per_s', float, 'GB/s (least traffic)', '{:.3g}'),
+          ('time_ratio', float, 'time / copy', _RATIO),
+          ('bandwidth_ratio', float, 'bandwidth / copy\'s', '{:.3g}'))
 class KernelRow(object):
     """Median over alternated rounds on one gradient-like tensor (normal
     values, 10% zeros); time / copy < 1 means faster than copying the
     tensor; bandwidth from the least traffic (a copy moves the tensor twice,
     a statistics pass reads it once); `copy (again)` is the A/A control."""
-
-    operation: str = column('operation')
-    timing: str = column('timed')
-    dtype: str = column('dtype')
-    elements: int = column('elements')
-    ms: float = column('time (ms)', '{:.3f}')
-    gb_per_s: float = column('GB/s (least traffic)', '{:.3g}')
-    time_ratio: float = column('time / copy', _RATIO)
-    bandwidth_ratio: float = column('bandwidth / copy\'s', '{:.3g}')
 
 
 def _cpu(series):

@@ -81,75 +81,81 @@ def verdict_text(v):
                                    abs(v.difference) / v.se)
 
 
-# (runs CSV, study column, label, [(variant a, variant b), ...][, batch
-# size]): the comparisons README.md and docs/ state; a is compared with b.
+def _against(baseline, *variants):
+    """Each of ``variants`` compared with ``baseline``: ``(variant,
+    baseline)`` pairs."""
+    return [(variant, baseline) for variant in variants]
+
+
+def _gs_against(*baselines):
+    """GS compared with each of ``baselines``."""
+    return [('GS', baseline) for baseline in baselines]
+
 
 def _block_pairs(extra):
     """The block-scaling study's comparisons (``extra`` after the ones
     against FP32)."""
-    return ([('E4M3: GS', 'FP32'), ('E4M3: amax-current', 'FP32'),
-             ('MXFP8 (floor scale, OCP)', 'FP32'),
-             ('MXFP8 (rounded-up scale, TE)', 'FP32')] + list(extra) +
-            [('FP8 1x128 tiles', 'FP32'), ('E4M3: no scaling', 'FP32'),
-             ('NVFP4 (GS tensor scale)', 'NVFP4 (amax tensor scale)'),
-             ('MXFP8 (floor scale, OCP)', 'MXFP8 (rounded-up scale, TE)')])
+    return (_against('FP32', 'E4M3: GS', 'E4M3: amax-current',
+                     'MXFP8 (floor scale, OCP)',
+                     'MXFP8 (rounded-up scale, TE)') + list(extra)
+            + _against('FP32', 'FP8 1x128 tiles', 'E4M3: no scaling')
+            + [('NVFP4 (GS tensor scale)', 'NVFP4 (amax tensor scale)'),
+               ('MXFP8 (floor scale, OCP)', 'MXFP8 (rounded-up scale, TE)')])
 
+
+#: Table 3's comparisons, in Chainer and in PyTorch.
+_TABLE3 = (_gs_against('FP32', 'no scaling', 'Fixed-LS (128)',
+                       'Dyn-LS (GradScaler)')
+           + _against('FP32', 'Fixed-LS (128)', 'Dyn-LS (GradScaler)'))
+#: The residual study's: each precision without skip connections against
+#: with them.
+_SKIPS = [('FP16, no skips', 'FP16, skips'), ('E5M2, no skips', 'E5M2, skips')]
+
+# (runs CSV, study column, label, [(variant a, variant b), ...][, batch
+# size]): the comparisons README.md and docs/ state; a is compared with b.
 COMPARISONS = [
-    ('detection_runs.csv', 'detection', 'Detection, FP16, batch 8', [
-         ('GS', 'FP32'), ('GS', 'Dyn-LS (interval 1000)'),
-         ('GS', 'Fixed-LS (2048)'), ('Dyn-LS (interval 1000)', 'FP32'),
-         ('Fixed-LS (8)', 'FP32'), ('Fixed-LS (128)', 'FP32'),
-         ('Fixed-LS (2048)', 'FP32')], 8),
-    ('detection_runs.csv', 'detection', 'Detection, FP16, batch 32', [
-         ('GS', 'FP32'), ('GS', 'Dyn-LS (interval 1000)'),
-         ('Dyn-LS (interval 1000)', 'FP32')], 32),
-    ('classification_runs.csv', 'classification', 'Classification', [
-         ('GS', 'FP32'), ('no scaling', 'FP32'), ('Fixed-LS (128)', 'FP32'),
-         ('Dyn-LS (interval 10)', 'FP32'), ('GS', 'Dyn-LS (interval 10)')]),
+    ('detection_runs.csv', 'detection', 'Detection, FP16, batch 8',
+     _gs_against('FP32', 'Dyn-LS (interval 1000)', 'Fixed-LS (2048)')
+     + _against('FP32', 'Dyn-LS (interval 1000)', 'Fixed-LS (8)',
+                'Fixed-LS (128)', 'Fixed-LS (2048)'), 8),
+    ('detection_runs.csv', 'detection', 'Detection, FP16, batch 32',
+     _gs_against('FP32', 'Dyn-LS (interval 1000)')
+     + _against('FP32', 'Dyn-LS (interval 1000)'), 32),
+    ('classification_runs.csv', 'classification', 'Classification',
+     _against('FP32', 'GS', 'no scaling', 'Fixed-LS (128)',
+              'Dyn-LS (interval 10)') + _gs_against('Dyn-LS (interval 10)')),
     ('segnet_frameworks_runs.csv', 'segnet-frameworks-chainer',
-     'Table 3 (Chainer, 4 seeds)', [
-         ('GS', 'FP32'), ('GS', 'no scaling'), ('GS', 'Fixed-LS (128)'),
-         ('GS', 'Dyn-LS (GradScaler)'), ('Fixed-LS (128)', 'FP32'),
-         ('Dyn-LS (GradScaler)', 'FP32')]),
+     'Table 3 (Chainer, 4 seeds)', _TABLE3),
     ('segnet_frameworks_runs.csv', 'segnet-frameworks-pytorch',
-     'Table 3 (PyTorch, 4 seeds)', [
-         ('GS', 'FP32'), ('GS', 'no scaling'), ('GS', 'Fixed-LS (128)'),
-         ('GS', 'Dyn-LS (GradScaler)'), ('Fixed-LS (128)', 'FP32'),
-         ('Dyn-LS (GradScaler)', 'FP32')]),
+     'Table 3 (PyTorch, 4 seeds)', _TABLE3),
     ('table3-dynls_runs.csv', 'table3-dynls',
-     'Table 3, the paper\'s Dyn-LS (Chainer)', [
-         ('GS', 'Dyn-LS (interval 1000)'), ('GS', 'Dyn-LS (GradScaler)'),
-         ('Dyn-LS (GradScaler)', 'Dyn-LS (interval 1000)')]),
+     'Table 3, the paper\'s Dyn-LS (Chainer)',
+     _gs_against('Dyn-LS (interval 1000)', 'Dyn-LS (GradScaler)')
+     + [('Dyn-LS (GradScaler)', 'Dyn-LS (interval 1000)')]),
     ('segmentation-paper-loss_runs.csv', 'segmentation-paper-loss',
-     'Table 3 before the cast fix (Chainer)', [
-         ('GS', 'FP32'), ('GS', 'Dyn-LS (interval 1000)'),
-         ('GS', 'no scaling')]),
-    ('s2fp8_runs.csv', 's2fp8', 'S2FP8 Table 1', [
-         ('S2FP8', 'FP32'), ('FP8 E5M2', 'FP32'), ('S2FP8', 'FP8 E5M2'),
-         ('FP8+LS(100)', 'FP32'), ('GS-FP8 (model)', 'FP32'),
-         ('GS-FP8 (hybrid)', 'FP32'), ('amax-delayed', 'FP32'),
-         ('amax-current', 'FP32'), ('GS-FP16', 'FP32'),
-         ('FP8 E4M3', 'FP32'), ('amax-current E4M3', 'FP32'),
-         ('GS-FP8 E4M3 (hybrid)', 'FP32')]),
-    ('detection-fp8_runs.csv', 'detection-fp8', 'Detection, FP8 E5M2', [
-         ('GS', 'FP32'), ('no scaling', 'FP32'), ('Fixed-LS (8)', 'FP32'),
-         ('Fixed-LS (128)', 'FP32'), ('Fixed-LS (2048)', 'FP32'),
-         ('Dyn-LS (interval 10)', 'FP32'), ('GS (hybrid)', 'FP32'),
-         ('Dyn-LS (interval 1000)', 'FP32'), ('amax-current', 'FP32'),
-         ('amax-delayed', 'FP32'), ('E4M3: no scaling', 'FP32'),
-         ('E4M3: amax-current', 'FP32'), ('E4M3: GS (hybrid)', 'FP32')]),
+     'Table 3 before the cast fix (Chainer)',
+     _gs_against('FP32', 'Dyn-LS (interval 1000)', 'no scaling')),
+    ('s2fp8_runs.csv', 's2fp8', 'S2FP8 Table 1',
+     _against('FP32', 'S2FP8', 'FP8 E5M2') + [('S2FP8', 'FP8 E5M2')]
+     + _against('FP32', 'FP8+LS(100)', 'GS-FP8 (model)', 'GS-FP8 (hybrid)',
+                'amax-delayed', 'amax-current', 'GS-FP16', 'FP8 E4M3',
+                'amax-current E4M3', 'GS-FP8 E4M3 (hybrid)')),
+    ('detection-fp8_runs.csv', 'detection-fp8', 'Detection, FP8 E5M2',
+     _against('FP32', 'GS', 'no scaling', 'Fixed-LS (8)', 'Fixed-LS (128)',
+              'Fixed-LS (2048)', 'Dyn-LS (interval 10)', 'GS (hybrid)',
+              'Dyn-LS (interval 1000)', 'amax-current', 'amax-delayed',
+              'E4M3: no scaling', 'E4M3: amax-current',
+              'E4M3: GS (hybrid)')),
     ('residual_runs.csv', 'residual', 'Residual connections: accuracy, '
-     'no scaling', [('FP16, no skips', 'FP16, skips'),
-                    ('E5M2, no skips', 'E5M2, skips')]),
+     'no scaling', _SKIPS),
     ('table2-mechanism_runs.csv', 'table2-mechanism',
-     'Table 2 mechanism: SSD from a pretrained backbone, E5M2, batch 8', [
-         ('GS', 'FP32'), ('GS', 'Dyn-LS (interval 1000)'),
-         ('GS', 'Fixed-LS (128)'), ('Dyn-LS (interval 1000)', 'FP32'),
-         ('Fixed-LS (128)', 'FP32')], 8),
+     'Table 2 mechanism: SSD from a pretrained backbone, E5M2, batch 8',
+     _gs_against('FP32', 'Dyn-LS (interval 1000)', 'Fixed-LS (128)')
+     + _against('FP32', 'Dyn-LS (interval 1000)', 'Fixed-LS (128)'), 8),
     ('table2-mechanism_runs.csv', 'table2-mechanism',
-     'Table 2 mechanism: SSD from a pretrained backbone, E5M2, batch 32', [
-         ('GS', 'FP32'), ('GS', 'Dyn-LS (interval 1000)'),
-         ('Dyn-LS (interval 1000)', 'FP32')], 32),
+     'Table 2 mechanism: SSD from a pretrained backbone, E5M2, batch 32',
+     _gs_against('FP32', 'Dyn-LS (interval 1000)')
+     + _against('FP32', 'Dyn-LS (interval 1000)'), 32),
 ] + [('block_scaling_runs.csv', 'block-scaling-' + task,
        'Block scaling, ' + task, _block_pairs(extra))
       for task, extra in (
@@ -163,9 +169,8 @@ COMPARISONS = [
 #: into zeros), not of the metric; the same format as :data:`COMPARISONS`.
 UNDERFLOW = [
     ('residual_runs.csv', 'residual',
-     'Residual connections: fraction of gradient values lost, no scaling', [
-         ('FP16, no skips', 'FP16, skips'),
-         ('E5M2, no skips', 'E5M2, skips')]),
+     'Residual connections: fraction of gradient values lost, no scaling',
+     _SKIPS),
 ]
 
 
