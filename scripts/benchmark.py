@@ -32,7 +32,13 @@ paragraph in the report says what its columns are. Modes (``--modes``):
   transformer (``gpt``: 2 layers of width 32, batch 1, 8 tokens,
   framework-bound: GS@100 <= 1.10, GS@1 <= 1.5; ``gpt-256``: 4 layers of
   width 256, batch 4, 128 tokens, compute-bound: GS cached <= 1.02).
-  ``--target-models`` picks the models.
+  ``--target-models`` picks the models. ``--compiled``: also (``only``:
+  instead) the same under ``torch.compile`` (PyTorch's): GS with its
+  backend (``compile_backend``) against GradScaler with the plain one,
+  compiled with ``--compile-inner`` (Inductor by default, on the CPU too),
+  each variant its own copy, warmed up past its compilations (the report
+  counts any graph compiled while timing); target (issue 35): compiled
+  GS@100 <= 1.03x compiled GradScaler on both transformers.
 * ``simulation``: the simulation's own cost, an iteration without scaling
   under sim-fp16 / sim-fp8 / S2FP8 against FP32 (target: sim-fp16 <= 1.5).
 
@@ -46,6 +52,9 @@ Examples::
     python scripts/benchmark.py --gpu 0 --shape resnet50=32x224
     python scripts/benchmark.py --framework torch --modes targets \
         --target-models gpt gpt-256 --target-rounds 40 --out /tmp/gpt.md
+    python scripts/benchmark.py --framework torch --modes targets \
+        --target-models gpt --compiled only --target-rounds 60 \
+        --out /tmp/compiled.md
 
 Full-size targets: GS@100 / none <= 1.01, GS@1 / none <= 1.05, peak memory
 <= 1.01; the added microseconds per node flat from ResNet-18 to ResNet-101.
@@ -113,6 +122,8 @@ class Results(object):
     nodes: list = dataclasses.field(default_factory=list)
     attribution: list = dataclasses.field(default_factory=list)
     targets: list = dataclasses.field(default_factory=list)
+    #: Lines under the targets' table (the compiled variants' compilations).
+    target_notes: list = dataclasses.field(default_factory=list)
     simulation: list = dataclasses.field(default_factory=list)
 
 
@@ -176,6 +187,13 @@ def run_iterations(args, adapter, device, mode, model, precision, results,
 
 
 def run_targets(args, adapter, device, model, results, log):
+    if args.compiled != 'only':
+        run_eager_targets(args, adapter, device, model, results, log)
+    if args.compiled:
+        run_compiled_targets(args, adapter, device, model, results, log)
+
+
+def run_eager_targets(args, adapter, device, model, results, log):
     shape = shapes_of(args, adapter, 'targets')[model]
     variants = adapter.target_variants(model, shape, device)
     samples = harness.time_alternately(variants, args.target_rounds, log=log)
@@ -188,6 +206,42 @@ def run_targets(args, adapter, device, model, results, log):
     results.targets += rows.target_rows(
         case_name(adapter, model), shape_text(shape), 'fp32', samples,
         'cpu' if _on_cpu(device) else 'wall', baseline, targets)
+
+
+def run_compiled_targets(args, adapter, device, model, results, log):
+    """The targets under ``torch.compile``: ``compiled ...`` rows against
+    ``compiled GradScaler``, GS@100 amortised as in the eager rows; a note
+    of the graphs compiled in the warm-up steps and while timing."""
+    build = getattr(adapter, 'compiled_target_variants', None)
+    if build is None:
+        log('{} {}: no compiled targets'.format(framework_of(adapter),
+                                                model))
+        return
+    shape = shapes_of(args, adapter, 'targets')[model]
+    prefix = adapter.COMPILED
+    log('  compiled ({}): compiling'.format(args.compile_inner))
+    with adapter.CompileCounter(reset=True) as warm:
+        variants = build(model, shape, device, args.compile_inner)
+    with adapter.CompileCounter() as timed:
+        samples = harness.time_alternately(variants, args.target_rounds,
+                                           log=log)
+    log('  compiled: {} graphs compiled in the warm-up steps, {} while '
+        'timing'.format(warm.text(), timed.text()))
+    samples[prefix + 'gs@100'] = harness.amortised(
+        samples[prefix + 'gs@1'], samples[prefix + 'gs-cached'], 100)
+    name = case_name(adapter, model)
+    results.targets += rows.target_rows(
+        name, shape_text(shape), 'fp32', samples,
+        'cpu' if _on_cpu(device) else 'wall', adapter.COMPILED_BASELINE,
+        adapter.COMPILED_TARGETS)
+    results.target_notes.append(
+        '{} {}, `compiled ...` rows: under `torch.compile` ({}), each '
+        'variant its own copy, against `{}`; GS with `compile_backend`. '
+        'Graphs compiled in the {} warm-up steps per variant: {}; in the '
+        'harness\'s warm-up round and the {} timed rounds: {}.'.format(
+            name, shape_text(shape), args.compile_inner,
+            adapter.COMPILED_BASELINE, adapter.COMPILE_WARM_UP, warm.text(),
+            args.target_rounds, timed.text()))
 
 
 def _on_cpu(device):
@@ -264,8 +318,9 @@ def build_report(argv, machine, results, gpu_times=None):
         out.section('Where GS\'s time goes (timed inside the hook)',
                     results.attribution)
     if results.targets:
+        notes = ['* ' + n for n in results.target_notes]
         out.section('Framework-bound targets (one model copy)',
-                    results.targets)
+                    results.targets, after=notes)
     if results.simulation:
         out.section('Simulation cost', results.simulation)
     return out
@@ -339,6 +394,14 @@ def parse_args(argv):
         'table of no scaling, GS\'s cached pass and GS@k against Dyn-LS')
     add('--target-rounds', type=int, default=None,
         help='rounds of the targets mode (default: 20, --quick 2)')
+    add('--compiled', nargs='?', const='also', default=None,
+        choices=('also', 'only'),
+        help='targets mode, PyTorch: also (--compiled, --compiled also) or '
+        'only (--compiled only) the targets under torch.compile, GS with '
+        'its compile_backend against GradScaler')
+    add('--compile-inner', default='inductor',
+        choices=('inductor', 'aot_eager'),
+        help='--compiled: what compiles the graphs (default: %(default)s)')
     add('--simulations', nargs='+', default=['sim-fp16', 'sim-fp8-e5m2',
                                              's2fp8'],
         choices=chainer_variants.SIMULATIONS,

@@ -443,3 +443,98 @@ def test_torch_cpu_tracker_sees_a_tensor_held_across_the_step():
     assert peaks['plain (A/A)'] == pytest.approx(peaks['plain'], rel=0.01)
     assert peaks['holding'] - peaks['plain'] == pytest.approx(extra,
                                                              rel=0.01)
+
+
+COMPILED_VARIANTS = ['compiled GradScaler', 'compiled GradScaler (A/A)',
+                     'compiled gs-cached', 'compiled gs@1',
+                     'compiled gs@100']
+
+
+def test_compiled_targets_against_compiled_gradscaler(tmp_path):
+    """``--compiled only``: the targets under torch.compile (aot_eager
+    here: no C++ compilation), GS with its backend against GradScaler,
+    GS@100 amortised, the issue's 1.03 target on it, and a note of the
+    graphs compiled: none while timing (GS's refresh and cached passes
+    run the graphs their warm-up steps compiled)."""
+    pytest.importorskip('torch')
+    out = tmp_path / 'compiled.md'
+    result = _run('benchmark.py', '--quick', '--framework', 'torch',
+                  '--modes', 'targets', '--target-models', 'gpt',
+                  '--compiled', 'only', '--compile-inner', 'aot_eager',
+                  '--target-rounds', '3', '--quiet', '--out', str(out))
+    assert result.returncode == 0, result.stderr
+    text = out.read_text()
+    table = _table(text, '## Framework-bound targets')
+    assert [(r[0], r[1], r[3]) for r in table] == [
+        ('gpt (torch)', '1x8', v) for v in COMPILED_VARIANTS]
+    assert [float(c) for c in table[0][7:11]] == [1.0] * 4
+    met = {r[3]: (r[11], r[12]) for r in table}
+    assert met['compiled gs@100'][0] == '<= 1.03'
+    assert met['compiled gs@100'][1] in ('yes', 'no')
+    assert all(met[v] == ('-', '-') for v in COMPILED_VARIANTS[:4])
+    by = {r[3]: r for r in table}
+    for column in (5, 6):  # min wall, min CPU: GS@100 of its two series
+        assert float(by['compiled gs@100'][column]) >= min(
+            float(by['compiled gs-cached'][column]),
+            float(by['compiled gs@1'][column])) - 1e-4
+    for row in table:
+        assert int(row[4]) == 3
+        _positive(row[5:11])
+    note = [line for line in text.splitlines()
+            if line.startswith('* gpt (torch) 1x8, `compiled ...` rows')]
+    assert len(note) == 1, text
+    # GradScaler's graph (shared by its A/A copy), each GS variant's own
+    # (and GS's forward pre-hook, a frame of no graph): all in the warm-up
+    assert '(aot_eager)' in note[0]
+    assert 'warm-up steps per variant: 0' not in note[0]
+    assert note[0].endswith('the 3 timed rounds: 0.'), note[0]
+
+
+def test_compiled_variants_each_on_its_own_compiled_copy():
+    torch = pytest.importorskip('torch')
+    from gradient_scaling.torch import GradientScaler
+    from benchmarking import torch_variants
+    cpu = torch.device('cpu')
+    with torch_variants.CompileCounter(reset=True) as counter:
+        variants = torch_variants.compiled_target_variants(
+            'gpt', (1, 8), cpu, inner='aot_eager', warm_up=2)
+    assert [v.label for v in variants] == COMPILED_VARIANTS[:4]
+    params = [{id(p) for p in v.model.parameters()} for v in variants]
+    assert all(not (a & b) for i, a in enumerate(params)
+               for b in params[i + 1:])
+    for v in variants:
+        assert type(v.model).__name__ == 'OptimizedModule'
+        assert isinstance(v.scaler, GradientScaler) == ('gs' in v.label)
+    cached, refreshing = variants[2].scaler, variants[3].scaler
+    assert cached.step_taken and refreshing.step_taken
+    assert cached.site_scales() == refreshing.site_scales()
+    assert counter.counts['dynamo'] >= 3 and \
+        counter.counts['lazy_backward'] >= 1
+    with torch_variants.CompileCounter() as timed:
+        for v in variants:
+            v.prepare()
+            v.step()
+    assert timed.total() == 0 and timed.text() == '0'
+    for v in variants:  # the whole model one compiled node
+        # (after the steps: a second forward in a step compiles GS's
+        # forward pre-hook again, guarded on the step's capture)
+        loss = v.model(*v.inputs)
+        assert type(loss.grad_fn).__name__ == 'CompiledFunctionBackward'
+
+
+def test_compile_counter_sees_a_recompilation():
+    torch = pytest.importorskip('torch')
+    from benchmarking import torch_variants
+
+    def f(x):
+        return x * 2
+
+    compiled = torch.compile(f, backend='eager', dynamic=False)
+    with torch_variants.CompileCounter(reset=True) as counter:
+        compiled(torch.ones(2))
+        compiled(torch.ones(2))
+        assert counter.text() == '1 (dynamo 1)'
+        compiled(torch.ones(3))  # a new shape: compiled again
+    assert counter.counts == {'dynamo': 2}
+    compiled(torch.ones(4))  # after the with: not counted
+    assert counter.total() == 2

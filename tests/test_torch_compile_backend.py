@@ -10,6 +10,7 @@ Inductor's kernels differ from eager ones in the last bit).
 """
 
 import importlib
+import math
 import warnings
 
 import numpy as np
@@ -324,6 +325,123 @@ def test_loss_scaling_modes_get_the_inner_backend():
                            inner='aot_eager') == 'aot_eager'
     with pytest.raises(ValueError, match="'inductor' or 'aot_eager'"):
         compile_backend(GradientScaler(model), inner='cudagraphs')
+
+
+def test_factors_carry_every_ratio_of_scales_exactly():
+    """A site's ratio leaves its call as two normal float32 powers of
+    two, the steps of the eager ``g * ratio``: the graph's products are
+    eager GS's, even where one float32 factor could not hold the ratio."""
+    from gradient_scaling.core import arrays
+    steps = backend_module._steps
+    assert backend_module.STEPS == 2
+    x = torch.tensor([1.5, -3.0, 2.0 ** -100, 2.0 ** 100, 0.0,
+                      7.0 * 2 ** -140], dtype=torch.float32)
+    for exponent in (-252, -200, -140, -127, -126, -1, 0, 1, 64, 127, 128,
+                     200, 254):
+        ratio = 2.0 ** exponent
+        factors = steps(ratio)
+        assert math.prod(factors) == ratio
+        assert all(2.0 ** -126 <= f <= 2.0 ** 127 for f in factors)
+        product = x
+        for f in torch.tensor(factors, dtype=torch.float32):
+            product = product * f
+        assert torch.equal(product, arrays.ops_for(x).scaled(x, ratio))
+    for ratio in (2.0 ** 255, 2.0 ** -253, 0.0, math.inf):
+        with pytest.raises(RuntimeError, match='beyond'):
+            steps(ratio)
+
+
+def test_the_graph_multiplies_by_the_factors(monkeypatch):
+    """Each site's call returns factors (and its output scale's inverse,
+    which unscales the parameters' gradients at that scale); the graph
+    multiplies: no gradient leaves a call."""
+    graphs = []
+    compile_backward = backend_module._Region.compile_backward
+
+    def keep(self, gm, example_inputs):
+        graphs.append(gm)
+        return compile_backward(self, gm, example_inputs)
+    monkeypatch.setattr(backend_module._Region, 'compile_backward', keep)
+    make, batch = NETS['transformer']
+    train(make, batch, 'gs', steps=1)
+    (gm,) = graphs
+    calls = [n for n in gm.graph.nodes
+             if n.target is torch.ops.gradient_scaling.scale.default]
+    assert len(calls) >= 5
+    for call in calls:
+        assert call.meta['val'].dtype == torch.float32
+        assert call.meta['val'].shape == (
+            backend_module.STEPS * (len(call.args[0]) + 1),)
+        assert {u.target for u in call.users} == {torch.ops.aten.select.int}
+    # Every parameter's gradient leaves at a site's scale: no call of its
+    # own unscales them.
+    actions = [type(backend_module._ACTIONS[c.args[2]]).__name__
+               for c in calls]
+    assert '_UnscaleAction' not in actions and '_GemmAction' in actions
+
+
+def _autocast_run(compiled, dtype=torch.float16, steps=3):
+    """The float32 transformer's gradients and scales per step under
+    CPU autocast (``dtype``), GS with a float16 target (update interval
+    2), eager or compiled with ``compile_backend`` around ``compiled``."""
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    scaler = GradientScaler(model, update_interval=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = model if compiled is None else torch.compile(
+        model, backend=compile_backend(scaler, inner=compiled))
+    history = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore', RuntimeWarning)
+            with torch.autocast('cpu', dtype=dtype):
+                loss = run(*transformer_batch(step))
+            scaler.scale(loss).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        scaler.step(optimizer)
+        assert scaler.step_taken
+        scaler.update()
+        history.append((grads, {r.name: (r.kind, r.output_scale)
+                                for r in scaler.report()}))
+    return history
+
+
+def test_low_precision_gradients_as_eager_gs(scale_log):
+    """Under autocast float16, float16 gradients multiplied in the graph
+    (in float32, as the eager ``g * ratio``): eager GS's scales and, bit
+    for bit, its gradients."""
+    eager = _autocast_run(None)
+    logged = list(scale_log)
+    del scale_log[:]
+    compiled = _autocast_run('aot_eager')
+    assert sorted(scale_log, key=repr) == sorted(logged, key=repr)
+    for (grads_e, report_e), (grads_c, report_c) in zip(eager, compiled):
+        assert report_c == report_e
+        for name in grads_e:
+            assert torch.equal(grads_c[name], grads_e[name]), name
+    assert max(s for _, s in eager[0][1].values()) >= 2.0 ** 10
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('dtype', ['float16', 'bfloat16'])
+def test_inductor_under_autocast(dtype, scale_log):
+    """Inductor compiles the rewritten graph of a low-precision model
+    (the softmax backward's decomposition casts, decomposed in turn): eager
+    GS's scales; gradients within float16's rounding of eager GS's
+    (Inductor keeps float32 inside its fused kernels)."""
+    eager = _autocast_run(None, getattr(torch, dtype))
+    logged = list(scale_log)
+    del scale_log[:]
+    compiled = _autocast_run('inductor', getattr(torch, dtype))
+    assert sorted(scale_log, key=repr) == sorted(logged, key=repr)
+    for (grads_e, report_e), (grads_c, report_c) in zip(eager, compiled):
+        assert report_c == report_e
+        for name, g in grads_e.items():
+            np.testing.assert_allclose(
+                grads_c[name].numpy(), g.numpy(), rtol=0,
+                atol=2.0 ** -5 * float(g.abs().max()), err_msg=name)
 
 
 @pytest.mark.slow

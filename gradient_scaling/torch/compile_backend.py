@@ -21,7 +21,10 @@ backward FX graph before it is compiled (by Inductor, or run as traced):
   ``cast``, ``branch``) for the scale, as the eager hook's callbacks do, so
   that the same core code chooses the same scales from the same tensors
   (statistics on a refresh, the committed table on a cached pass) and the
-  same records reach ``report()``;
+  same records reach ``report()``; it returns the factors (powers of two,
+  as float32 numbers), and the graph multiplies each gradient by its own:
+  the multiplications are compiled with the rest (Inductor fuses them with
+  their neighbours), not run one by one from Python;
 * the gradients leave the graph at the scale the region was entered with
   (1 where the whole model, loss included, is compiled): the eager hook
   then treats the region's node as a plain one, and a parameter's gradient
@@ -151,31 +154,76 @@ _CALLS = []
 
 
 def _scale(grads, operands, action):
-    """``gradient_scaling::scale``: what action ``action`` does to
-    ``grads`` in the running region backward (a copy outside one)."""
+    """``gradient_scaling::scale``: the factors by which action
+    ``action`` multiplies ``grads`` in the running region backward (1
+    outside one), then the inverse of the scale it gives (what unscales a
+    parameter's gradient at that scale), :data:`STEPS` float32 powers of
+    two each, in a new 1-d tensor on the first gradient's device."""
     call = _CALLS[-1] if _CALLS else None
-    if call is None or call.step is None:
-        return [g.clone() for g in grads]  # no pass of the hook: unscaled
-    return _ACTIONS[action](call, grads, operands)
+    if call is None or call.step is None:  # no pass of the hook: unscaled
+        return _factors((1.0,) * (len(grads) + 1), grads[0].device)
+    return _factors(tuple(_ACTIONS[action](call, grads, operands)),
+                    grads[0].device)
 
 
 def _scale_fake(grads, operands, action):
-    return [torch.empty_like(g) for g in grads]
+    return grads[0].new_empty((STEPS * (len(grads) + 1),),
+                              dtype=torch.float32)
+
+
+#: The factors a ratio is applied in: float32 powers of two, each a normal
+#: number (the steps of ``arrays.ops_for(x).scaled``), in the float32
+#: arithmetic of a float32 or low-precision gradient: exact wherever the
+#: product is representable, for ratios from 2**-252 to 2**254.
+STEPS = 2
+_NORMAL_EXPONENTS = (-126, 127)
+#: (ratios, device) -> their factors, made once (each call gets a copy: an
+#: operation's output is the compiled graph's, to reuse as it likes).
+_FACTORS = {}
+
+
+def _factors(ratios, device):
+    key = (ratios, device)
+    factors = _FACTORS.get(key)
+    if factors is None:
+        if len(_FACTORS) > 4096:
+            _FACTORS.clear()
+        factors = _FACTORS[key] = torch.tensor(
+            [f for r in ratios for f in _steps(r)], dtype=torch.float32,
+            device=device)
+    return factors.clone()
+
+
+def _steps(ratio):
+    """``ratio`` (a power of two) as :data:`STEPS` normal float32
+    powers of two, the first as large as it can be."""
+    low, high = _NORMAL_EXPONENTS
+    exponent = math.frexp(ratio)[1] - 1
+    steps = []
+    for _ in range(STEPS):
+        step = max(low, min(high, exponent))
+        steps.append(math.ldexp(1.0, step))
+        exponent -= step
+    if exponent or not 0 < ratio < math.inf:
+        raise RuntimeError('GradientScaling: a ratio of scales, {!r}, '
+                           'beyond what a compiled graph applies (2**-252 '
+                           'to 2**254)'.format(ratio))
+    return steps
 
 
 # A plain library operation (its Python kernel costs a third of a
 # ``torch.library.custom_op``'s per call: one call per site and pass).
 _LIBRARY = torch.library.Library('gradient_scaling', 'FRAGMENT')
 _LIBRARY.define('scale(Tensor[] grads, Tensor[] operands, int action) '
-                '-> Tensor[]')
+                '-> Tensor')
 _LIBRARY.impl('scale', _scale, 'CompositeExplicitAutograd')
 torch.library.register_fake('gradient_scaling::scale', _scale_fake,
                             lib=_LIBRARY)
 
 
 def _times(tensor, ratio):
-    """``tensor * ratio`` (a power of two) as the eager hook computes it;
-    always a new tensor (a custom operation may not return its input)."""
+    """``tensor * ratio`` (a power of two) as the eager hook computes it
+    (what a site's measured underflow reads, outside the graph)."""
     return arrays.ops_for(tensor).scaled(tensor, ratio)
 
 
@@ -193,7 +241,11 @@ class _Call(object):
 
 class _GemmAction(object):
     """A GEMM site: the data path's scale (Theorem 1), as the eager hook's
-    GEMM pre-hook chooses it, and the data gradient's measured underflow."""
+    GEMM pre-hook chooses it, and the data gradient's measured underflow.
+
+    Each action returns the ratio by which each of its gradients is
+    multiplied (the graph multiplies), then the inverse of the scale of
+    its output variable ``var_out``."""
 
     def __init__(self, hook, name, param, length, data, var_in, var_out):
         self.hook, self.name, self.param = hook, name, param
@@ -214,15 +266,14 @@ class _GemmAction(object):
             # weight-path backoff lowers the data path too.
             beta = min(beta, step.weight_path(
                 self.name if named else None, alpha, beta, True))
-        scaled = _times(g, beta)
         call.scales[self.var_out] = alpha * beta
-        step.measure(key, lambda: self.data(scaled, operands))
+        step.measure(key, lambda: self.data(_times(g, beta), operands))
         if step.refresh:
             if incoming_finite is None:
                 incoming_finite = bool(
                     arrays.ops_for(g).finite_flags([g])[0])
             step.trace(self.name, incoming_finite, (None, weight), None)
-        return [scaled]
+        return [beta, 1.0 / (alpha * beta)]
 
 
 class _CastAction(object):
@@ -237,13 +288,13 @@ class _CastAction(object):
         alpha = call.scales[self.var_in]
         if self.entering and not call.softmax:
             call.scales[self.var_out] = alpha
-            return [grads[0].clone()]
+            return [1.0, 1.0 / alpha]
+        g = grads[0]
         key = call.step.cast_key()
-        beta = call.step.cast(key, grads[0], alpha)
-        scaled = _times(grads[0], beta)
-        call.step.measure(key, scaled)
+        beta = call.step.cast(key, g, alpha)
+        call.step.measure(key, lambda: _times(g, beta))
         call.scales[self.var_out] = alpha * beta
-        return [scaled]
+        return [beta, 1.0 / (alpha * beta)]
 
 
 class _UnifyAction(object):
@@ -256,19 +307,21 @@ class _UnifyAction(object):
         scales = [call.scales[v] for v in self.vars_in]
         common = call.step.branch(scales, grads)
         call.scales[self.var_out] = common
-        return [_times(g, common / s) for g, s in zip(grads, scales)]
+        return [common / s for s in scales] + [1.0 / common]
 
 
 class _UnscaleAction(object):
-    """The parameters' gradients leaving the graph: each divided by its
-    scale (one call for all)."""
+    """The parameters' gradients leaving the graph at a scale no site
+    gave (the region's entering one): each divided by its scale (one call
+    for all). Those at a site's scale are divided by the inverse that the
+    site's call returned."""
 
     def __init__(self, variables):
         self.variables = variables
 
     def __call__(self, call, grads, operands):
-        return [_times(g, 1.0 / call.scales[v])
-                for g, v in zip(grads, self.variables)]
+        scales = call.scales
+        return [1.0 / scales[v] for v in self.variables] + [1.0]
 
 
 #: The variable of a gradient leaving unscaled.
@@ -341,11 +394,14 @@ class _Region(object):
     def compile_backward(self, gm, example_inputs):
         from functorch.compile import make_boxed_func
         if self.inner == 'inductor':
-            # Kept for the rewrite, decomposed now (Inductor would not
-            # take them undecomposed).
-            table = internals.inductor_decompositions()
-            gm = internals.decompose(gm, example_inputs, {
-                op: table[op] for op in _SOFTMAX_BACKWARD if op in table})
+            # The softmax backwards, kept for the rewrite, decomposed now
+            # (Inductor would not take them undecomposed), by Inductor's
+            # whole table: what their decompositions make is decomposed in
+            # turn (the ``_to_copy`` of a low-precision gradient, which
+            # Inductor lowers only decomposed); the rest of the graph is
+            # decomposed already.
+            gm = internals.decompose(gm, example_inputs,
+                                     internals.inductor_decompositions())
             compiled = internals.inductor_compile(gm, example_inputs,
                                                   is_backward=True)
         else:
@@ -407,6 +463,8 @@ class _Rewrite(object):
         self.pending = {}  # inner add of a tree -> (leaves, inner adds)
         self.gradient = set()  # nodes of the graph that hold gradients
         self.variables = 1
+        #: variable -> (the call that gives it, its inverse's place there)
+        self.inverses = {}
 
     def run(self):
         nodes = list(self.graph.nodes)
@@ -626,11 +684,17 @@ class _Rewrite(object):
             else:
                 variables.append(self.var[g])
         unscaled = list(dict.fromkeys(unscaled))
-        if unscaled:
-            left = dict(zip(unscaled, self.call(output, _UnscaleAction(
-                [self.var[g] for g in unscaled]), unscaled, [])))
-            outputs = [left.get(g, g) if variables[i] == _UNSCALED else g
-                       for i, g in enumerate(outputs)]
+        left = {}
+        with self.graph.inserting_before(output):
+            for g in unscaled:  # by the inverse its site's call returned
+                if self.var[g] in self.inverses:
+                    left[g] = self.times(g, *self.inverses[self.var[g]])
+        rest = [g for g in unscaled if g not in left]
+        if rest:
+            left.update(zip(rest, self.call(output, _UnscaleAction(
+                [self.var[g] for g in rest]), rest, [])))
+        outputs = [left.get(g, g) if variables[i] == _UNSCALED else g
+                   for i, g in enumerate(outputs)]
         output.args = (tuple(outputs),) + tuple(output.args[1:])
         self.region.output_variables = variables
 
@@ -652,19 +716,43 @@ class _Rewrite(object):
 
     def call(self, node, action, grads, operands):
         """``gradient_scaling::scale(grads, operands, action)`` before
-        ``node``; the nodes of its outputs."""
+        ``node``, and each of ``grads`` multiplied by its factors; the
+        nodes of the products."""
         index = _action(action)
         with self.graph.inserting_before(node):
-            op = self.graph.call_function(
-                torch.ops.gradient_scaling.scale.default,
-                (list(grads), list(operands), index))
-            op.meta['val'] = [_fake_like(_value(g)) for g in grads]
-            outs = []
-            for i, g in enumerate(grads):
-                out = self.graph.call_function(operator.getitem, (op, i))
-                out.meta['val'] = op.meta['val'][i]
-                outs.append(out)
-        return outs
+            factors = self.function(_SCALE, list(grads), list(operands),
+                                    index)
+            if hasattr(action, 'var_out'):
+                self.inverses[action.var_out] = (factors, len(grads))
+            return [self.times(g, factors, i) for i, g in enumerate(grads)]
+
+    def times(self, g, factors, i):
+        """``g`` times the ``i``-th gradient's factors, one after the
+        other, in float32 (float64 for a float64 gradient) as the eager
+        ``g * ratio`` computes."""
+        value = _value(g)
+        compute = torch.float64 if value.dtype == torch.float64 \
+            else torch.float32
+        product = g if value.dtype == compute else \
+            self.function(_CONVERT_TO, g, compute)
+        for k in range(STEPS):
+            factor = self.function(_SELECT, factors, 0, STEPS * i + k)
+            if _value(factor).device != value.device:
+                factor = self.function(_TO_COPY, factor,
+                                       device=value.device)
+            if compute != torch.float32:
+                factor = self.function(_CONVERT_TO, factor, compute)
+            product = self.function(_MUL, product, factor)
+        if value.dtype != compute:
+            product = self.function(_CONVERT_TO, product, value.dtype)
+        return product
+
+    def function(self, target, *args, **kwargs):
+        """A node calling ``target`` (here), its value the fake one."""
+        node = self.graph.call_function(target, args, kwargs)
+        node.meta['val'] = target(*torch.fx.node.map_arg(args, _value),
+                                  **kwargs)
+        return node
 
     def replace_after(self, node, old, new):
         """``old`` replaced by ``new`` where the GEMM ``node``'s backward
@@ -729,5 +817,8 @@ def _value(node):
     return node.meta['val']
 
 
-def _fake_like(value):
-    return torch.empty_like(value)
+_SCALE = torch.ops.gradient_scaling.scale.default
+_CONVERT_TO = torch.ops.prims.convert_element_type.default
+_SELECT = _ATEN.select.int
+_TO_COPY = _ATEN._to_copy.default
+_MUL = _ATEN.mul.Tensor

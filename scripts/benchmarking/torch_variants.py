@@ -10,8 +10,13 @@ The same functions as :mod:`benchmarking.chainer_variants` (``use_device``,
 ``none`` a plain step, ``none+check`` ``torch.amp.GradScaler`` at scale 1
 that never grows (the one fused check), ``dynamic`` ``torch.amp.GradScaler``
 with its defaults; GS is :class:`~gradient_scaling.torch.GradientScaler`.
+``compiled_target_variants``: the targets under ``torch.compile``, GS with
+its backend (:func:`~gradient_scaling.torch.compile_backend`) against
+GradScaler with the plain one; ``CompileCounter`` counts the graphs
+compiled meanwhile.
 """
 
+import collections
 import contextlib
 import copy
 
@@ -19,6 +24,7 @@ import numpy
 import torch
 
 from gradient_scaling.torch import GradientScaler
+from gradient_scaling.torch import compile_backend
 from gradient_scaling.torch.simulation import LowPrecisionSimulation
 
 from benchmarking import rows
@@ -30,8 +36,9 @@ __all__ = ['TorchStep', 'use_device', 'memory_tracker', 'training_variants',
            'backward_nodes', 'time_hooks', 'target_variants',
            'simulation_variants', 'SIMULATIONS', 'PRECISIONS', 'SHAPES',
            'TARGETS', 'MODEL_TARGETS', 'TARGET_BASELINE',
-           'TARGET_BASELINE_AA',
-           'MEMORY_TARGET']
+           'TARGET_BASELINE_AA', 'MEMORY_TARGET', 'compiled_target_variants',
+           'CompileCounter', 'COMPILED', 'COMPILED_TARGETS',
+           'COMPILED_BASELINE', 'COMPILED_BASELINE_AA', 'COMPILE_WARM_UP']
 
 NEVER = rows.NEVER
 #: Precisions: FP32, the simulations (FP32 compute, values rounded where
@@ -54,6 +61,18 @@ MODEL_TARGETS = {'gpt': {'gs@100': 1.10, 'gs@1': 1.5},
 #: The issue's peak-memory target: GS against GradScaler.
 MEMORY_TARGET = 1.05
 TARGET_BASELINE, TARGET_BASELINE_AA = 'GradScaler', 'GradScaler (A/A)'
+#: The compiled variants' labels: the eager ones', prefixed.
+COMPILED = 'compiled '
+COMPILED_BASELINE, COMPILED_BASELINE_AA = (COMPILED + TARGET_BASELINE,
+                                           COMPILED + TARGET_BASELINE_AA)
+#: Issue 35's compiled target (both transformers): GS@100 under
+#: ``torch.compile`` with GS's backend <= 1.03x GradScaler under
+#: ``torch.compile`` (the ratio of minima).
+COMPILED_TARGETS = {COMPILED + 'gs@100': 1.03}
+#: Untimed steps of each compiled variant before the harness's own warm-up
+#: round: the forward's and the backward's compilation (the backward is
+#: compiled at its first run), a GS refresh and its cached passes.
+COMPILE_WARM_UP = 3
 
 
 def use_device(gpu):
@@ -225,3 +244,74 @@ def simulation_variants(name, shape, simulations, device):
     return [TorchStep(label, model, inputs, label.split(' ')[0], optimizer,
                       None, device)
             for label in ['fp32', 'fp32 (again)'] + list(simulations)]
+
+
+def compiled_target_variants(name, shape, device, inner='inductor',
+                             warm_up=COMPILE_WARM_UP):
+    """:func:`target_variants` under ``torch.compile``, labelled
+    ``compiled ...``: GradScaler twice (the A/A pair) with ``inner`` as the
+    backend (``'inductor'`` or ``'aot_eager'``), GS cached and GS@1 with
+    :func:`~gradient_scaling.torch.compile_backend` around ``inner``, each
+    on its own copy of the model, each run ``warm_up`` steps (untimed):
+    the compilations fall there. Reset Dynamo's caches before
+    (``CompileCounter(reset=True)``): a cache holds a few graphs per
+    function, and each GS variant has its own backend, hence its own
+    graph (the A/A pair shares GradScaler's)."""
+    base, inputs = build_case(name, shape, device)
+    specs = [(COMPILED_BASELINE, 'dynamic', NEVER),
+             (COMPILED_BASELINE_AA, 'dynamic', NEVER),
+             (COMPILED + 'gs-cached', 'gs', NEVER),
+             (COMPILED + 'gs@1', 'gs', 1)]
+    variants = []
+    for label, kind, interval in specs:
+        model = copy.deepcopy(base)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-5)
+        scaler = _scaler(kind, model, device, 'fp32', interval)
+        backend = inner if kind != 'gs' else compile_backend(scaler,
+                                                             inner=inner)
+        variant = TorchStep(label, torch.compile(model, backend=backend),
+                            inputs, 'fp32', optimizer, scaler, device)
+        for _ in range(warm_up):
+            variant.prepare()
+            variant.step()
+        variants.append(variant)
+    return variants
+
+
+class CompileCounter(object):
+
+    """Inside a ``with``: the graphs ``torch.compile`` compiles, by what
+    started each (``dynamo``: a forward, a frame traced anew, a
+    recompilation; ``lazy_backward``: a backward, at its first run), from
+    Dynamo's compilation callbacks. ``reset``: Dynamo's caches (and
+    callbacks) reset first, as ``torch.compiler.reset()`` does (which,
+    inside the ``with``, would end the counting)."""
+
+    def __init__(self, reset=False):
+        self.reset = reset
+        self.counts = collections.Counter()
+
+    def _started(self, args):
+        self.counts[args.callback_trigger.name.lower()] += 1
+
+    def __enter__(self):
+        from torch._dynamo.callback import callback_handler
+        if self.reset:
+            torch.compiler.reset()
+        callback_handler.register_start_callback(self._started)
+        return self
+
+    def __exit__(self, *args):
+        from torch._dynamo.callback import callback_handler
+        if self._started in callback_handler.start_callbacks:
+            callback_handler.remove_start_callback(self._started)
+
+    def total(self):
+        return sum(self.counts.values())
+
+    def text(self):
+        """``'3 (dynamo 2, lazy_backward 1)'``, or ``'0'``."""
+        if not self.counts:
+            return '0'
+        return '{} ({})'.format(self.total(), ', '.join(
+            '{} {}'.format(k, n) for k, n in sorted(self.counts.items())))
