@@ -133,7 +133,7 @@ COMPARISONS = [
      _gs_against('Dyn-LS (interval 1000)', 'Dyn-LS (GradScaler)')
      + [('Dyn-LS (GradScaler)', 'Dyn-LS (interval 1000)')]),
     ('segmentation-paper-loss_runs.csv', 'segmentation-paper-loss',
-     'Table 3 before the cast fix (Chainer)',
+     'Table 3, paper-scale loss (Chainer, 2 seeds)',
      _gs_against('FP32', 'Dyn-LS (interval 1000)', 'no scaling')),
     ('s2fp8_runs.csv', 's2fp8', 'S2FP8 Table 1',
      _against('FP32', 'S2FP8', 'FP8 E5M2') + [('S2FP8', 'FP8 E5M2')]
