@@ -201,6 +201,7 @@ def compile_ops():
                              aten._log_softmax_backward_data.default),
         'convert': (prims.convert_element_type.default,
                     aten._to_copy.default),
+        'to_copy': aten._to_copy.default,
         'views': (aten.t.default, aten.permute.default,
                   aten.transpose.int, aten.view.default,
                   aten._unsafe_view.default, aten.reshape.default,

@@ -820,5 +820,5 @@ def _value(node):
 _SCALE = torch.ops.gradient_scaling.scale.default
 _CONVERT_TO = torch.ops.prims.convert_element_type.default
 _SELECT = _ATEN.select.int
-_TO_COPY = _ATEN._to_copy.default
+_TO_COPY = _OPS['to_copy']
 _MUL = _ATEN.mul.Tensor
