@@ -233,13 +233,24 @@ class TorchOps(arrays.ArrayOps):
         """``x * ratio`` for a power of two ``ratio`` (a new tensor), in
         steps that keep each factor a normal float32 number, so that the
         product is exact wherever it is representable."""
-        exponent = math.frexp(ratio)[1] - 1
         result = x
-        while exponent:
-            step = max(-126, min(127, exponent))
-            result = result * math.ldexp(1.0, step)
-            exponent -= step
+        for step in normal_steps(ratio):
+            result = result * step
         return result if result is not x else x.clone()
+
+
+def normal_steps(ratio):
+    """``ratio`` (a power of two) as the fewest normal float32 powers of
+    two whose product it is, the first as large as it can be (none for
+    1): multiplied one after the other, exact wherever the product is
+    representable."""
+    exponent = math.frexp(ratio)[1] - 1
+    steps = []
+    while exponent:
+        step = max(-126, min(127, exponent))
+        steps.append(math.ldexp(1.0, step))
+        exponent -= step
+    return steps
 
 
 def times_power_of_two(x, ratio):

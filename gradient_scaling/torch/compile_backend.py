@@ -176,7 +176,6 @@ def _scale_fake(grads, operands, action):
 #: arithmetic of a float32 or low-precision gradient: exact wherever the
 #: product is representable, for ratios from 2**-252 to 2**254.
 STEPS = 2
-_NORMAL_EXPONENTS = (-126, 127)
 #: (ratios, device) -> their factors, made once (each call gets a copy: an
 #: operation's output is the compiled graph's, to reuse as it likes).
 _FACTORS = {}
@@ -196,19 +195,15 @@ def _factors(ratios, device):
 
 def _steps(ratio):
     """``ratio`` (a power of two) as :data:`STEPS` normal float32
-    powers of two, the first as large as it can be."""
-    low, high = _NORMAL_EXPONENTS
-    exponent = math.frexp(ratio)[1] - 1
-    steps = []
-    for _ in range(STEPS):
-        step = max(low, min(high, exponent))
-        steps.append(math.ldexp(1.0, step))
-        exponent -= step
-    if exponent or not 0 < ratio < math.inf:
+    powers of two (:func:`~gradient_scaling.torch.arrays.normal_steps`,
+    padded with 1)."""
+    steps = torch_arrays.normal_steps(ratio) if 0 < ratio < math.inf \
+        else None
+    if steps is None or len(steps) > STEPS:
         raise RuntimeError('GradientScaling: a ratio of scales, {!r}, '
                            'beyond what a compiled graph applies (2**-252 '
                            'to 2**254)'.format(ratio))
-    return steps
+    return steps + [1.0] * (STEPS - len(steps))
 
 
 # A plain library operation (its Python kernel costs a third of a
