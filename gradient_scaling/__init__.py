@@ -28,8 +28,8 @@ import sys
 from gradient_scaling.core import formats  # NOQA
 from gradient_scaling.core import statistics  # NOQA
 from gradient_scaling.core import underflow  # NOQA
-from gradient_scaling.core.faults import GradientOverflowError  # NOQA
-from gradient_scaling.core.faults import PassResult  # NOQA
+from gradient_scaling.core.scaler import GradientOverflowError  # NOQA
+from gradient_scaling.core.scaler import PassResult  # NOQA
 
 __all__ = ['GradientScaling', 'GradientOverflowError', 'PassResult',
            'SiteRecord', 'measured_underflow_rate', 'formats', 'statistics',

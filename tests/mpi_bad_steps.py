@@ -25,7 +25,7 @@ from fault_nets import build  # NOQA
 from fault_nets import ListIterator  # NOQA
 
 from gradient_scaling.chainer import training  # NOQA
-from gradient_scaling.core.faults import GradientOverflowError  # NOQA
+from gradient_scaling.core.scaler import GradientOverflowError  # NOQA
 
 
 def main():

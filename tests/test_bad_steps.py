@@ -20,7 +20,7 @@ import chainer.functions as F
 from gradient_scaling.chainer import _internals as internals
 from gradient_scaling.chainer import scalers
 from gradient_scaling.chainer import training
-from gradient_scaling.core.faults import GradientOverflowError
+from gradient_scaling.core.scaler import GradientOverflowError
 
 from fault_nets import batches  # NOQA
 from fault_nets import build  # NOQA

@@ -41,7 +41,7 @@ import numpy as np
 import gradient_scaling
 from gradient_scaling.core import recipes
 from gradient_scaling.core.controller import ScaleController
-from gradient_scaling.core.faults import PassResult
+from gradient_scaling.core.scaler import PassResult
 for module in %(modules)r:
     importlib.import_module('gradient_scaling.core.' + module)
 
@@ -75,7 +75,7 @@ print(json.dumps({
     'loaded': sorted(m for m in %(frameworks)r
                      if sys.modules.get(m) is not None),
     'scales': sorted(controller.table.scales.items()),
-    'age': controller.schedule.age, 'hook_error': hook_error}))
+    'age': controller.age, 'hook_error': hook_error}))
 '''
 
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from gradient_scaling.core import faults
-from gradient_scaling.core.faults import GradientOverflowError
-from gradient_scaling.core.faults import OverflowGuard
-from gradient_scaling.core.faults import PassResult
+from gradient_scaling.core.scaler import GradientOverflowError
+from gradient_scaling.core.scaler import OverflowGuard
+from gradient_scaling.core.scaler import PassResult
 
 
 def bad(cause, *params, sites=(), weight_paths=()):

@@ -178,7 +178,7 @@ def test_bare_hook_reports_each_pass_and_changes_nothing_on_data_faults(
         assert hook.last_result.finite and not hook.skipped
         table = dict(hook.table.scales)
         records = hook.report()
-        age = hook.schedule.age
+        age = hook.controller.age
         with pytest.warns(RuntimeWarning, match='loss, an input or a forward'):
             model.cleargrads()
             poisoned().backward()
@@ -189,7 +189,7 @@ def test_bare_hook_reports_each_pass_and_changes_nothing_on_data_faults(
         assert len(result.parameters) == len(list(model.params()))
         # A data fault changes no scale and no schedule.
         assert hook.table.scales == table and hook.report() == records
-        assert hook.schedule.age == age and not hook.schedule.forced
+        assert hook.controller.age == age and not hook.controller.forced
         assert hook.guard.skips == {'data': 1, 'scale': 0}
         model.cleargrads()
         loss_fn().backward()
@@ -219,7 +219,7 @@ def test_serialize_round_trip(every_construct, tmp_path):
     assert restored.table.scales == hook.table.scales
     assert len(hook.table.scales) >= 6
     assert restored.table.signatures == hook.table.signatures
-    assert restored.iteration == 2 and restored.schedule.age == 2
+    assert restored.iteration == 2 and restored.controller.age == 2
     # Telemetry too, so that a resumed run logs what the straight one does.
     assert restored.to_csv() == hook.to_csv() and hook.report()
     # The restored hook reuses the cached scales: no refresh at pass 3.

@@ -368,7 +368,7 @@ def test_numpy_scalars_are_numbers():
                            update_interval=np.int64(5))
     assert hook.underflow_rate == pytest.approx(1e-3)
     assert type(hook.underflow_rate) is float
-    assert hook.schedule.interval == 5
+    assert hook.update_interval == 5
     config = training.ScalingConfig(
         underflow_rate=np.float32(1e-3), update_interval=np.int64(5))
     assert (config.recipe.underflow_rate, config.recipe.update_interval) \

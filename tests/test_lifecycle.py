@@ -1,14 +1,17 @@
-"""StepLifecycle: every row of its transition table, and every illegal call."""
+"""The step's lifecycle (ScaleController.state): every row of its transition
+table, and every illegal call."""
 
 import pytest
 
-from gradient_scaling.core.lifecycle import STATES
-from gradient_scaling.core.lifecycle import StepLifecycle
-from gradient_scaling.core.lifecycle import StepOrderError
+from gradient_scaling.core import recipes
+from gradient_scaling.core.controller import STATES
+from gradient_scaling.core.controller import ScaleController
+from gradient_scaling.core.controller import StepOrderError
+from gradient_scaling.core.scaler import FINITE
 
 CALLS = ('hold', 'begin_pass', 'end_pass', 'abort_pass', 'conclude')
 
-# (state, call) -> next state: the module docstring's table.
+# (state, call) -> next state: the controller module docstring's table.
 TABLE = {
     ('idle', 'hold'): 'open',
     ('idle', 'begin_pass'): 'in_pass',
@@ -32,37 +35,51 @@ PATHS = {
 }
 
 
+def call(life, name):
+    """The lifecycle's ``name`` on controller ``life`` (``conclude``: the
+    decided step's transition); returns, for ``hold`` and ``begin_pass``,
+    whether it opened a step, for ``end_pass`` whether the owner concludes
+    now."""
+    before = life.step
+    if name == 'end_pass':
+        return life.end_pass(FINITE)
+    if name == 'conclude':
+        return life.transition([], FINITE)
+    getattr(life, name)()
+    return life.step is not before
+
+
 def reach(state, held):
-    life = StepLifecycle()
-    for call in PATHS[state, held]:
-        getattr(life, call)()
+    life = ScaleController(recipes.GradientScalingRecipe())
+    for name in PATHS[state, held]:
+        call(life, name)
     assert life.state == state and life.held == held
     return life
 
 
 @pytest.mark.parametrize('state, held', sorted(PATHS))
-@pytest.mark.parametrize('call', CALLS)
-def test_every_state_and_call(state, held, call):
+@pytest.mark.parametrize('name', CALLS)
+def test_every_state_and_call(state, held, name):
     life = reach(state, held)
-    following = TABLE.get((state, call))
+    following = TABLE.get((state, name))
     if following is None:
         with pytest.raises(StepOrderError, match=r'{}\(\) in state {!r}'
-                           .format(call, state)):
-            getattr(life, call)()
+                           .format(name, state)):
+            call(life, name)
         assert life.state == state and life.held == held  # unchanged
         return
-    returned = getattr(life, call)()
+    returned = call(life, name)
     assert life.state == following
-    if call in ('hold', 'begin_pass'):
+    if name in ('hold', 'begin_pass'):
         assert returned is (state == 'idle')  # whether it opened a step
-    if call == 'hold':
+    if name == 'hold':
         assert life.held
-    if call == 'end_pass':
+    if name == 'end_pass':
         assert returned is (not held)  # the owner concludes an unheld step
-        assert life.passes == len([c for c in PATHS[state, held]
-                                   if c == 'end_pass']) + 1
-    if call in ('abort_pass', 'conclude'):
-        assert not life.held and life.passes == 0
+        assert len(life.step.results) == len(
+            [c for c in PATHS[state, held] if c == 'end_pass']) + 1
+    if name in ('abort_pass', 'conclude'):
+        assert not life.held and life.step is None
 
 
 def test_the_table_covers_every_state():
@@ -71,20 +88,23 @@ def test_the_table_covers_every_state():
 
 
 def test_accumulation_a_held_step_of_three_passes():
-    life = StepLifecycle()
-    assert life.hold() is True
+    life = ScaleController(recipes.GradientScalingRecipe())
+    assert call(life, 'hold') is True
     for k in range(3):
-        assert life.begin_pass() is False  # the step was opened by hold
-        assert life.end_pass() is False  # held: the scaler concludes
-        assert life.passes == k + 1
-    life.conclude()
-    assert (life.state, life.held, life.passes) == ('idle', False, 0)
+        assert call(life, 'begin_pass') is False  # opened by hold
+        assert life.end_pass(FINITE) is False  # held: the scaler concludes
+        assert len(life.step.results) == k + 1
+    call(life, 'conclude')
+    assert (life.state, life.held, life.step) == ('idle', False, None)
 
 
 def test_require_idle():
-    life = StepLifecycle()
-    life.require_idle('saving')
+    life = ScaleController(recipes.GradientScalingRecipe())
+    life.load_state_dict(life.state_dict())
     life.begin_pass()
-    with pytest.raises(StepOrderError, match="saving in the middle of a step "
-                       r"\(state 'in_pass'\)"):
-        life.require_idle('saving')
+    with pytest.raises(StepOrderError, match="cannot save state in the "
+                       r"middle of a step \(state 'in_pass'\)"):
+        life.state_dict()
+    with pytest.raises(StepOrderError, match="cannot load state in the "
+                       r"middle of a step \(state 'in_pass'\)"):
+        life.load_state_dict({})

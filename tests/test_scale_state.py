@@ -1,4 +1,5 @@
-"""GS's state machines, each driven through every row of its table."""
+"""GS's state machines, each driven through every row of its table (the
+refresh schedule's through the controller that holds it)."""
 
 import gradient_scaling  # NOQA
 
@@ -8,13 +9,13 @@ import numpy as np
 import pytest
 
 from gradient_scaling.core import recipes
-from gradient_scaling.core import scale_state
-from gradient_scaling.core.scale_state import RefreshSchedule
+from gradient_scaling.core.controller import ScaleController
 from gradient_scaling.core.scale_state import ScaleTable
 from gradient_scaling.core.scale_state import StagedScales
 from gradient_scaling.core.scale_state import WeightPathBackoff
+from gradient_scaling.core.scaler import FINITE
 from gradient_scaling.core.scaler import GradScalerDynamic
-from gradient_scaling.core.faults import PassResult
+from gradient_scaling.core.scaler import PassResult
 
 
 def round_trip(obj, fresh, tmp_path=None):
@@ -24,39 +25,52 @@ def round_trip(obj, fresh, tmp_path=None):
     return fresh
 
 
+def controller(interval):
+    return ScaleController(recipes.for_mode('gs', update_interval=interval))
+
+
+def conclude(c, taken, refreshed, cause=None):
+    """One step of controller ``c``, concluded as a row of the refresh
+    schedule's table says (``refreshed``: whether its pass refreshed)."""
+    c.begin_pass().refresh = refreshed
+    result = FINITE if taken else PassResult(finite=False, cause=cause)
+    c.end_pass(result)
+    c.transition([], result)
+
+
 def test_refresh_schedule_transition_table(tmp_path):
-    s = RefreshSchedule(interval=3)
-    assert s.due() and s.age is None  # never computed
-    s.conclude(taken=False, refreshed=True, cause='data')
+    s = controller(interval=3)
+    assert s.due and s.age is None  # never computed
+    conclude(s, taken=False, refreshed=True, cause='data')
     assert s.age is None and not s.forced  # data: unchanged
-    s.conclude(taken=True, refreshed=True)
-    assert (s.age, s.forced, s.due()) == (1, False, False)
-    s.conclude(taken=True, refreshed=False)
-    assert (s.age, s.due()) == (2, False)
-    s.conclude(taken=False, refreshed=False, cause='data')
+    conclude(s, taken=True, refreshed=True)
+    assert (s.age, s.forced, s.due) == (1, False, False)
+    conclude(s, taken=True, refreshed=False)
+    assert (s.age, s.due) == (2, False)
+    conclude(s, taken=False, refreshed=False, cause='data')
     assert (s.age, s.forced) == (2, False)
-    s.conclude(taken=True, refreshed=False)
-    assert (s.age, s.due()) == (3, True)  # age >= interval
-    s.conclude(taken=True, refreshed=True)
+    conclude(s, taken=True, refreshed=False)
+    assert (s.age, s.due) == (3, True)  # age >= interval
+    conclude(s, taken=True, refreshed=True)
     assert s.age == 1
-    s.conclude(taken=False, refreshed=False, cause='scale')
-    assert (s.age, s.forced, s.due()) == (1, True, True)  # forced
-    s.conclude(taken=True, refreshed=False)  # forced stays until a refresh
+    conclude(s, taken=False, refreshed=False, cause='scale')
+    assert (s.age, s.forced, s.due) == (1, True, True)  # forced
+    conclude(s, taken=True, refreshed=False)  # forced stays until a refresh
     assert (s.age, s.forced) == (2, True)
-    restored = round_trip(s, RefreshSchedule(3), tmp_path)
+    restored = round_trip(s, controller(3), tmp_path)
     assert (restored.age, restored.forced) == (2, True)
-    s.conclude(taken=True, refreshed=True)
+    conclude(s, taken=True, refreshed=True)
     assert (s.age, s.forced) == (1, False)
 
 
 def test_refresh_every_interval_steps():
-    s = RefreshSchedule(interval=4)
+    s = controller(interval=4)
     refreshes = []
     for i in range(1, 13):
-        due = s.due()
-        if due:
+        if s.begin_pass().refresh:
             refreshes.append(i)
-        s.conclude(taken=True, refreshed=due)
+        s.end_pass(FINITE)
+        s.conclude([s.payload()])
     assert refreshes == [1, 5, 9]
 
 
@@ -95,31 +109,31 @@ def test_scale_table_stages_commits_and_checks_signatures(tmp_path):
 
 def test_weight_path_backoff_transition_table(tmp_path):
     b = WeightPathBackoff(factor=16, floor=2.0 ** -12, headroom=4)
-    assert b.scale('/W') == 1.0 and not b.managed('/W')
+    assert b.scales.get('/W', 1.0) == 1.0 and not b.managed('/W')
     # skipped, p's path overflowed: / factor
     assert b.back_off(['/W', '/b']) is True
     assert b.scales == {'/W': 1 / 16, '/b': 1 / 16}
     assert b.back_off(['/W'])
-    assert b.scale('/W') == 2.0 ** -8
+    assert b.scales['/W'] == 2.0 ** -8
     # ... down to the floor, where nothing is lowered any more
-    assert b.back_off(['/W']) and b.scale('/W') == 2.0 ** -12
-    assert b.back_off(['/W']) is False and b.scale('/W') == 2.0 ** -12
+    assert b.back_off(['/W']) and b.scales['/W'] == 2.0 ** -12
+    assert b.back_off(['/W']) is False and b.scales['/W'] == 2.0 ** -12
     # a refresh regrows from the measured largest value (format max 65504):
     # keep it 4x below: 2**-12 * 65504 / (4 * 100) -> 2**-5
     b.regrow({'/W': 100.0}, 65504.0)
-    assert b.scale('/W') == 2.0 ** -5
+    assert b.scales['/W'] == 2.0 ** -5
     # gradients back to normal: back to 1, forgotten, after one refresh
     b.regrow({'/W': 1e-3}, 65504.0)
-    assert not b.managed('/W') and b.scale('/W') == 1.0
+    assert not b.managed('/W') and b.scales.get('/W', 1.0) == 1.0
     # tight headroom lowers a managed path (never below the floor)
     b.regrow({'/b': 60000.0}, 65504.0)
-    assert b.scale('/b') == 2.0 ** -6
+    assert b.scales['/b'] == 2.0 ** -6
     b.regrow({'/b': 1e30}, 65504.0)
-    assert b.scale('/b') == 2.0 ** -12
+    assert b.scales['/b'] == 2.0 ** -12
     # an all-zero gradient: forgotten; unmeasured or non-finite: unchanged
     b.back_off(['/c'])
     b.regrow({'/c': 0.0, '/b': float('nan')}, 65504.0)
-    assert not b.managed('/c') and b.scale('/b') == 2.0 ** -12
+    assert not b.managed('/c') and b.scales['/b'] == 2.0 ** -12
     # unmanaged paths are never touched by a measurement
     b.regrow({'/unmanaged': 1e9}, 65504.0)
     assert not b.managed('/unmanaged')
@@ -140,9 +154,9 @@ def test_weight_path_backoff_arguments(kwargs, message):
 
 def test_refresh_interval_validation():
     with pytest.raises(ValueError, match='update_interval'):
-        RefreshSchedule(True)
-    assert RefreshSchedule(np.int64(5)).interval == 5
-    assert scale_state.RefreshSchedule(1).due()
+        controller(True)
+    assert controller(np.int64(5)).recipe.update_interval == 5
+    assert controller(1).due
 
 
 def test_dynamic_loss_scale_table_row_by_row():

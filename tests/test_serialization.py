@@ -15,7 +15,8 @@ from gradient_scaling.chainer import serialization
 from gradient_scaling.core import estimators
 from gradient_scaling.core import recipes
 from gradient_scaling.core import scale_state
-from gradient_scaling.core.faults import OverflowGuard
+from gradient_scaling.core.controller import ScaleController
+from gradient_scaling.core.scaler import OverflowGuard
 
 from hook_nets import EveryConstructNet  # NOQA
 from hook_nets import every_construct_batch  # NOQA
@@ -120,9 +121,9 @@ def test_a_previous_layouts_snapshot_resumes(estimator):
 
 
 def test_every_state_machine_round_trips_through_npz(tmp_path):
-    schedule = scale_state.RefreshSchedule(5)
-    schedule.conclude(True, True)
-    schedule.conclude(False, False, 'scale')
+    gs = recipes.for_mode('gs', update_interval=5)
+    controller = ScaleController(gs)
+    controller.age, controller.forced = 1, True  # refreshed, then 'scale'
     table = scale_state.ScaleTable()
     staged = scale_state.StagedScales()
     staged.stage('fc', 64.0)
@@ -132,7 +133,7 @@ def test_every_state_machine_round_trips_through_npz(tmp_path):
     backoff.back_off(['/fc/W'])
     guard = OverflowGuard('gs')
     guard.skips['data'] = 3
-    for obj, fresh in ((schedule, scale_state.RefreshSchedule(5)),
+    for obj, fresh in ((controller, ScaleController(gs)),
                        (table, scale_state.ScaleTable()),
                        (backoff, scale_state.WeightPathBackoff()),
                        (guard, OverflowGuard('gs'))):

@@ -11,7 +11,7 @@ import pytest
 
 from gradient_scaling.core import recipes
 from gradient_scaling.core import scaler as core
-from gradient_scaling.core.faults import PassResult
+from gradient_scaling.core.scaler import PassResult
 
 HAS_TORCH = importlib.util.find_spec('torch') is not None
 needs_torch = pytest.mark.skipif(not HAS_TORCH, reason='needs PyTorch')

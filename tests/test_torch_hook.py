@@ -80,11 +80,11 @@ def test_bare_hook_decides_each_pass_and_a_data_fault_changes_nothing(
     hook = GradientScaling(net, update_interval=2,
                            patience=3)
     gradients(net, loss_fn, hook)
-    table, age = dict(hook.table.scales), hook.schedule.age
+    table, age = dict(hook.table.scales), hook.controller.age
     with pytest.warns(RuntimeWarning, match='loss, an input or a forward'):
         gradients(net, lambda: loss_fn() * math.inf, hook)
     assert hook.skipped and hook.last_result.cause == 'data'
-    assert hook.table.scales == table and hook.schedule.age == age
+    assert hook.table.scales == table and hook.controller.age == age
     assert hook.guard.skips == {'data': 1, 'scale': 0}
 
 

@@ -64,9 +64,9 @@ def _same_plan(a, b):
     assert a.softmax_gradients == b.softmax_gradients
     assert a.branches == b.branches
     for (node, k), edges in b.consumers.items():
-        assert a.consumers.get((node, k)) == edges
+        assert a.consumers_of((node, k)) == edges
     for node, slots in b.used_slots.items():
-        assert a.used_slots.get(node) == slots
+        assert a.slots_of(node) == slots
 
 
 def test_a_reused_plan_is_the_walk_of_the_new_graph():
@@ -84,8 +84,8 @@ def test_a_reused_plan_is_the_walk_of_the_new_graph():
     assert (cache.reused, cache.walked) == (2, 1)
     # What a pass asks of the plan: every slot's scale is found where a
     # fresh walk's plan would find it.
-    assert reused.scale_checks is not None and \
-        graph.walk([root]).scale_checks is None
+    assert reused.template is not None and \
+        graph.walk([root]).template is None
 
 
 def test_the_same_structure_with_another_shape_read_is_walked_again():

@@ -109,6 +109,20 @@ def test_a_skipped_data_fault_leaves_the_run_as_if_unseen(mode):
                 state_of(*faulty)[:2] + (None,))
 
 
+def test_a_skipped_step_puts_back_what_a_nan_batch_did_to_batchnorm():
+    """The buffers are captured before the forward (the scaler's forward
+    pre-hook) and restored when the step is skipped: a NaN batch leaves
+    BatchNorm's running statistics finite (pytorch/pytorch#88474)."""
+    bn = torch.nn.BatchNorm1d(3)
+    optimizer = torch.optim.SGD(bn.parameters(), lr=0.1)
+    scaler = GradientScaler(bn)
+    scaler.scale(bn(torch.randn(4, 3) * float('nan')).sum()).backward()
+    assert scaler.step(optimizer) is None and not scaler.step_taken
+    scaler.update()
+    assert bool(torch.isfinite(bn.running_mean).all())
+    assert int(bn.num_batches_tracked) == 0
+
+
 def test_persistent_faults_raise_after_patience():
     model, optimizer, scaler = build('gs', patience=3)
     data = batches(4)

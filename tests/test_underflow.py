@@ -1,9 +1,10 @@
-"""Tests of gradient_scaling.core.underflow: formulas, rules, Monte Carlo.
+"""Tests of gradient_scaling.core.underflow (and the powers of two of
+gradient_scaling.core.rules): formulas, rules, Monte Carlo.
 
 The scales are taken from arrays the way the library takes them: the GEMM
 and cast rules through the paper's estimator (``ModelEstimator``, which
 measures the statistics and applies Theorems 1 and 2), the branch rule
-through ``rules.branch_scale`` on the contributions' maxima.
+through ``underflow.branch_scale`` on the contributions' maxima.
 """
 
 import math
@@ -42,8 +43,9 @@ def cast_scale(grad, underflow_rate=GAMMA, fmt='float16'):
 
 def branch_scale(pairs, fmt='float16'):
     """The common scale of ``(contribution, scale)`` pairs (line 17)."""
-    return rules.branch_scale([arrays.ops_for(g).max_abs(g) for g, _ in pairs],
-                              [scale for _, scale in pairs], fmt)
+    return underflow.branch_scale(
+        [arrays.ops_for(g).max_abs(g) for g, _ in pairs],
+        [scale for _, scale in pairs], fmt)
 
 
 # ---------------------------------------------------------------------------
@@ -59,18 +61,18 @@ def branch_scale(pairs, fmt='float16'):
 def test_pow2_ceil_and_floor(x, ceil, floor):
     if math.isinf(ceil):
         with pytest.raises(OverflowError):
-            underflow.pow2_ceil(x)
+            rules.pow2_ceil(x)
     else:
-        assert underflow.pow2_ceil(x) == ceil
-    assert underflow.pow2_floor(x) == floor
+        assert rules.pow2_ceil(x) == ceil
+    assert rules.pow2_floor(x) == floor
 
 
 @pytest.mark.parametrize('bad', [0.0, -1.0, math.inf, math.nan])
 def test_pow2_rejects_non_positive(bad):
     with pytest.raises(ValueError, match='x must be'):
-        underflow.pow2_ceil(bad)
+        rules.pow2_ceil(bad)
     with pytest.raises(ValueError, match='x must be'):
-        underflow.pow2_floor(bad)
+        rules.pow2_floor(bad)
 
 
 # ---------------------------------------------------------------------------
@@ -222,7 +224,7 @@ def test_gemm_scale_below_one_when_the_cap_binds():
     scale = gemm_scale(dy, w, 576)
     cap = FP16.max / (576 * numpy.abs(dy).max() * numpy.abs(w).max())
     assert cap < 1
-    assert scale == underflow.pow2_floor(cap)
+    assert scale == rules.pow2_floor(cap)
     assert numpy.isfinite(FP16.quantize(scale * dx)).all()
 
 
@@ -243,7 +245,7 @@ def test_gemm_scale_from_stats_matches_formula():
     max_grad = FP16.max / (n * 0.1 * target * 0.7)
     capped = underflow.gemm_scale_from_stats(std_grad, max_grad, std_weight,
                                              0.1, n)
-    assert capped == underflow.pow2_floor(target * 0.7)
+    assert capped == rules.pow2_floor(target * 0.7)
     assert capped * n * max_grad * 0.1 <= FP16.max
 
 
@@ -282,7 +284,7 @@ def test_gemm_scale_single_non_zero():
     w = numpy.random.default_rng(4).normal(0, 1, (1, 16))
     assert gemm_scale(numpy.array([[1e-9]]), w, 1) == 1.0
     big = gemm_scale(numpy.array([[1e5]]), w, 1)
-    assert big == underflow.pow2_floor(FP16.max / (1e5 * numpy.abs(w).max()))
+    assert big == rules.pow2_floor(FP16.max / (1e5 * numpy.abs(w).max()))
 
 
 def test_gemm_scale_integer_and_float16_arrays():
@@ -398,14 +400,14 @@ def test_lognormal_scale_from_stats_formula_and_cap():
     target = math.exp(math.log(FP16.min) - mu - sigma * math.sqrt(2)
                       * special.erfinv(2 * GAMMA - 1))
     assert underflow.lognormal_scale_from_stats(mu, sigma, 1e-6) == \
-        underflow.pow2_ceil(target)
+        rules.pow2_ceil(target)
     # The cap max|g| * scale <= lambda_max binds for a large outlier.
     capped = underflow.lognormal_scale_from_stats(mu, sigma, 1.0)
-    assert capped == underflow.pow2_floor(FP16.max) == 32768.0
+    assert capped == rules.pow2_floor(FP16.max) == 32768.0
     assert underflow.lognormal_scale_from_stats(mu, sigma, 1e6) == 2.0 ** -4
     # Tiny target rates stay finite (ndtri instead of erfinv(2 g - 1)).
     tiny = underflow.lognormal_scale_from_stats(mu, sigma, 1e-6, 1e-30)
-    assert _is_power_of_two(tiny) and tiny > underflow.pow2_ceil(target)
+    assert _is_power_of_two(tiny) and tiny > rules.pow2_ceil(target)
 
 
 def test_softmax_cast_scale_edge_cases():
@@ -414,7 +416,7 @@ def test_softmax_cast_scale_edge_cases():
     # A single non-zero (sigma = 0): the smallest power of two that lifts
     # it above lambda_min.
     one = cast_scale(numpy.array([0.0, 3e-10, 0.0]))
-    assert one == underflow.pow2_ceil(FP16.min / 3e-10)
+    assert one == rules.pow2_ceil(FP16.min / 3e-10)
     assert 3e-10 * one > FP16.min and 3e-10 * one / 2 <= FP16.min
     exact = FP16.min / 2.0 ** 5
     assert cast_scale(numpy.array([exact])) == 2.0 ** 6

@@ -21,10 +21,11 @@ from gradient_scaling.chainer import serialization
 from gradient_scaling.chainer import sites
 from gradient_scaling.core import recipes
 from gradient_scaling.core import faults
+from gradient_scaling.core.arrays import NUMPY_OPS
 from gradient_scaling.core.arrays import measured_underflow_rate
 from gradient_scaling.core.controller import ControllerViews
 from gradient_scaling.core.scaler import Payload
-from gradient_scaling.core.faults import GradientOverflowError
+from gradient_scaling.core.scaler import GradientOverflowError
 from gradient_scaling.core.telemetry import SiteRecord
 
 __all__ = ['GradientScaling', 'GradientOverflowError', 'SiteRecord',
@@ -127,7 +128,7 @@ class GradientScaling(ControllerViews, chainer.FunctionHook):
     name = 'GradientScaling'
 
     def __init__(self, target=None, recipe=None, **settings):
-        self._take_recipe(recipe, settings)
+        self._take_recipe(recipe, settings, max_abs=NUMPY_OPS.max_abs)
         self.target = target
         self.names = sites.SiteNames(target)
         self.in_backward = False

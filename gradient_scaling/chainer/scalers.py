@@ -30,7 +30,7 @@ recipe (:func:`make_scaler`):
 
 A data fault (a non-finite loss) changes no scale; ``patience`` skips in a
 row with no scale left to lower raise
-:class:`~gradient_scaling.core.faults.GradientOverflowError`, on every rank.
+:class:`~gradient_scaling.core.scaler.GradientOverflowError`, on every rank.
 """
 
 import gradient_scaling.compat  # NOQA
@@ -262,7 +262,7 @@ class GradScalerLossScaling(_CheckedLossScaling):
     none on a data fault, within ``[min_scale, max_scale]``).
 
     ``patience`` skips in a row at ``min_scale`` (or data faults) raise
-    :class:`~gradient_scaling.core.faults.GradientOverflowError`. Without a
+    :class:`~gradient_scaling.core.scaler.GradientOverflowError`. Without a
     floor, ~166 overflows in a row would take a float32 scale to 0 and the
     next clean step would write 0/0 into every parameter.
 

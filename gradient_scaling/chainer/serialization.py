@@ -9,18 +9,19 @@ the file loads with pickle off), a ``/`` in a name a level of the archive.
 .. admonition:: Example
 
     >>> import os, tempfile, chainer
-    >>> from gradient_scaling.core.scale_state import RefreshSchedule
+    >>> from gradient_scaling.core.scale_state import WeightPathBackoff
     >>> from gradient_scaling.chainer import serialization
-    >>> schedule = RefreshSchedule(10)
-    >>> schedule.conclude(taken=True, refreshed=True)  # a step: age 1
-    >>> path = os.path.join(tempfile.mkdtemp(), 'schedule.npz')
+    >>> backoff = WeightPathBackoff()
+    >>> backoff.back_off(['/l1/W'])  # its weight path overflowed
+    True
+    >>> path = os.path.join(tempfile.mkdtemp(), 'backoff.npz')
     >>> chainer.serializers.save_npz(path, serialization.Serializable(
-    ...     schedule))
-    >>> restored = RefreshSchedule(10)
+    ...     backoff))
+    >>> restored = WeightPathBackoff()
     >>> chainer.serializers.load_npz(path, serialization.Serializable(
     ...     restored))
-    >>> restored.age, restored.forced
-    (1, False)
+    >>> restored.scales
+    {'/l1/W': 0.00390625}
 """
 
 import gradient_scaling.compat  # NOQA

@@ -297,7 +297,7 @@ def train_step(optimizer, scaler, loss_func, *args, config=None,
         after the step).
 
     Raises:
-        ~gradient_scaling.core.faults.GradientOverflowError: When overflow
+        ~gradient_scaling.core.scaler.GradientOverflowError: When overflow
             persists (on every rank at once).
 
     """

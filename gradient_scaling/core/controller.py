@@ -1,25 +1,72 @@
 """Gradient scaling's state from step to step, free of any framework.
 
 A :class:`ScaleController` is the half of a gradient-scaling hook that
-does not touch a graph: it holds the recipe, the estimator and the state
-machines (:class:`~gradient_scaling.core.scale_state.RefreshSchedule`,
-:class:`~gradient_scaling.core.scale_state.ScaleTable`,
-:class:`~gradient_scaling.core.scale_state.WeightPathBackoff`,
-:class:`~gradient_scaling.core.faults.OverflowGuard`), the sites' telemetry and
-the step's lifecycle (:class:`~gradient_scaling.core.lifecycle.
-StepLifecycle`). An adapter opens a step, asks the open step's
+does not touch a graph: it holds the recipe, the estimator, the state
+machines (its own refresh schedule and step lifecycle, below; the
+:class:`~gradient_scaling.core.scale_state.ScaleTable`, the
+:class:`~gradient_scaling.core.scale_state.WeightPathBackoff` and the
+:class:`~gradient_scaling.core.scaler.OverflowGuard`) and the sites'
+telemetry. An adapter opens a step, asks the open step's
 :class:`~gradient_scaling.core.step_scales.StepScales` for every site's
 scale during backward, ends each pass with its
-:class:`~gradient_scaling.core.faults.PassResult`, and concludes the step
+:class:`~gradient_scaling.core.scaler.PassResult`, and concludes the step
 with every rank's :class:`~gradient_scaling.core.scaler.Payload`: the
 transitions are then the same on every rank, since the payloads are.
+
+**The step's lifecycle.** A step spans one or more backward passes
+(gradient accumulation) and ends when it is concluded, taken or skipped.
+Scales computed during the step are staged in it and committed only when
+it is taken (:mod:`gradient_scaling.core.scale_state`). A scaler *holds*
+the step open before its backward (:meth:`ScaleController.hold`), so that
+it can conclude it itself after the decision (combined over ranks); a hook
+used bare concludes each step at the end of its pass. Illegal calls raise,
+as ``torch.amp.GradScaler``'s per-optimizer state does, so that a wrong
+call order cannot silently mix two steps.
+
+Transition table of :attr:`ScaleController.state` (``held``: a scaler will
+conclude the step; ``conclude`` is the decided step's
+:meth:`ScaleController.transition`):
+
+=============  ===============================  ========================
+state          call                             next state
+=============  ===============================  ========================
+``idle``       ``hold``                         ``open`` (held)
+``idle``       ``begin_pass``                   ``in_pass`` (not held)
+``open``       ``hold``                         ``open``
+``open``       ``begin_pass``                   ``in_pass``
+``in_pass``    ``end_pass``                     ``passed``
+``in_pass``    ``abort_pass``                   ``idle`` (step forgotten)
+``passed``     ``hold``                         ``passed`` (held)
+``passed``     ``begin_pass``                   ``in_pass`` (one more pass)
+``passed``     ``conclude``                     ``idle``
+=============  ===============================  ========================
+
+Any other call raises :class:`StepOrderError`; so does saving or loading
+the state inside a step.
+
+**The refresh schedule** (the paper: every 100 iterations). ``age`` counts
+the steps taken with the current scales (``None``: never computed); a step
+*refreshes* (computes every scale from the statistics of its own
+gradients) when scales were never computed, ``age >= update_interval``, or
+a refresh was ``forced``.
+
+Transition table (applied when the step is concluded):
+
+================================  ===========  ==========
+step                              ``age``      ``forced``
+================================  ===========  ==========
+taken, after a refreshing pass    1            False
+taken, after a cached pass        + 1          unchanged
+skipped, cause ``'scale'``        unchanged    True
+skipped, cause ``'data'``         unchanged    unchanged
+================================  ===========  ==========
 
 .. admonition:: Example
 
     >>> import numpy as np
     >>> from gradient_scaling.core import recipes
     >>> from gradient_scaling.core.controller import ScaleController
-    >>> from gradient_scaling.core.faults import PassResult
+    >>> from gradient_scaling.core.scaler import PassResult
     >>> controller = ScaleController(recipes.GradientScalingRecipe())
     >>> step = controller.begin_pass()
     >>> rng = np.random.default_rng(0)
@@ -32,6 +79,12 @@ transitions are then the same on every rank, since the payloads are.
     True
     >>> controller.conclude([controller.payload()]).finite
     True
+    >>> controller.state, controller.age, controller.forced
+    ('idle', 1, False)
+    >>> controller.end_pass(PassResult())
+    Traceback (most recent call last):
+    ...
+    gradient_scaling.core.controller.StepOrderError: end_pass() in state 'idle': no backward pass is running
 
 """
 
@@ -39,15 +92,39 @@ import math
 
 from gradient_scaling.core import estimators
 from gradient_scaling.core import formats
-from gradient_scaling.core import lifecycle
 from gradient_scaling.core import recipes
 from gradient_scaling.core import scale_state
 from gradient_scaling.core import scaler
-from gradient_scaling.core import faults
 from gradient_scaling.core import telemetry
 from gradient_scaling.core.step_scales import StepScales
 
-__all__ = ['ScaleController', 'ControllerViews']
+__all__ = ['ScaleController', 'ControllerViews', 'StepOrderError', 'STATES']
+
+#: Where a step stands (:attr:`ScaleController.state`).
+STATES = ('idle', 'open', 'in_pass', 'passed')
+
+# state -> {call: next state}: the module's table ('held' is the methods').
+_TRANSITIONS = {
+    'idle': {'hold': 'open', 'begin_pass': 'in_pass'},
+    'open': {'hold': 'open', 'begin_pass': 'in_pass'},
+    'in_pass': {'end_pass': 'passed', 'abort_pass': 'idle'},
+    'passed': {'hold': 'passed', 'begin_pass': 'in_pass',
+               'conclude': 'idle'},
+}
+
+_HINTS = {
+    'end_pass': 'no backward pass is running',
+    'abort_pass': 'no backward pass is running',
+    'conclude': 'no backward pass to conclude (call backward first)',
+    'begin_pass': 'a backward pass is already running (nested backward, '
+                  'or double backprop)',
+    'hold': 'a backward pass is running',
+}
+
+
+class StepOrderError(RuntimeError):
+
+    """A step's calls came in an order the lifecycle does not allow."""
 
 
 class ScaleController(object):
@@ -57,6 +134,10 @@ class ScaleController(object):
     Args:
         recipe (~gradient_scaling.core.recipes.GradientScalingRecipe or
             ~gradient_scaling.core.recipes.AmaxRecipe): Every setting.
+        max_abs (callable): ``max_abs(grad) -> float``, ``max|grad|`` of
+            the adapter's arrays (NaN or inf where not finite); None: the
+            :mod:`~gradient_scaling.core.arrays` operations of the first
+            gradient read.
 
     It is gradient scaling's policy in a
     :class:`~gradient_scaling.core.scaler.Scaler` (:attr:`checks`,
@@ -65,7 +146,14 @@ class ScaleController(object):
 
     Attributes:
         step (StepScales): The open step's scales, or None between steps.
-        last_result (~gradient_scaling.core.faults.PassResult): Of the last
+        state (str): Where the step stands, one of :data:`STATES` (the
+            module's first table).
+        held (bool): A scaler will conclude the open step; otherwise the
+            owner concludes it at the end of each pass.
+        age (int): Steps taken with the current scales (None: never
+            computed; the module's second table).
+        forced (bool): The next step refreshes, whatever ``age``.
+        last_result (~gradient_scaling.core.scaler.PassResult): Of the last
             concluded step.
         iteration (int): Backward passes seen (telemetry).
 
@@ -77,34 +165,54 @@ class ScaleController(object):
     per_step = True
     loss_scale = 1.0
 
-    def __init__(self, recipe):
+    def __init__(self, recipe, max_abs=None):
         self.recipe = recipe
+        self.max_abs = max_abs
         self.fmt = formats.get(recipe.fmt)
         self.estimator = estimators.make_estimator(recipe)
-        self.schedule = scale_state.RefreshSchedule(recipe.update_interval)
         self.table = scale_state.ScaleTable()
         self.backoff = scale_state.WeightPathBackoff(
             recipe.weight_backoff, recipe.weight_backoff_floor,
             recipe.weight_headroom)
-        self.guard = faults.OverflowGuard(
-            recipe.mode, recipe.patience)
+        self.guard = scaler.OverflowGuard(recipe.mode, recipe.patience)
         self.records = telemetry.SiteRecords()
-        self.lifecycle = lifecycle.StepLifecycle()
+        self.state, self.held = 'idle', False
+        self.age, self.forced = None, False
         self.step = None
         self.last_result = None
         self.iteration = 0
 
     # -- the step's lifecycle -----------------------------------------------
 
+    def _move(self, call):
+        following = _TRANSITIONS[self.state].get(call)
+        if following is None:
+            raise StepOrderError('{}() in state {!r}: {}'.format(
+                call, self.state, _HINTS[call]))
+        self.state = following
+
+    @property
+    def due(self):
+        """Whether the next step refreshes (the refresh schedule)."""
+        return self.forced or self.age is None or \
+            self.age >= self.recipe.update_interval
+
+    def _enter(self, call):
+        """``hold`` or ``begin_pass``: opens a step from ``idle``, a
+        refreshing one when :attr:`due`."""
+        opens = self.state == 'idle'
+        self._move(call)
+        if opens:
+            self.step = StepScales(self, self.due)
+
     def hold(self):
         """A scaler will conclude the coming step (:meth:`conclude`)."""
-        if self.lifecycle.hold():
-            self.step = StepScales(self, self.schedule.due())
+        self._enter('hold')
+        self.held = True
 
     def begin_pass(self):
         """A backward pass starts; returns the open step's scales."""
-        if self.lifecycle.begin_pass():
-            self.step = StepScales(self, self.schedule.due())
+        self._enter('begin_pass')
         self.step.new_pass()
         self.iteration += 1
         return self.step
@@ -112,24 +220,25 @@ class ScaleController(object):
     def end_pass(self, result):
         """Ends the pass with its result; returns whether the caller
         concludes the step now (no scaler holds it)."""
-        concludes = self.lifecycle.end_pass()
+        self._move('end_pass')
         self.step.results.append(result)
         self.step.new_pass()  # drops the references the attribution needed
-        return concludes
+        return not self.held
 
     def abort_pass(self):
         """The backward pass raised: the step is forgotten."""
-        self.lifecycle.abort_pass()
+        self._move('abort_pass')
+        self.held = False
         self.step = None
 
     def payload(self):
         """This rank's :class:`~gradient_scaling.core.scaler.Payload` for
         the open step (its passes' results, uncombined: the decision
         combines every pass of every rank once)."""
-        if self.lifecycle.state != 'passed':
-            raise lifecycle.StepOrderError(
+        if self.state != 'passed':
+            raise StepOrderError(
                 'GradientScaling: no backward pass to conclude (call '
-                'backward first; state {!r})'.format(self.lifecycle.state))
+                'backward first; state {!r})'.format(self.state))
         step = self.step
         return scaler.Payload(tuple(step.results), step.staged,
                               dict(step.weight_maxima))
@@ -150,15 +259,19 @@ class ScaleController(object):
         """The state machines' transitions for a decided step; returns
         whether a scale was lowered because of it."""
         step = self.step
-        self.lifecycle.conclude()
+        self._move('conclude')
+        self.held = False
         self.step = None
         backed_off = False
         if result.finite:
+            self.age = 1 if step.refresh or self.age is None else \
+                self.age + 1
             staged = [p.staged for p in payloads if p.staged]
             if staged:  # (a cached step staged nothing)
                 self.table.commit(staged)
                 self.estimator.commit(staged)
             if step.refresh:
+                self.forced = False
                 maxima = {}
                 for p in payloads:
                     for name, value in p.weight_maxima.items():
@@ -168,12 +281,12 @@ class ScaleController(object):
                 self.records.update(step.records)
         else:
             if result.cause == 'scale':
+                self.forced = True
                 # A cached pass may have met larger gradients than those
                 # its scales were computed from: a refresh is a back-off.
                 backed_off = (self.backoff.back_off(result.weight_paths)
                               or not step.refresh)
             self.records.count_overflows(result.sites)
-        self.schedule.conclude(result.finite, step.refresh, result.cause)
         self.last_result = result
         return backed_off
 
@@ -193,11 +306,16 @@ class ScaleController(object):
 
     def state_dict(self):
         """Everything carried between steps, as flat ``name: value``
-        entries (Python numbers, strings and lists): the state machines',
-        the estimator's (amax histories) and the pass counter. Telemetry
-        (:attr:`records`) is not state: it observes and never steers."""
-        self.lifecycle.require_idle('GradientScaling: cannot save state')
-        state = {'iteration': self.iteration}
+        entries (Python numbers, strings and lists): the state machines'
+        (the refresh schedule's ``schedule/age``, -1 for None, and
+        ``schedule/forced``; ``table/``, ``backoff/``, ``guard/``), the
+        estimator's (``estimator/``: amax histories) and the pass counter
+        (``iteration``). Telemetry (:attr:`records`) is not state: it
+        observes and never steers."""
+        self._require_idle('GradientScaling: cannot save state')
+        state = {'iteration': self.iteration,
+                 'schedule/age': -1 if self.age is None else self.age,
+                 'schedule/forced': self.forced}
         for prefix, part in self._parts():
             state.update(('{}/{}'.format(prefix, k), v)
                          for k, v in part.state_dict().items())
@@ -206,17 +324,24 @@ class ScaleController(object):
     def load_state_dict(self, state):
         """Restores :meth:`state_dict`'s entries (other entries, e.g. an
         older snapshot's ``records/``, are ignored)."""
-        self.lifecycle.require_idle('GradientScaling: cannot load state')
+        self._require_idle('GradientScaling: cannot load state')
         self.iteration = int(state['iteration'])
+        age = int(state['schedule/age'])
+        self.age = None if age < 0 else age
+        self.forced = bool(state['schedule/forced'])
         for prefix, part in self._parts():
             start = prefix + '/'
             part.load_state_dict({k[len(start):]: v for k, v in state.items()
                                   if k.startswith(start)})
 
+    def _require_idle(self, what):
+        if self.state != 'idle':
+            raise StepOrderError('{} in the middle of a step (state {!r})'
+                                 .format(what, self.state))
+
     def _parts(self):
-        return (('schedule', self.schedule), ('table', self.table),
-                ('backoff', self.backoff), ('guard', self.guard),
-                ('estimator', self.estimator))
+        return (('table', self.table), ('backoff', self.backoff),
+                ('guard', self.guard), ('estimator', self.estimator))
 
 
 class ControllerViews(object):
@@ -224,17 +349,17 @@ class ControllerViews(object):
     """What a hook shows of its :class:`ScaleController` (``controller``)
     and recipe (``recipe``): the adapters' hooks inherit it."""
 
-    def _take_recipe(self, recipe, settings):
+    def _take_recipe(self, recipe, settings, max_abs=None):
         """Sets ``recipe`` (or the hook recipe of ``settings``: one or the
-        other), its :class:`ScaleController` and its format."""
+        other), its :class:`ScaleController` (reading ``max|grad|`` with
+        ``max_abs``, the adapter's arrays') and its format."""
         if recipe is not None and settings:
             raise ValueError('pass a recipe or settings, not both (got {})'
                              .format(', '.join(sorted(settings))))
         self.recipe = recipe or recipes.hook_recipe(**settings)
-        self.controller = ScaleController(self.recipe)
+        self.controller = ScaleController(self.recipe, max_abs)
         self.fmt = formats.get(self.recipe.fmt)
 
-    schedule = property(lambda self: self.controller.schedule)
     table = property(lambda self: self.controller.table)
     backoff = property(lambda self: self.controller.backoff)
     guard = property(lambda self: self.controller.guard)

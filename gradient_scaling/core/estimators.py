@@ -43,6 +43,7 @@ import math
 
 from gradient_scaling.core import arrays
 from gradient_scaling.core import formats
+from gradient_scaling.core import rules
 from gradient_scaling.core import underflow
 
 __all__ = ['make_estimator', 'scale_from_histogram',
@@ -238,9 +239,9 @@ class AmaxEstimator(ModelEstimator):
         if amax == 0:
             total = 1.0  # TE's initial scale; nothing to scale by yet
         else:
-            total = underflow.pow2_floor(
+            total = rules.pow2_floor(
                 self.fmt.max / amax / math.ldexp(1.0, self.margin))
-        return underflow.pow2_floor(total / alpha), math.nan, math.nan
+        return rules.pow2_floor(total / alpha), math.nan, math.nan
 
     def commit(self, staged_tables):
         # In order of first appearance (a set's order would vary with the

@@ -1,11 +1,14 @@
 """Attributes of a framework replaced while one hook is active.
 
-Both adapters route a few of their framework's functions to the active
-hook (Chainer's backprop internals, ``torch.autograd.backward``): a
-:class:`Patches` holds those replacements, installs them for one handler
-at a time (a graph's gradients can carry one set of scales) and puts the
-originals back. The adapters' ``_internals`` modules declare what they
-replace; nothing here knows a framework.
+The Chainer adapter routes a few of Chainer's backprop internals to the
+active hook: a :class:`Patches` holds those replacements, installs them
+for one handler at a time (a graph's gradients can carry one set of
+scales) and puts the originals back; ``gradient_scaling/chainer/
+_internals.py`` declares what it replaces. (The PyTorch adapter's two,
+``torch.autograd.backward`` and ``grad``, are routed once per backward
+pass: plain attribute sets in ``gradient_scaling/torch/_internals.py``,
+with the same one-handler rule and :data:`ANOTHER_ACTIVE`.) Nothing here
+knows a framework.
 
 .. admonition:: Example
 
@@ -21,7 +24,11 @@ replace; nothing here knows a framework.
 
 """
 
-__all__ = ['Patches']
+__all__ = ['Patches', 'ANOTHER_ACTIVE']
+
+#: Why a second handler is refused while one is active.
+ANOTHER_ACTIVE = ('another GradientScaling hook is already active; only one '
+                  'can scale a backward pass at a time')
 
 
 class Patches(object):
@@ -48,9 +55,7 @@ class Patches(object):
         if self.handler is not None:
             if self.handler is handler:
                 return
-            raise RuntimeError(
-                'another GradientScaling hook is already active; only one '
-                'can scale a backward pass at a time')
+            raise RuntimeError(ANOTHER_ACTIVE)
         self.handler = handler
         for owner, name, replacement in self.replacements:
             self._originals[id(owner), name] = getattr(owner, name)

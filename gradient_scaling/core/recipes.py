@@ -39,7 +39,7 @@ import typing
 
 from gradient_scaling.core import _validate
 from gradient_scaling.core import formats
-from gradient_scaling.core import underflow
+from gradient_scaling.core import rules
 
 __all__ = ['Recipe', 'NoScalingRecipe', 'FixedLossScalingRecipe',
            'DynamicLossScalingRecipe', 'GradScalerRecipe',
@@ -75,8 +75,8 @@ def _non_negative_count(value, name):
 
 def _scale_range(value, name):
     low, high = (_validate.positive(s, name) for s in value)
-    if not (low <= 1 <= high and underflow.pow2_floor(low) == low
-            and underflow.pow2_floor(high) == high):
+    if not (low <= 1 <= high and rules.pow2_floor(low) == low
+            and rules.pow2_floor(high) == high):
         raise ValueError('{} must be two powers of two around 1, got '
                          '{!r}'.format(name, value))
     return (low, high)
@@ -168,7 +168,7 @@ class GradScalerRecipe(Recipe):
     (GradScaler cannot tell a data fault), and no number of skips raises.
     The default keeps ``min_scale`` <= scale <= ``max_scale``, leaves the
     scale alone on a data fault, and raises
-    :class:`~gradient_scaling.core.faults.GradientOverflowError` after
+    :class:`~gradient_scaling.core.scaler.GradientOverflowError` after
     ``patience`` skips in a row with nothing left to lower.
     """
 

@@ -2,12 +2,14 @@
 
 Every rule of the paper (Zhao et al., IJCAI 2020, Algorithm 1) that turns
 what is known at a site into the scale it applies, free of any framework
-and of any state. The statistical models behind the GEMM and cast rules
-(Theorems 1 and 2) are in :mod:`~gradient_scaling.core.underflow`; how a
-site's *local* scale is estimated from a tensor, in
-:mod:`~gradient_scaling.core.estimators`; which site gets which rule, in
-the adapters. Notation: ``alpha`` is the accumulated scale a gradient
-carries on arrival, ``beta`` a site's local scale (both powers of two).
+and of any state. The statistical models behind the GEMM, cast and branch
+rules (Theorems 1 and 2, line 17) are in
+:mod:`~gradient_scaling.core.underflow`; how a site's *local* scale is
+estimated from a tensor, in :mod:`~gradient_scaling.core.estimators`;
+which site gets which rule, in the adapters. Notation: ``alpha`` is the
+accumulated scale a gradient carries on arrival, ``beta`` a site's local
+scale (both powers of two: :func:`pow2_floor` and :func:`pow2_ceil` round
+to them exactly).
 
 * GEMM (lines 5-7): the data path is scaled by ``beta`` (Theorem 1, capped
   so that ``N max|dY| max|W|`` stays below the format's maximum); the
@@ -17,8 +19,9 @@ carries on arrival, ``beta`` a site's local scale (both powers of two).
   (:func:`cached_cast_scale`).
 * Branches and multi-output functions (line 17): contributions are brought
   to the largest of their scales at which none overflows
-  (:func:`branch_scale`); concat's backward gives each part the scale of
-  the whole (the scale simply passes through).
+  (:func:`~gradient_scaling.core.underflow.branch_scale`); concat's
+  backward gives each part the scale of the whole (the scale simply passes
+  through).
 * Every accumulated scale stays within the recipe's ``scale_range``
   (:func:`clamp`).
 
@@ -27,18 +30,54 @@ carries on arrival, ``beta`` a site's local scale (both powers of two).
     >>> from gradient_scaling.core import rules
     >>> rules.clamp(2.0 ** 60, 2.0 ** 10, (2.0 ** -64, 2.0 ** 64))
     16.0
-    >>> rules.branch_scale([40000.0, 1.0], [2.0, 8.0], 'float16')
-    2.0
+    >>> rules.cached_cast_scale(2.0 ** 10, 100.0, 65504.0)
+    512.0
 
 """
 
 import math
 
-from gradient_scaling.core import formats
-from gradient_scaling.core import underflow
+__all__ = ['pow2_ceil', 'pow2_floor', 'clamp', 'weight_path_scale',
+           'cached_cast_scale', 'branch_signature']
 
-__all__ = ['clamp', 'weight_path_scale', 'cached_cast_scale',
-           'branch_scale', 'branch_signature']
+
+def _exponent(x):
+    """``math.frexp(x)`` of a positive finite ``x``."""
+    if not 0 < x < math.inf:  # NaN fails too
+        raise ValueError('x must be positive and finite, got {!r}'
+                         .format(x))
+    return math.frexp(x)
+
+
+def pow2_ceil(x):
+    """Returns the smallest power of two that is at least ``x``.
+
+    Exact: it reads the exponent with :func:`math.frexp` instead of rounding
+    a floating-point logarithm.
+
+    Args:
+        x (float): Positive finite number.
+
+    Returns:
+        float: ``2**k`` with ``2**(k-1) < x <= 2**k``.
+
+    """
+    mantissa, exponent = _exponent(x)
+    # x = mantissa * 2**exponent with 0.5 <= mantissa < 1.
+    return math.ldexp(1.0, exponent - 1 if mantissa == 0.5 else exponent)
+
+
+def pow2_floor(x):
+    """Returns the largest power of two that is at most ``x``.
+
+    Args:
+        x (float): Positive finite number.
+
+    Returns:
+        float: ``2**k`` with ``2**k <= x < 2**(k+1)``.
+
+    """
+    return math.ldexp(1.0, _exponent(x)[1] - 1)
 
 
 def clamp(alpha, beta, scale_range):
@@ -46,9 +85,9 @@ def clamp(alpha, beta, scale_range):
     low, high = scale_range
     product = alpha * beta
     if product > high:
-        return underflow.pow2_floor(high / alpha)
+        return pow2_floor(high / alpha)
     if product < low:
-        return underflow.pow2_ceil(low / alpha)
+        return pow2_ceil(low / alpha)
     return beta
 
 
@@ -64,26 +103,17 @@ def weight_path_scale(alpha, beta, backoff, shares_data_scale, scale_range):
     return gamma if gamma == 1.0 else clamp(alpha, gamma, scale_range)
 
 
-def cached_cast_scale(beta, largest, fmt):
-    """A cached cast scale, capped by this pass's ``max|g|`` (line 11).
+def cached_cast_scale(beta, largest, fmt_max):
+    """A cached cast scale, capped by this pass's ``max|g|`` (``largest``)
+    and the format's largest value ``fmt_max`` (line 11).
 
     A cached cast scale is often its cap, ``lambda_max / max|g|`` of the
     batch it was computed from, and a more confident batch would overflow
     it; the cap binds for this pass only.
     """
     if 0 < largest < math.inf:
-        return min(beta, underflow.pow2_floor(formats.get(fmt).max
-                                              / largest))
+        return min(beta, pow2_floor(fmt_max / largest))
     return beta
-
-
-def branch_scale(maxima, scales, fmt):
-    """The common scale of contributions with magnitudes ``maxima`` at
-    ``scales`` (line 17), or None if a contribution is not finite (the
-    pass fails anyway; the caller keeps the largest scale)."""
-    if not all(math.isfinite(m) for m in maxima):
-        return None
-    return underflow.unify_scales_from_max(zip(maxima, scales), fmt)
 
 
 def branch_signature(scales):

@@ -1,82 +1,31 @@
-"""What gradient scaling remembers between steps, as three small state machines.
+"""What gradient scaling remembers between steps: the scales and the backoffs.
 
 :class:`~gradient_scaling.GradientScaling` applies the paper's rules during
 backprop; what it carries from one step to the next lives here, each piece
-with its own transition table and ``state_dict``:
+with its own transition table and ``state_dict`` (the refresh schedule,
+``age`` and ``forced``, is the
+:class:`~gradient_scaling.core.controller.ScaleController`'s own):
 
-* :class:`RefreshSchedule`: when the scales are recomputed from statistics.
 * :class:`ScaleTable`: the cached local scales, and the scales a step
-  computed but has not committed yet.
+  computed but has not committed yet (:class:`StagedScales`).
 * :class:`WeightPathBackoff`: the per-parameter scale of a GEMM's
   weight-gradient path, an extension of the paper for layers whose weight
   or bias gradient overflows.
 
 Every transition happens when a step is *concluded* (taken or skipped, see
-:mod:`gradient_scaling.core.faults`); during a backward pass nothing here changes
-except what is staged in the step. A skip caused by data discards what was
-staged and changes nothing, so the next step runs as if the bad batch had
-never been seen (docs/DESIGN.md, 6).
+:mod:`gradient_scaling.core.scaler`); during a backward pass nothing here
+changes except what is staged in the step. A skip caused by data discards
+what was staged and changes nothing, so the next step runs as if the bad
+batch had never been seen (docs/DESIGN.md, 6).
 """
 
 import math
 
 from gradient_scaling.core import _validate
-from gradient_scaling.core import underflow
+from gradient_scaling.core import rules
 
-__all__ = ['RefreshSchedule', 'ScaleTable', 'StagedScales',
-           'WeightPathBackoff', 'dict_state',
+__all__ = ['ScaleTable', 'StagedScales', 'WeightPathBackoff', 'dict_state',
            'load_dict_state']
-
-
-class RefreshSchedule(object):
-
-    """When GS recomputes its scales (the paper: every 100 iterations).
-
-    ``age`` counts the steps taken with the current scales (``None``: never
-    computed); a backward pass *refreshes* (computes every scale from the
-    statistics of its own gradients) when :meth:`due`: scales were never
-    computed, ``age >= interval``, or a refresh was forced.
-
-    Transition table (applied when the step is concluded):
-
-    ================================  ===========  ==========
-    step                              ``age``      ``forced``
-    ================================  ===========  ==========
-    taken, after a refreshing pass    1            False
-    taken, after a cached pass        + 1          unchanged
-    skipped, cause ``'scale'``        unchanged    True
-    skipped, cause ``'data'``         unchanged    unchanged
-    ================================  ===========  ==========
-
-    Args:
-        interval (int): Steps between refreshes.
-
-    """
-
-    def __init__(self, interval):
-        self.interval = _validate.count(interval, 'update_interval')
-        self.age = None
-        self.forced = False
-
-    def due(self):
-        return self.forced or self.age is None or self.age >= self.interval
-
-    def conclude(self, taken, refreshed, cause=None):
-        if taken:
-            self.age = 1 if refreshed or self.age is None else self.age + 1
-            if refreshed:
-                self.forced = False
-        elif cause == 'scale':
-            self.forced = True
-
-    def state_dict(self):
-        return {'age': -1 if self.age is None else self.age,
-                'forced': self.forced}
-
-    def load_state_dict(self, state):
-        age = int(state['age'])
-        self.age = None if age < 0 else age
-        self.forced = bool(state['forced'])
 
 
 class ScaleTable(object):
@@ -107,13 +56,13 @@ class ScaleTable(object):
         self.signatures = {}
 
     def lookup(self, staged, key, signature=None):
-        """The scale for ``key`` (staged first), or None if there is none
-        valid for ``signature``."""
-        for scales, signatures in ((staged.scales, staged.signatures),
-                                   (self.scales, self.signatures)):
-            if key in scales:
-                if signature is None or signatures.get(key) == signature:
-                    return scales[key]
+        """The scale for ``key`` (``staged`` first, unless None), or None
+        if there is none valid for ``signature``."""
+        for table in (self,) if staged is None else (staged, self):
+            if key in table.scales:
+                if signature is None or \
+                        table.signatures.get(key) == signature:
+                    return table.scales[key]
                 return None
         return None
 
@@ -140,7 +89,8 @@ class ScaleTable(object):
 
 class StagedScales(object):
 
-    """What one step computed for the :class:`ScaleTable` (picklable)."""
+    """What one step computed for the :class:`ScaleTable` (picklable;
+    created when a site first stages: a cached step has none)."""
 
     def __init__(self):
         self.scales = {}
@@ -208,6 +158,10 @@ class WeightPathBackoff(object):
         headroom (float): Margin below the format's maximum kept at a
             refresh (>= 1).
 
+    Attributes:
+        scales (dict): ``gamma`` of each parameter that has one (< 1);
+            every other parameter's is 1 (``scales.get(name, 1.0)``).
+
     """
 
     def __init__(self, factor=256.0, floor=2.0 ** -24, headroom=4.0):
@@ -220,9 +174,6 @@ class WeightPathBackoff(object):
                              .format(headroom, floor))
         self.scales = {}
 
-    def scale(self, name):
-        return self.scales.get(name, 1.0)
-
     def managed(self, name):
         return name in self.scales
 
@@ -230,8 +181,8 @@ class WeightPathBackoff(object):
         """Lowers the named paths; returns whether any could be lowered."""
         lowered = False
         for name in names:
-            gamma = self.scale(name)
-            new = max(underflow.pow2_floor(gamma / self.factor),
+            gamma = self.scales.get(name, 1.0)
+            new = max(rules.pow2_floor(gamma / self.factor),
                       self.floor)
             if new < gamma:
                 self.scales[name] = new
@@ -247,7 +198,7 @@ class WeightPathBackoff(object):
             if largest == 0:
                 del self.scales[name]
                 continue
-            new = min(1.0, underflow.pow2_floor(
+            new = min(1.0, rules.pow2_floor(
                 gamma * fmt_max / (self.headroom * largest)))
             new = max(new, self.floor)
             if new >= 1.0:

@@ -1,13 +1,19 @@
-"""The step above the rules, written once for both frameworks.
+"""The step above the rules, written once for both frameworks: the decision.
 
 A scaler is a *policy* (what its mode does from step to step: the loss
 scale, whether steps are checked, the state machine a decided step moves)
 and a :class:`Scaler` (the step: every rank's :class:`Payload`, decided
 once, the update or a skip, then the policy's transition and the
-:class:`~gradient_scaling.core.faults.OverflowGuard`). The adapters keep only
-their framework's verbs: Chainer's backward with a loss scale, Chainer's own
-Dyn-LS methods and the MPI gather; PyTorch's fused unscale, its collectives
-and the modules' buffers.
+:class:`OverflowGuard`). The adapters keep only their framework's verbs:
+Chainer's backward with a loss scale, Chainer's own Dyn-LS methods and the
+MPI gather; PyTorch's fused unscale, its collectives and the modules'
+buffers.
+
+The decision combines the :class:`PassResult` of every pass of every rank
+once (:meth:`PassResult.combine`), before anyone acts on it: a non-finite
+step is skipped, and its cause (``'data'``: no scale can help; ``'scale'``:
+an overflow, which a smaller scale avoids; :mod:`~gradient_scaling.core.
+faults` tells them apart) says whether the policy backs off.
 
 =========================  ========================  ======================
 recipe (mode)              policy                    checks / decides
@@ -37,8 +43,8 @@ any            ``update`` (conclude)           every optimizer ``ready`` again
 .. admonition:: Example
 
     >>> from gradient_scaling.core import recipes
+    >>> from gradient_scaling.core.scaler import PassResult
     >>> from gradient_scaling.core.scaler import Payload, Scaler, policy_for
-    >>> from gradient_scaling.core.faults import PassResult
     >>> scaler = Scaler(policy_for(recipes.for_mode('dynamic-gradscaler')))
     >>> scaler.decide('sgd', lambda: [Payload((PassResult(),))]).finite
     True
@@ -50,20 +56,218 @@ any            ``update`` (conclude)           every optimizer ``ready`` again
 
 import dataclasses
 import math
+import typing
+import warnings
 
+from gradient_scaling.core import _validate
 from gradient_scaling.core import recipes
 from gradient_scaling.core import scale_state
-from gradient_scaling.core.faults import FINITE  # NOQA: part of this API
-from gradient_scaling.core.faults import OverflowGuard
-from gradient_scaling.core.faults import PassResult
 
-__all__ = ['FINITE', 'Payload', 'Unscaled', 'FixedScale', 'PaperDynamic',
+__all__ = ['GradientOverflowError', 'PassResult', 'FINITE', 'OverflowGuard',
+           'Payload', 'Unscaled', 'FixedScale', 'PaperDynamic',
            'GradScalerDynamic', 'policy_for', 'Scaler', 'StageError']
 
-#: Chainer's ceiling of its dynamic loss scale (``Optimizer.
-#: _loss_scale_max``).
-PAPER_DYNAMIC_MAX = 65504.0
 
+# -- what a pass tells the decision, and the overflow policy ------------------
+
+#: Causes of a non-finite pass.
+CAUSES = ('data', 'scale')
+
+
+class GradientOverflowError(RuntimeError):
+
+    """Raised when overflowing steps persist with no scale left to lower."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PassResult(object):
+
+    """What a backward pass (or the passes of one step) tells the step.
+
+    Attributes:
+        finite (bool): The loss and every parameter gradient are finite.
+        cause (str): ``None`` if finite, else ``'data'`` (the loss, an input
+            or a forward operand is not finite) or ``'scale'`` (finite data
+            gave non-finite gradients: an overflow).
+        parameters (tuple of str): Parameters whose gradient is not finite,
+            each named once, sorted.
+        sites (tuple of str): Scaling sites whose incoming gradient was not
+            finite, where known (GS refresh passes).
+        weight_paths (tuple of str): GS: parameters whose weight-gradient
+            GEMM overflowed although its inputs were finite.
+
+    """
+
+    finite: bool = True
+    cause: typing.Optional[str] = None
+    parameters: tuple = ()
+    sites: tuple = ()
+    weight_paths: tuple = ()
+
+    def __post_init__(self):
+        if self.finite != (self.cause is None):
+            raise ValueError('a finite pass has no cause and a non-finite '
+                             'one has one of {}; got finite={!r}, cause={!r}'
+                             .format(CAUSES, self.finite, self.cause))
+        if self.cause is not None and self.cause not in CAUSES:
+            raise ValueError('cause must be one of {}, got {!r}'.format(
+                CAUSES, self.cause))
+
+    @classmethod
+    def combine(cls, results):
+        """One result for several passes or ranks: finite if all are.
+
+        The cause is ``'scale'`` if any result's is (an overflow somewhere
+        calls for backing off), else ``'data'``; names are merged.
+        """
+        bad = [r for r in results if not r.finite]
+        if not bad:
+            return FINITE
+        cause = 'scale' if any(r.cause == 'scale' for r in bad) else 'data'
+
+        def union(field):
+            return tuple(sorted({n for r in bad for n in getattr(r, field)}))
+        return cls(finite=False, cause=cause, parameters=union('parameters'),
+                   sites=union('sites'), weight_paths=union('weight_paths'))
+
+    def to_dict(self):
+        """Plain values (JSON): what a rank sends the others."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values):
+        return cls(finite=bool(values['finite']), cause=values['cause'],
+                   **{f: tuple(values[f]) for f in (
+                       'parameters', 'sites', 'weight_paths')})
+
+    def describe(self, limit=8):
+        """One line for warnings and errors."""
+        if self.finite:
+            return 'finite'
+        what = ('the loss, an input or a forward activation is not finite'
+                if self.cause == 'data' else
+                'gradients overflowed although the loss and the forward '
+                'pass were finite')
+        params = list(self.parameters)
+        text = '{}; non-finite gradients in {} parameter(s) ({}{})'.format(
+            what, len(params), ', '.join(params[:limit]),
+            ', ...' if len(params) > limit else '')
+        if self.sites:
+            text += '; sites whose incoming gradient was not finite: ' + \
+                ', '.join(self.sites[:limit])
+        if self.weight_paths:
+            text += '; weight-gradient GEMMs that overflowed: ' + \
+                ', '.join(self.weight_paths[:limit])
+        return text
+
+
+#: The result of a finite pass or step (every finite result equals it).
+FINITE = PassResult()
+
+
+class OverflowGuard(object):
+
+    """The overflow policy: skip a non-finite step, count it, raise when stuck.
+
+    Shared by every scaler that checks its gradients. A step whose combined
+    :class:`PassResult` is not finite is skipped. The scaler says whether it
+    *backed off* (lowered a scale) in reaction; a skip after which nothing
+    could be lowered (a data fault, or a scale already at its floor) is a
+    *stalled* skip. ``patience`` stalled skips in a row raise
+    :class:`GradientOverflowError`: skipping forever would end training
+    silently.
+
+    Transition table (``stalled`` counts stalled skips in a row):
+
+    =========================================  =======  ==============  ==========================
+    combined pass result                       step     ``stalled``     counters
+    =========================================  =======  ==============  ==========================
+    finite                                     taken    0               --
+    not finite, the scaler backed off          skipped  unchanged       ``skips[cause]`` + 1
+    not finite, nothing left to back off       skipped  + 1             ``skips[cause]`` + 1;
+                                                                        raise at ``patience``
+    =========================================  =======  ==============  ==========================
+
+    Every skip also warns (``RuntimeWarning``) with the result's description.
+
+    .. admonition:: Example
+
+        >>> from gradient_scaling.core.scaler import OverflowGuard, PassResult
+        >>> guard = OverflowGuard('gs', patience=2)
+        >>> guard.observe(PassResult(), backed_off=False)
+        False
+        >>> import warnings; warnings.simplefilter('ignore')
+        >>> bad = PassResult(finite=False, cause='data', parameters=('/W',))
+        >>> guard.observe(bad, backed_off=False), guard.stalled
+        (True, 1)
+
+    Args:
+        mode (str): Scaling mode, for messages.
+        patience (int): Stalled skips in a row before raising (None:
+            never, as ``torch.amp.GradScaler``).
+
+    """
+
+    def __init__(self, mode, patience=10):
+        self.mode = mode
+        self.patience = None if patience is None else \
+            _validate.count(patience, 'patience')
+        self.stalled = 0
+        self.skips = {cause: 0 for cause in CAUSES}
+
+    @property
+    def total_skips(self):
+        return sum(self.skips.values())
+
+    def observe(self, result, backed_off, scale_text=''):
+        """Applies one step's result; returns whether the step is skipped.
+
+        Args:
+            result (PassResult): The step's combined result.
+            backed_off (bool): Whether the scaler lowered a scale because of
+                it (ignored for a finite result).
+            scale_text (str or callable): The scaler's scale(s), for
+                messages (a callable giving them: called only for a
+                skipped step's message).
+
+        Raises:
+            GradientOverflowError: At the ``patience``-th stalled skip in a
+                row.
+
+        """
+        if result.finite:
+            self.stalled = 0
+            return False
+        self.skips[result.cause] += 1
+        if result.cause == 'data' or not backed_off:
+            self.stalled += 1
+        if callable(scale_text):
+            scale_text = scale_text()
+        message = '{}: step skipped: {}{} (skips so far: {} data, {} scale)' \
+            .format(self.mode, result.describe(),
+                    '; ' + scale_text if scale_text else '',
+                    self.skips['data'], self.skips['scale'])
+        if self.patience is not None and self.stalled >= self.patience:
+            hint = ('fix the data or the forward pass (in mixed16 an '
+                    'activation may overflow FP16)' if result.cause == 'data'
+                    else 'no scale is left to lower')
+            raise GradientOverflowError(
+                '{} steps in a row were skipped with nothing left to back off'
+                ' ({}); last: {}'.format(self.stalled, hint, message))
+        warnings.warn(message, RuntimeWarning)
+        return True
+
+    def state_dict(self):
+        return dict({'stalled': self.stalled},
+                    **{'skips_' + c: n for c, n in self.skips.items()})
+
+    def load_state_dict(self, state):
+        self.stalled = int(state['stalled'])
+        for cause in CAUSES:
+            self.skips[cause] = int(state['skips_' + cause])
+
+
+# -- what one rank tells the others ------------------------------------------
 
 @dataclasses.dataclass
 class Payload(object):
@@ -72,11 +276,11 @@ class Payload(object):
     :meth:`to_dict` is what ranks exchange, as JSON, never pickled).
 
     Attributes:
-        results (tuple): The :class:`~gradient_scaling.core.faults.
-            PassResult` of each of the rank's passes (a loss-scaled mode:
-            one, its gradients' check).
+        results (tuple): The :class:`PassResult` of each of the rank's
+            passes (a loss-scaled mode: one, its gradients' check).
         staged (~gradient_scaling.core.scale_state.StagedScales): GS: the
-            scales the step computed, committed if it is taken.
+            scales the step computed, committed if it is taken (None:
+            none; a cached step computes none).
         weight_maxima (dict): GS: the largest weight-path gradient value
             measured at a refresh, per parameter with a backoff.
 
@@ -109,6 +313,11 @@ class Payload(object):
 
 # -- policies ----------------------------------------------------------------
 
+#: Chainer's ceiling of its dynamic loss scale (``Optimizer.
+#: _loss_scale_max``).
+PAPER_DYNAMIC_MAX = 65504.0
+
+
 class Unscaled(object):
 
     """``fp32`` and ``none``: nothing scaled, no step checked.
@@ -119,8 +328,7 @@ class Unscaled(object):
             gradients of the whole step were checked as they landed).
         loss_scale (float): The factor on the loss (and on the gradients
             after the backward, before unscaling).
-        guard (~gradient_scaling.core.faults.OverflowGuard): Skips and
-            patience.
+        guard (OverflowGuard): Skips and patience.
 
     """
 
@@ -314,7 +522,7 @@ class Scaler(object):
 
     def decide(self, key, payloads_of, own_finite=None):
         """Decides optimizer ``key``'s step; returns its
-        :class:`~gradient_scaling.core.faults.PassResult` (not finite: the
+        :class:`PassResult` (not finite: the
         optimizer's step is skipped).
 
         Args:

@@ -8,8 +8,10 @@ asks the estimator on refreshing ones, and *stages* what it computes (with
 the sites' telemetry and what a failed pass needs to find its cause); the
 :class:`~gradient_scaling.core.controller.ScaleController` commits it all
 when the step is taken and drops it when it is skipped. Arrays are only
-read, through :mod:`~gradient_scaling.core.arrays`: rescaling them is the
-adapter's job.
+read, through the controller's ``max_abs`` and
+:mod:`~gradient_scaling.core.arrays`: rescaling them is the adapter's job.
+A cached pass calls nothing but this module, :mod:`~gradient_scaling.core.
+rules` and ``max_abs`` (a cast's cap).
 """
 
 from gradient_scaling.core import arrays
@@ -34,11 +36,12 @@ class StepScales(object):
 
     Attributes:
         staged (~gradient_scaling.core.scale_state.StagedScales): Scales
-            computed so far, committed if the step is taken.
+            computed so far, committed if the step is taken (None: none
+            yet; a cached step computes none).
         records (dict): Site key -> the :class:`SiteRecord` of this step.
         weight_maxima (dict): Largest weight-path gradient value measured,
             per parameter with a backoff.
-        results (list): The :class:`~gradient_scaling.core.faults.PassResult`
+        results (list): The :class:`~gradient_scaling.core.scaler.PassResult`
             of every pass ended so far.
 
     """
@@ -47,7 +50,7 @@ class StepScales(object):
         self.controller = controller
         self.recipe = controller.recipe
         self.refresh = refresh
-        self.staged = scale_state.StagedScales()
+        self.staged = None
         self.records = {}
         self.weight_maxima = {}
         self.results = []
@@ -101,9 +104,9 @@ class StepScales(object):
         """
         estimator = self.controller.estimator
 
-        def estimate(*args):
+        def estimate(staged):
             return estimator.gemm(grad, weight, n() if callable(n) else n,
-                                  alpha, key, self.staged, data_gradient)
+                                  alpha, key, staged, data_gradient)
         return self._site_scale(key, 'gemm', alpha, estimate)
 
     def weight_path(self, name, alpha, beta, shares=None):
@@ -116,8 +119,8 @@ class StepScales(object):
         if shares is None:
             shares = self.recipe.weight_path_shares_data_scale
         return rules.weight_path_scale(
-            alpha, beta, self.controller.backoff.scale(name), shares,
-            self.recipe.scale_range)
+            alpha, beta, self.controller.backoff.scales.get(name, 1.0),
+            shares, self.recipe.scale_range)
 
     def cast_key(self):
         """The next cast site's key (``cast#k`` in backward order)."""
@@ -125,12 +128,14 @@ class StepScales(object):
 
     def cast(self, key, grad, alpha):
         """The local scale at a cast before a softmax (Theorem 2)."""
-        beta, fresh = self._site_scale(
-            key, 'cast', alpha, self.controller.estimator.cast, grad, alpha,
-            key, self.staged)
+        estimator = self.controller.estimator
+
+        def estimate(staged):
+            return estimator.cast(grad, alpha, key, staged)
+        beta, fresh = self._site_scale(key, 'cast', alpha, estimate)
         if fresh is not True and self.recipe.apply_scales:
-            beta = rules.cached_cast_scale(
-                beta, arrays.ops_for(grad).max_abs(grad), self.recipe.fmt)
+            beta = rules.cached_cast_scale(beta, self._max_abs(grad),
+                                           self.controller.fmt.max)
         return beta
 
     def branch(self, scales, grads):
@@ -145,44 +150,59 @@ class StepScales(object):
                                                   signature)
             if cached is not None:
                 return cached
-        maxima = [arrays.ops_for(g).max_abs(g) for g in grads]
-        common = rules.branch_scale(maxima, scales, self.recipe.fmt)
+        maxima = [self._max_abs(g) for g in grads]
+        common = underflow.branch_scale(maxima, scales, self.recipe.fmt)
         if common is None:
             self.nonfinite_sites.append(key)
             return max(scales)
-        self.staged.stage(key, common, signature)
+        self._staging().stage(key, common, signature)
         self.records[key] = SiteRecord(
             name=key, kind='branch', local_scale=1.0,
             input_scale=max(scales), output_scale=common,
             iteration=self.controller.iteration)
         return common
 
-    def _site_scale(self, key, kind, alpha, estimate, *args):
+    def _site_scale(self, key, kind, alpha, estimate):
         """(beta, incoming finite: None where not measured).
 
-        ``estimate(*args)`` gives (beta, estimated rate, rate at scale 1)
+        ``estimate(staged)`` gives (beta, estimated rate, rate at scale 1)
         on a refreshing pass (or a cache miss).
         """
-        controller = self.controller
         if not self.refresh and not self.recipe.every_pass:
-            cached = self.staged.scales.get(key)
+            staged = self.staged
+            cached = None if staged is None else staged.scales.get(key)
             if cached is None:
-                cached = controller.table.scales.get(key)
+                cached = self.controller.table.scales.get(key)
             if cached is not None:
                 return rules.clamp(alpha, cached,
                                    self.recipe.scale_range), None
+        staged = self._staging()
         try:
-            beta, estimated, estimated_at_one = estimate(*args)
+            beta, estimated, estimated_at_one = estimate(staged)
         except underflow.NonFiniteStatisticsError:
             # Not staged: the step cannot be taken anyway.
             self.nonfinite_sites.append(key)
             return 1.0, False
         if not self.recipe.apply_scales:
             beta, estimated = 1.0, estimated_at_one
-        self.staged.stage(key, beta)
+        staged.stage(key, beta)
         beta = rules.clamp(alpha, beta, self.recipe.scale_range)
         self._observe(key, kind, alpha, beta, estimated)
         return beta, True
+
+    def _staging(self):
+        """The step's staged scales, created when a site first stages."""
+        if self.staged is None:
+            self.staged = scale_state.StagedScales()
+        return self.staged
+
+    def _max_abs(self, grad):
+        """``max|grad|``, by the controller's ``max_abs`` (the array
+        library's of the first gradient, where the adapter gave none)."""
+        controller = self.controller
+        if controller.max_abs is None:
+            controller.max_abs = arrays.ops_for(grad).max_abs
+        return controller.max_abs(grad)
 
     # -- telemetry (observes, never steers) ---------------------------------
 
@@ -221,7 +241,7 @@ class StepScales(object):
         self.traces.setdefault(name, []).append(
             GemmTrace(incoming_finite, operands))
         if grad is not None and self.controller.backoff.managed(name):
-            largest = arrays.ops_for(grad).max_abs(grad)
+            largest = self._max_abs(grad)
             self.weight_maxima[name] = max(
                 largest, self.weight_maxima.get(name, 0.0))
 

@@ -24,13 +24,16 @@ underflow rate (``underflow_rate``, 1e-3 by default as in the paper).
   by ``lambda_max / max|g|`` (line 11).
 * Branching (line 17): contributions with different scales are brought to the
   largest of their scales at which none overflows
-  (:func:`unify_scales_from_max`).
+  (:func:`unify_scales_from_max`; :func:`branch_scale` from the
+  contributions' maxima, as a site asks).
 
 Every scale returned is a power of two, so applying and removing it is exact:
 the target scale is rounded up (the target rate is still met), the cap rounded
-down (overflow is still excluded). A scale below 1 is returned only when the
-cap demands it: a target below 1 is raised to 1, since scaling comfortably
-large gradients down gains nothing. Scales are clamped to
+down (overflow is still excluded), by
+:func:`~gradient_scaling.core.rules.pow2_ceil` and
+:func:`~gradient_scaling.core.rules.pow2_floor`. A scale below 1 is returned
+only when the cap demands it: a target below 1 is raised to 1, since scaling
+comfortably large gradients down gains nothing. Scales are clamped to
 [:data:`MIN_SCALE`, :data:`MAX_SCALE`] so that they and their reciprocals are
 normal float32 numbers.
 
@@ -50,6 +53,8 @@ can treat like an overflow. The statistics are measured by the estimators
     >>> underflow.gemm_scale_from_stats(dy.std(), abs(dy).max(), w.std(),
     ...                                 abs(w).max(), accumulation_length=256)
     64.0
+    >>> underflow.branch_scale([40000.0, 1.0], [2.0, 8.0], 'float16')
+    2.0
 
 """
 
@@ -60,11 +65,12 @@ import operator
 from scipy import special
 
 from gradient_scaling.core import formats
+from gradient_scaling.core import rules
 
-__all__ = ['MIN_SCALE', 'MAX_SCALE', 'NonFiniteStatisticsError', 'pow2_ceil',
-           'pow2_floor', 'gemm_underflow_rate', 'lognormal_underflow_rate',
+__all__ = ['MIN_SCALE', 'MAX_SCALE', 'NonFiniteStatisticsError',
+           'gemm_underflow_rate', 'lognormal_underflow_rate',
            'gemm_scale_from_stats', 'lognormal_scale_from_stats',
-           'unify_scales_from_max', 'gemm_cap', 'cast_cap']
+           'unify_scales_from_max', 'branch_scale', 'gemm_cap', 'cast_cap']
 
 
 #: Smallest scale returned. Scales and their reciprocals stay normal float32.
@@ -83,38 +89,6 @@ class NonFiniteStatisticsError(ArithmeticError):
     derived from it; a hook should treat it like an overflow.
 
     """
-
-
-def pow2_ceil(x):
-    """Returns the smallest power of two that is at least ``x``.
-
-    Exact: it reads the exponent with :func:`math.frexp` instead of rounding
-    a floating-point logarithm.
-
-    Args:
-        x (float): Positive finite number.
-
-    Returns:
-        float: ``2**k`` with ``2**(k-1) < x <= 2**k``.
-
-    """
-    mantissa, exponent = math.frexp(_positive_finite(x, 'x'))
-    # x = mantissa * 2**exponent with 0.5 <= mantissa < 1.
-    return math.ldexp(1.0, exponent - 1 if mantissa == 0.5 else exponent)
-
-
-def pow2_floor(x):
-    """Returns the largest power of two that is at most ``x``.
-
-    Args:
-        x (float): Positive finite number.
-
-    Returns:
-        float: ``2**k`` with ``2**k <= x < 2**(k+1)``.
-
-    """
-    _, exponent = math.frexp(_positive_finite(x, 'x'))
-    return math.ldexp(1.0, exponent - 1)
 
 
 def gemm_underflow_rate(sigma, scale, fmt='float16'):
@@ -291,7 +265,7 @@ def lognormal_scale_from_stats(mu, sigma, max_abs, underflow_rate=1e-3,
         if sigma == 0:
             # The rate is a step function: exp(mu) * scale must exceed
             # lambda_min, so a power-of-two target moves one step up.
-            target = 2.0 * pow2_floor(target)
+            target = 2.0 * rules.pow2_floor(target)
     return _power_of_two_scale(target, fmt.max / max_abs)
 
 
@@ -332,10 +306,19 @@ def unify_scales_from_max(pairs, fmt='float16'):
             return beta
     # worst > 0 here, else the first candidate would have passed.
     bound = fmt.max / worst
-    beta = pow2_floor(bound) if bound > MIN_SCALE else MIN_SCALE
+    beta = rules.pow2_floor(bound) if bound > MIN_SCALE else MIN_SCALE
     if beta == bound:  # the inequality is strict
         beta = beta / 2 if beta > MIN_SCALE else MIN_SCALE
     return beta
+
+
+def branch_scale(maxima, scales, fmt):
+    """The common scale of contributions with magnitudes ``maxima`` at
+    ``scales`` (line 17), or None if a contribution is not finite (the
+    pass fails anyway; the caller keeps the largest scale)."""
+    if not all(math.isfinite(m) for m in maxima):
+        return None
+    return unify_scales_from_max(zip(maxima, scales), fmt)
 
 
 # --------------------------------------------------------------------------
@@ -346,17 +329,18 @@ def _power_of_two_scale(target, cap):
     # Round the target up and the cap down to powers of two; the target is
     # at least 1 and the cap wins over it (paper Sec. 4: a scale below 1
     # only when needed to avoid overflow).
-    scale = (pow2_ceil(max(target, 1.0)) if target < MAX_SCALE
+    scale = (rules.pow2_ceil(max(target, 1.0)) if target < MAX_SCALE
              else MAX_SCALE)
     if cap < scale:
-        scale = pow2_floor(cap) if cap >= MIN_SCALE else MIN_SCALE
+        scale = rules.pow2_floor(cap) if cap >= MIN_SCALE else MIN_SCALE
     return scale
 
 
 def _power_of_two_cap(cap):
     if cap == math.inf:
         return math.inf
-    return min(pow2_floor(cap), MAX_SCALE) if cap >= MIN_SCALE else MIN_SCALE
+    return min(rules.pow2_floor(cap), MAX_SCALE) if cap >= MIN_SCALE \
+        else MIN_SCALE
 
 
 def _check_rate(rate):

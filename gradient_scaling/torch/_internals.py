@@ -42,8 +42,8 @@ from gradient_scaling.core import patches
 
 __all__ = ['input_dtype', 'input_shape', 'saved', 'unsharded_names',
            'post_accumulate_hooks', 'sparse_values', 'current_node',
-           'queue_end_of_backward', 'install', 'uninstall', 'active_handler', 'check_and_unscale',
-           'copy_all']
+           'queue_end_of_backward', 'install', 'uninstall', 'active_handler',
+           'check_and_unscale', 'copy_all']
 
 
 def input_dtype(node, slot):
@@ -150,22 +150,53 @@ def queue_end_of_backward(callback):
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
+# -- torch.autograd.backward and grad, routed to one handler ----------------
+# Two attribute sets each way (one handler at a time: a graph's gradients
+# can carry one set of scales; the Chainer adapter's routing is a
+# :class:`~gradient_scaling.core.patches.Patches`).
+
+_handler = None  # the handler routed to, or None
+_originals = None  # (backward, grad) as they were before install
+
+
+def install(handler):
+    """Routes ``torch.autograd.backward`` and ``torch.autograd.grad`` to
+    ``handler`` (again: nothing to do), until :func:`uninstall`.
+
+    Raises:
+        RuntimeError: If another handler is active.
+
+    """
+    global _handler, _originals
+    if _handler is not None:
+        if _handler is handler:
+            return
+        raise RuntimeError(patches.ANOTHER_ACTIVE)
+    _handler = handler
+    _originals = (torch.autograd.backward, torch.autograd.grad)
+    torch.autograd.backward, torch.autograd.grad = _backward, _grad
+
+
+def uninstall(handler):
+    """Puts the originals back, if ``handler`` is the active one."""
+    global _handler, _originals
+    if _handler is not handler or handler is None:
+        return
+    torch.autograd.backward, torch.autograd.grad = _originals
+    _handler = _originals = None
+
+
+def active_handler():
+    """The handler installed now, or None."""
+    return _handler
+
+
 def _backward(*args, **kwargs):
-    return _patches.handler.backward(
-        _patches.original(torch.autograd, 'backward'), *args, **kwargs)
+    return _handler.backward(_originals[0], *args, **kwargs)
 
 
 def _grad(*args, **kwargs):
-    return _patches.handler.grad(
-        _patches.original(torch.autograd, 'grad'), *args, **kwargs)
-
-
-_patches = patches.Patches([(torch.autograd, 'backward', _backward),
-                            (torch.autograd, 'grad', _grad)])
-# Routes torch.autograd.backward to a handler (install), until uninstall.
-install = _patches.install
-uninstall = _patches.uninstall
-active_handler = _patches.active_handler
+    return _handler.grad(_originals[1], *args, **kwargs)
 
 
 # -- torch.compile (gradient_scaling/torch/compile_backend.py) ---------------

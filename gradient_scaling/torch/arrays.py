@@ -31,7 +31,8 @@ from gradient_scaling.core.histogram import ExponentHistogram
 from gradient_scaling.core.statistics import TensorStatistics
 from gradient_scaling.torch import _internals as internals
 
-__all__ = ['TorchOps', 'TORCH_OPS', 'times_power_of_two', 'power_of_two']
+__all__ = ['TorchOps', 'TORCH_OPS', 'max_abs', 'times_power_of_two',
+           'power_of_two']
 
 _LOW = (torch.float16, torch.bfloat16)
 _FUSED = (torch.float16, torch.float32)
@@ -112,16 +113,22 @@ def _small_spread_and_max(flat):
     return math.sqrt(max(squares / n - mean * mean, 0.0)), largest
 
 
+def max_abs(x):
+    """``max|x|`` as a Python float (NaN or inf where ``x`` is not finite,
+    0.0 where it is empty): :meth:`TorchOps.max_abs` as a plain function,
+    for a caller that reads the maxima of many tensors without looking up
+    their operations."""
+    if x.numel() == 0:
+        return 0.0
+    return float(x.detach().abs().max())
+
+
 class TorchOps(arrays.ArrayOps):
 
     """What the core asks of ``torch.Tensor`` (see the module docstring)."""
 
     name = 'torch'
-
-    def max_abs(self, x):
-        if x.numel() == 0:
-            return 0.0
-        return float(x.detach().abs().max())
+    max_abs = staticmethod(max_abs)
 
     def spread_and_max(self, x, sample=True):
         x = x.detach()

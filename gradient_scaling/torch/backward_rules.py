@@ -39,6 +39,7 @@ moving tensors:
 """
 
 import collections
+import dataclasses
 import functools
 
 from gradient_scaling.core import arrays
@@ -47,13 +48,13 @@ from gradient_scaling.torch.arrays import times_power_of_two
 __all__ = ['BackwardPass']
 
 
+@dataclasses.dataclass(eq=False)
 class _Stash(object):
     """The contributions to a slot with several consumers, so far."""
 
-    def __init__(self, expected):
-        self.expected = expected
-        self.arrived = 0
-        self.items = []
+    expected: int
+    arrived: int = 0
+    items: list = dataclasses.field(default_factory=list)
 
 
 class BackwardPass(object):
@@ -116,14 +117,10 @@ class BackwardPass(object):
         the consumer that scaled or unified it, or passed through plain
         nodes from the nearest one that did (on a reused plan, looked up
         only where it can have been set)."""
-        checks = self.plan.scale_checks
-        if checks is not None:
-            at = (checks.index[node], k)
-            found = checks.known.get(at)
-            if found is None:
-                found = checks.find(at)
-            order = checks.order
-            for kind, a, b in found:
+        plan = self.plan
+        order = plan.order
+        if order is not None:
+            for kind, a, b in plan.scale_sources(node, k):
                 scale = self._set_at[kind]((order[a], b)) if kind != 2 \
                     else self.node_scales.get(order[a])
                 if scale is not None:
@@ -131,7 +128,7 @@ class BackwardPass(object):
         path, slot = [], (node, k)
         scale = self.slot_scales.get(slot)
         while scale is None:
-            edges = self.plan.consumers.get(slot, ())
+            edges = plan.consumers_of(slot) or ()
             if len(edges) != 1:
                 raise RuntimeError('GradientScaling: no scale for a slot '
                                    'of {} (a bug)'.format(slot[0].name()))
@@ -148,7 +145,7 @@ class BackwardPass(object):
 
     def _own_slot(self, node):
         """The slot of a node with one used output (or a root's)."""
-        slots = self.plan.used_slots.get(node)
+        slots = self.plan.slots_of(node)
         return (node, slots[0]) if slots else (node, self.root_slot[node])
 
     def edge_scale(self, node, i):
@@ -298,7 +295,7 @@ class BackwardPass(object):
             key = step.gemm_key(self.hook.site_name(site.weight, site.part))
             beta, incoming_finite = step.gemm(
                 key, g,
-                site.weight_values(), lambda: site.accumulation_length, alpha,
+                site.weight_values, lambda: site.accumulation_length, alpha,
                 lambda: site.data_gradient(g))
         named = step.refresh or self.hook.controller.backoff.scales
         names = {edge: self.hook.parameter_name(param) if named else None

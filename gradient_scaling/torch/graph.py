@@ -3,7 +3,10 @@
 :func:`walk` reads the graph a backward pass will run, from its roots
 (``loss.grad_fn``), and returns a :class:`Plan` (:class:`PlanCache`
 reuses it for the next graph of the same structure, which it reads in a
-fifth of a walk's time): the GEMM sites (the backward nodes of linear /
+fifth of a walk's time: the first graph's plan is kept in positions, and
+the reused plan holds the new graph's nodes, its GEMM sites made on them,
+with the consumers of a slot and where its scale is set read from those
+positions when a pass asks): the GEMM sites (the backward nodes of linear /
 addmm / mm / bmm / matmul and of convolutions, keyed by their weight
 parameter, or by the part of it they multiply by: the q, k, v
 projections of a packed ``in_proj_weight``), the casts before a softmax
@@ -24,13 +27,14 @@ its backward returns.
 """
 
 import collections
+import dataclasses
 import math
 
 import torch
 
 from gradient_scaling.torch import _internals as internals
 
-__all__ = ['GemmSite', 'Plan', 'PlanCache', 'Reads', 'ScaleChecks', 'walk',
+__all__ = ['GemmSite', 'Plan', 'PlanCache', 'Reads', 'walk',
            'register_gemm_kind', 'GEMM_NODES',
            'SOFTMAX_NODES', 'SHAPE_ONLY_NODES']
 
@@ -79,9 +83,11 @@ _ADDS = frozenset(['AddBackward0', 'SubBackward0'])
 _ACCUMULATE = 'AccumulateGrad'
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class GemmSite(object):
 
-    """A GEMM node's roles: which edge is the data, which the parameters.
+    """A GEMM node's roles: which edge is the data, which the parameters
+    (a record, made for each graph's plan).
 
     Attributes:
         node: The backward node.
@@ -90,15 +96,16 @@ class GemmSite(object):
             no gradient).
         parameters (dict): Edge -> the parameter behind it (the weight and
             the bias).
-        accumulation_length (int): ``N`` of the data GEMM (Linear:
-            out_features; convolution: out_channels / groups * prod(kernel);
-            transposed convolution: out_channels / groups * prod(kernel) of
-            the forward, ``W.shape[1] * prod(kernel)``), as the Chainer
-            adapter counts it; given as a function, it is read from the
-            node when first asked (only a refresh needs it).
+        length (int or callable): ``N`` of the data GEMM
+            (:attr:`accumulation_length`), or a function that reads it
+            from the node (only a refresh needs it).
+        edges (int): How many edges the node has (inputs of its forward).
+        weight_values (torch.Tensor): What the GEMM multiplies by:
+            ``weight``, or the part of it (a view).
         scales_itself (bool): The node applies the data and weight scales
             it is given (``node.gradient_scales``; the simulation's GEMMs),
             instead of the hook scaling its input and output.
+        weight_edge (int or None): The edge of the weight.
         part (str or None): Which part of ``weight`` the GEMM multiplies
             by, when it is a slice of it (``'q'``, ``'k'``, ``'v'``, ``'kv'``
             of a packed ``in_proj_weight``, otherwise its index, ``'0:64'``
@@ -108,40 +115,35 @@ class GemmSite(object):
 
     """
 
-    def __init__(self, node, weight, data, parameters, accumulation_length,
-                 scales_itself=False, weight_edge=None, part=None,
-                 weight_index=None, edges=None):
-        self.node = node
-        self.weight = weight
-        self.part = part
-        self.weight_index = weight_index
-        self.data = data
-        self.parameters = parameters
-        self._length = accumulation_length
-        self.scales_itself = scales_itself
-        self.weight_edge = weight_edge
-        #: How many edges the node has (inputs of its forward).
-        self.edges = len(node.next_functions) if edges is None else edges
+    node: object
+    weight: object
+    data: object
+    parameters: dict
+    length: object
+    edges: int
+    weight_values: object
+    scales_itself: bool = False
+    weight_edge: object = None
+    part: object = None
+    weight_index: object = None
 
     @property
     def accumulation_length(self):
-        if callable(self._length):  # read from the node when first asked
-            self._length = self._length()
-        return self._length
-
-    def weight_values(self):
-        """What the GEMM multiplies by: ``weight``, or the part of it."""
-        if self.weight_index is None:
-            return self.weight
-        return self.weight.detach()[tuple(
-            slice(r.start, r.stop, r.step) for r in self.weight_index)]
+        """``N`` of the data GEMM (Linear: out_features; convolution:
+        out_channels / groups * prod(kernel); transposed convolution:
+        out_channels / groups * prod(kernel) of the forward, ``W.shape[1]
+        * prod(kernel)``), as the Chainer adapter counts it; read from the
+        node when first asked."""
+        if callable(self.length):
+            self.length = self.length()
+        return self.length
 
     def operands(self):
         """The forward's (input, weight or its part), for telling a data
         fault from an overflow (read while the node has not run)."""
         return (internals.saved(self.node, _INPUT_FIELD[
             type(self.node).__name__, self.weight_edge]),
-            self.weight_values())
+            self.weight_values)
 
     def data_gradient(self, grad):
         """The data gradient the node's GEMM gives for ``grad``, computed
@@ -192,21 +194,30 @@ class Plan(object):
             softmax gradient in FP32 or wider: in a model without a cast
             before its softmax (a simulation), the entry of the logits'
             GEMM is the cast site.
-        consumers (dict): slot -> list of the edges that feed it.
+        consumers (dict): slot -> list of the edges that feed it (a walked
+            plan's; ask :meth:`consumers_of`).
         branches (dict): slot -> its edges, for slots fed by several.
         multi_output (set): Nodes with several slots that receive
             gradients (their scales are unified before the backward).
         accumulators (dict): AccumulateGrad node -> its parameter.
-        used_slots (dict): node -> the slots that receive gradients.
+        used_slots (dict): node -> the slots that receive gradients (a
+            walked plan's; ask :meth:`slots_of`).
         softmax_gradients (set): Nodes whose incoming gradient is a
             softmax gradient (empty for ``cast_rule='none'``).
         compiled (list): Backward nodes of ``torch.compile``d regions
             (plain nodes: their gradients pass at the scale they enter
             with; the parameters inside land unscaled like any other).
+        template: On a plan reused by :class:`PlanCache`, the plan of the
+            graph it was walked on, in positions (its consumers, used
+            slots and scale sources are read from it on demand: a pass
+            asks only about the few slots whose scale it needs); None on
+            a walked plan.
+        order (list): On a reused plan, the graph's nodes in
+            :func:`structure`'s order (``index``: node -> position).
 
     """
 
-    def __init__(self):
+    def __init__(self, template=None, order=None, index=None):
         self.roots = []
         self.gemms = {}
         self.casts = set()
@@ -218,51 +229,81 @@ class Plan(object):
         self.used_slots = {}
         self.compiled = []
         self.softmax_gradients = set()
-        #: On a reused plan, where the scale of each slot can have been
-        #: set (:class:`ScaleChecks`); None on a walked plan.
-        self.scale_checks = None
+        self.template, self.order, self.index = template, order, index
+
+    def consumers_of(self, slot):
+        """The edges that feed ``slot``, or None."""
+        if self.template is None:
+            return self.consumers.get(slot)
+        i = self.index.get(slot[0])
+        found = None if i is None else \
+            self.template.consumers.get((i, slot[1]))
+        return None if found is None else \
+            [(self.order[c], e) for c, e in found]
+
+    def slots_of(self, node):
+        """The slots of ``node`` that receive gradients, or None."""
+        if self.template is None:
+            return self.used_slots.get(node)
+        i = self.index.get(node)
+        return None if i is None else self.template.used_slots.get(i)
+
+    def scale_sources(self, node, k):
+        """A reused plan: where the scale of slot ``(node, k)`` may have
+        been set, nearest first, a tuple of ``(kind, a, b)``, ``a`` a
+        position in :attr:`order`: kind 0 slot ``(a, b)``'s scale (a
+        root's, a branch's), 1 edge ``(a, b)``'s (a GEMM's, a compiled
+        region's), 2 node ``a``'s (a cast's, a split's, a Python
+        function's), 3 root node ``a``'s own slot. A backward pass's
+        scales are set only there: the slots, edges and nodes between hold
+        none (plain nodes pass their gradient on at its scale), so the
+        first found is what following the consumers slot by slot would
+        give. (Found once per slot of the template, kept there.)"""
+        at = (self.index[node], k)
+        known = self.template.sources
+        found = known.get(at)
+        if found is None:
+            found = known[at] = tuple(_scale_sources(self.template, *at))
+        return found
 
 
 class Reads(object):
 
     """What :func:`walk` reads of the nodes beyond the graph's structure
     (the dtypes and shapes of gradient slots, saved fields, a parameter's
-    shape), each read logged with its answer when ``log`` is a list: a
-    plan is reused for a graph of the same structure only where every
-    logged read gives the same answer on the new graph's nodes."""
+    shape), each read logged as ``(node, reader, arg, answer)`` when
+    ``log`` is a list: a plan is reused for a graph of the same structure
+    only where ``reader(node, arg)`` gives the same answer on the new
+    graph's node for every logged read."""
 
     def __init__(self, log=None):
         self.log = log
 
-    def _logged(self, node, what, arg, value):
+    def _read(self, reader, node, arg):
+        value = reader(node, arg)
         if self.log is not None:
-            self.log.append((node, what, arg, value))
+            self.log.append((node, reader, arg, value))
         return value
 
     def dtype(self, node, k):
-        return self._logged(node, 'dtype', k, internals.input_dtype(node, k))
+        return self._read(internals.input_dtype, node, k)
 
     def shape(self, node, k):
-        return self._logged(node, 'shape', k, internals.input_shape(node, k))
+        return self._read(internals.input_shape, node, k)
 
     def saved(self, node, name):
-        return self._logged(node, 'saved', name, internals.saved(node, name))
+        return self._read(internals.saved, node, name)
 
     def saved_int(self, node, name):
-        return self._logged(node, 'saved_int', name,
-                            internals.saved_int(node, name))
+        return self._read(internals.saved_int, node, name)
 
     def variable_shape(self, node):
         """The shape of an accumulation node's tensor."""
-        return self._logged(node, 'variable_shape', None,
-                            tuple(node.variable.shape))
+        return self._read(_variable_shape, node, None)
 
-    @staticmethod
-    def again(node, what, arg):
-        """The read ``what`` of ``node`` again, unlogged."""
-        if what == 'variable_shape':
-            return _READS.variable_shape(node)
-        return getattr(_READS, what)(node, arg)
+
+def _variable_shape(node, _):
+    return tuple(node.variable.shape)
 
 
 _READS = Reads()
@@ -573,9 +614,12 @@ def _gemm_site(node, name, weight, data, parameters, weight_edge, part,
         shape = tuple(weight.shape) if index is None else tuple(
             len(r) for r in index)
         return _accumulation_length(node, name, weight_edge, shape)
-    return GemmSite(node, weight, data, parameters, length,
-                    weight_edge=weight_edge, part=part, weight_index=index,
-                    edges=edges)
+    values = weight if index is None else weight.detach()[tuple(
+        slice(r.start, r.stop, r.step) for r in index)]
+    return GemmSite(
+        node, weight, data, parameters, length,
+        len(node.next_functions) if edges is None else edges, values,
+        weight_edge=weight_edge, part=part, weight_index=index)
 
 
 # (node, edge of the weight) -> (the other factor's saved sizes, the axis
@@ -627,7 +671,8 @@ class PlanCache(object):
     structure (:class:`Reads`: dtypes and shapes where a softmax gradient
     is followed or a cast is told apart, the parts of a parameter that a
     split takes, a parameter's shape) gives the same answer; the plan's
-    parameters are those of the new graph's accumulation nodes. Anything
+    nodes and parameters are the new graph's (its GEMM sites are made
+    anew on them). Anything
     else (a branch taken or not, another sequence length where a shape
     was read, a parameter frozen, another dtype) walks the graph afresh:
     the plan of a graph is always the one :func:`walk` would make.
@@ -651,7 +696,7 @@ class PlanCache(object):
         key = (cast_rule, _GENERATION[0], signature)
         template = self._templates.get(key)
         if template is not None:
-            plan = template.instantiate(order, index)
+            plan = self._reused(template, order, index)
             if plan is not None:
                 self._templates.move_to_end(key)
                 self.reused += 1
@@ -663,6 +708,44 @@ class PlanCache(object):
         self._templates.move_to_end(key)
         while len(self._templates) > self.size:
             self._templates.popitem(last=False)
+        return plan
+
+    @staticmethod
+    def _reused(template, order, index):
+        """The plan of ``template`` on the graph of ``order`` (``index``:
+        node -> its position), or None where a read differs (or another
+        kind's factory decides otherwise)."""
+        for i, reader, arg, value in template.reads:
+            if reader(order[i], arg) != value:
+                return None
+        plan = Plan(template, order, index)
+        plan.roots = [order[i] for i in template.roots]
+        variables = {i: order[i].variable for i in template.accumulators}
+        plan.accumulators = {order[i]: v for i, v in variables.items()}
+        gemms = plan.gemms
+        for (i, w, data, parameters, edge, part, weight_index,
+             edges) in template.gemms:
+            node = order[i]
+            gemms[node] = _gemm_site(
+                node, type(node).__name__, variables[w], data,
+                {e: variables[a] for e, a in parameters.items()}, edge,
+                part, weight_index, edges)
+        for i in template.extra:
+            node = order[i]
+            site = _role(node)[1](node)
+            if (site is not None) != (i in template.extra_sites):
+                return None
+            if site is not None:
+                gemms[node] = site
+        plan.casts = {order[i] for i in template.casts}
+        plan.softmax_gemms = {order[i] for i in template.softmax_gemms}
+        plan.branches = {
+            (order[n], k): [(order[c], e) for c, e in template.consumers[
+                n, k]] for n, k in template.branches}
+        plan.multi_output = {order[i] for i in template.multi_output}
+        plan.compiled = [order[i] for i in template.compiled]
+        plan.softmax_gradients = {order[i]
+                                  for i in template.softmax_gradients}
         return plan
 
 
@@ -718,12 +801,13 @@ def structure(roots):
 class _Template(object):
 
     """A plan with its nodes as positions in :func:`structure`'s order
-    (it holds no node and no tensor), and the reads it depends on."""
+    (it holds no node and no tensor), and the reads it depends on
+    (:meth:`PlanCache._reused` makes its plan on a new graph)."""
 
     def __init__(self, plan, log, index, order):
         at = index.__getitem__
-        self.reads = [(at(n), what, arg, value)
-                      for n, what, arg, value in log]
+        self.reads = [(at(n), reader, arg, value)
+                      for n, reader, arg, value in log]
         self.roots = [at(n) for n in plan.roots]
         self.accumulators = [at(n) for n in plan.accumulators]
         accumulator = {id(v): at(n) for n, v in plan.accumulators.items()}
@@ -760,115 +844,29 @@ class _Template(object):
                                       self.compiled + python)
         self.slot_setters = frozenset(self.branches)
         self.root_set = frozenset(self.roots)
-        self.checks = {}  # slot position -> (kind, a, b) of chain()
+        #: Slot position -> its :meth:`Plan.scale_sources`, as found.
+        self.sources = {}
 
-    def instantiate(self, order, index):
-        """The plan on the graph of ``order`` (``index``: node -> its
-        position), or None where a read differs (or another kind's
-        factory decides otherwise)."""
-        for i, what, arg, value in self.reads:
-            if Reads.again(order[i], what, arg) != value:
-                return None
-        plan = Plan()
-        plan.roots = [order[i] for i in self.roots]
-        variables = {i: order[i].variable for i in self.accumulators}
-        plan.accumulators = {order[i]: v for i, v in variables.items()}
-        gemms = plan.gemms
-        for (i, w, data, parameters, edge, part, weight_index,
-             edges) in self.gemms:
-            node = order[i]
-            gemms[node] = _gemm_site(
-                node, type(node).__name__, variables[w], data,
-                {e: variables[a] for e, a in parameters.items()}, edge,
-                part, weight_index, edges)
-        for i in self.extra:
-            node = order[i]
-            site = _role(node)[1](node)
-            if (site is not None) != (i in self.extra_sites):
-                return None
-            if site is not None:
-                gemms[node] = site
-        plan.casts = {order[i] for i in self.casts}
-        plan.softmax_gemms = {order[i] for i in self.softmax_gemms}
-        plan.consumers = _Positions(self.consumers, order, index)
-        plan.used_slots = _Positions(self.used_slots, order, index)
-        plan.branches = {(order[n], k): plan.consumers[order[n], k]
-                         for n, k in self.branches}
-        plan.multi_output = {order[i] for i in self.multi_output}
-        plan.compiled = [order[i] for i in self.compiled]
-        plan.softmax_gradients = {order[i] for i in self.softmax_gradients}
-        plan.scale_checks = ScaleChecks(self, order, index)
-        return plan
 
-    def chain(self, n, k):
-        """Where the scale of slot ``(n, k)`` may have been set (see
-        :class:`ScaleChecks`), from the slot towards the roots, up to a
-        slot without one consumer."""
-        while True:
-            if n in self.root_set:
+def _scale_sources(template, n, k):
+    """Where the scale of slot ``(n, k)`` (positions) of ``template`` may
+    have been set (:meth:`Plan.scale_sources`), from the slot towards the
+    roots, up to a slot without one consumer."""
+    while True:
+        if n in template.root_set:
+            yield 0, n, k
+        edges = template.consumers.get((n, k))
+        if edges is None or len(edges) != 1:
+            if (n, k) in template.slot_setters:
                 yield 0, n, k
-            edges = self.consumers.get((n, k))
-            if edges is None or len(edges) != 1:
-                if (n, k) in self.slot_setters:
-                    yield 0, n, k
-                return
-            c, i = edges[0]
-            if c in self.edge_setters:
-                yield 1, c, i
-            if c in self.node_setters:
-                yield 2, c, None
-            slots = self.used_slots.get(c)
-            if not slots:
-                yield 3, c, None
-                return
-            n, k = c, slots[0]
-
-
-class ScaleChecks(object):
-
-    """Where the scale of a slot of a reused plan's graph may have been
-    set, nearest first: ``known[(index[node], k)]`` (or ``find`` of that
-    position) is a tuple of ``(kind, a, b)``, ``a`` a position in
-    ``order``: kind 0 slot ``(a, b)``'s scale (a root's, a branch's), 1
-    edge ``(a, b)``'s (a GEMM's, a compiled region's), 2 node ``a``'s (a
-    cast's, a split's, a Python function's), 3 root node ``a``'s own
-    slot. A backward pass's scales are set only there: the slots, edges
-    and nodes between hold none (plain nodes pass their gradient on at its
-    scale), so the first found is what following the consumers slot by
-    slot would give. (Read from the template, made once per slot.)"""
-
-    def __init__(self, template, order, index):
-        self.template, self.order, self.index = template, order, index
-        self.known = template.checks
-
-    def find(self, at):
-        found = self.known[at] = tuple(self.template.chain(*at))
-        return found
-
-
-class _Positions(object):
-
-    """A reused plan's ``consumers`` (slot -> its edges) or ``used_slots``
-    (node -> its slots), read from the template on demand: a pass asks
-    only about the few slots whose scale it needs."""
-
-    def __init__(self, table, order, index):
-        self._table, self._order, self._index = table, order, index
-
-    def get(self, key, default=None):
-        order = self._order
-        if isinstance(key, tuple):  # a slot
-            i = self._index.get(key[0])
-            found = None if i is None else self._table.get((i, key[1]))
-            if found is None:
-                return default
-            return [(order[c], e) for c, e in found]
-        i = self._index.get(key)
-        found = None if i is None else self._table.get(i)
-        return default if found is None else found
-
-    def __getitem__(self, key):
-        found = self.get(key)
-        if found is None:
-            raise KeyError(key)
-        return found
+            return
+        c, i = edges[0]
+        if c in template.edge_setters:
+            yield 1, c, i
+        if c in template.node_setters:
+            yield 2, c, None
+        slots = template.used_slots.get(c)
+        if not slots:
+            yield 3, c, None
+            return
+        n, k = c, slots[0]

@@ -20,8 +20,9 @@ import torch
 from gradient_scaling.core import arrays
 from gradient_scaling.core import faults
 from gradient_scaling.core.controller import ControllerViews
+from gradient_scaling.core.scaler import FINITE
 from gradient_scaling.torch import _internals as internals
-from gradient_scaling.torch import arrays as torch_arrays  # NOQA: registers
+from gradient_scaling.torch import arrays as torch_arrays
 from gradient_scaling.torch import graph
 from gradient_scaling.torch import unscaling
 from gradient_scaling.torch.backward_rules import BackwardPass
@@ -89,7 +90,7 @@ class GradientScaling(ControllerViews):
     """
 
     def __init__(self, model=None, recipe=None, **settings):
-        self._take_recipe(recipe, settings)
+        self._take_recipe(recipe, settings, torch_arrays.max_abs)
         self.model = model
         module = unwrapped(model)
         self._names = {} if module is None else {
@@ -455,10 +456,14 @@ class GradientScaling(ControllerViews):
         self.finish_pass()
         self.controller.hold()
 
-    def attach(self, outputs, loss_scale=1.0):
+    def attach(self, outputs, loss_scale=1.0, hold=False):
         """Prepares the next backward of ``outputs`` (a tensor, or nested
-        lists and tuples of them), whose gradients carry ``loss_scale``."""
-        self.finish_pass()
+        lists and tuples of them), whose gradients carry ``loss_scale``;
+        ``hold``: a scaler will conclude its step (:meth:`hold_step`)."""
+        if hold:
+            self.hold_step()
+        else:
+            self.finish_pass()
         tensors = flat_tensors(outputs)
         self.controller.begin_pass()
         self._pass = BackwardPass(self, _roots(tensors), float(loss_scale),
@@ -476,17 +481,23 @@ class GradientScaling(ControllerViews):
         current = self._pass
         if current is None or current.started or current.nested:
             return
-        roots = _roots(flat_tensors(tensors))
-        if set(roots) <= set(current.root_slot.items()):
-            return
+        tensors, attached = flat_tensors(tensors), current.root_slot
+        for t in tensors:
+            if t.grad_fn is not None and \
+                    attached.get(t.grad_fn) != t.output_nr:
+                break
+        else:
+            return  # every root is one the pass was attached at
         current.remove()
-        self._pass = BackwardPass(self, roots, 1.0, current.losses)
+        self._pass = BackwardPass(self, _roots(tensors), 1.0,
+                                  current.losses)
 
     def _warn_compiled(self, current):
-        """Once per hook: compiled regions it could not see into."""
+        """Warns of the compiled regions the hook could not see into (once
+        per hook: asked until it has warned)."""
         plan = current.plan
         blind = [n for n in plan.compiled if n not in current.self_scaled]
-        if blind and not self._warned_compiled:
+        if blind:
             self._warned_compiled = True
             warnings.warn(
                 'GradientScaling: the backward has {} torch.compile\'d '
@@ -530,7 +541,8 @@ class GradientScaling(ControllerViews):
         if not current.finished:
             self.controller.abort_pass()
             return
-        self._warn_compiled(current)
+        if current.plan.compiled and not self._warned_compiled:
+            self._warn_compiled(current)
         self._landed_pending.append(current.landed)
         if len(self._landed_pending) > 64:
             self.landed_scales  # NOQA: flushed now and then
@@ -542,14 +554,14 @@ class GradientScaling(ControllerViews):
         # The gradients landed unscaled: one fused read checks them and the
         # losses (GradScaler's check, with nothing left to divide).
         if _all_finite([g for _, g in grads], current.losses):
-            result = faults.FINITE
+            result = FINITE
         else:
             result = self._result(current, grads)
         if self.controller.end_pass(result):
             self.controller.conclude([self.controller.payload()])
 
     def _result(self, current, grads):
-        """The pass's :class:`~gradient_scaling.core.faults.PassResult`."""
+        """The pass's :class:`~gradient_scaling.core.scaler.PassResult`."""
         step = self.controller.step
 
         def traces_of(names):

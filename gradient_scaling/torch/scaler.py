@@ -29,7 +29,7 @@ model (BatchNorm's running statistics, which the forward pass already
 moved, are put back). A data fault (a non-finite loss, input or forward
 activation) changes no scale; a scale fault backs off what overflowed;
 ``patience`` skips in a row with nothing left to back off raise
-:class:`~gradient_scaling.core.faults.GradientOverflowError`, on every rank
+:class:`~gradient_scaling.core.scaler.GradientOverflowError`, on every rank
 (``mode='dynamic', bounded=False``: GradScaler's own behaviour, never).
 
 Per optimizer, as GradScaler's ``OptState``: the stages of
@@ -57,11 +57,11 @@ from gradient_scaling.core import recipes
 from gradient_scaling.core import scaler as core
 from gradient_scaling.core import faults
 from gradient_scaling.core import telemetry
+from gradient_scaling.torch import _internals as internals
 from gradient_scaling.torch import agreement
 from gradient_scaling.torch import unscaling
 from gradient_scaling.torch.hook import GradientScaling
 from gradient_scaling.torch.hook import unwrapped
-from gradient_scaling.torch.module_state import ModuleState
 
 __all__ = ['GradientScaler', 'MODES']
 
@@ -179,7 +179,16 @@ class GradientScaler(object):
         self.policy = core.policy_for(
             self.recipe, self.hook and self.hook.controller)
         self._core = core.Scaler(self.policy)
-        self.state = None if module is None else ModuleState(module)
+        # The buffers a skipped step puts back: where they are, found once
+        # (walking the module tree costs more than the copies), read by
+        # name at every capture (a buffer replaced by another tensor is the
+        # one saved); a submodule added later is not included.
+        self._buffer_places = [] if module is None else [
+            (m, name) for m in module.modules()
+            for name, _ in m.named_buffers(recurse=False)]
+        self._saved_buffers = []  # their values, as captured
+        self._captured_buffers = []  # the buffers saved into them
+        self._buffers_captured = False  # this step's capture is done
         # Names for a failed step's message (the model's, found once).
         self._param_names = {} if module is None else {
             p: n for n, p in module.named_parameters()}
@@ -192,9 +201,9 @@ class GradientScaler(object):
         # (Through a weak reference: a deep copy of the model, an EMA
         # twin, must not copy the scaler with it.)
         capture = functools.partial(_capture_weakly, weakref.ref(self))
-        self._capture = [] if self.state is None else [
+        self._capture = [] if module is None else [
             m.register_forward_pre_hook(capture)
-            for m in self.state.owners()]
+            for m in _buffer_owners(module, self._buffer_places)]
 
     @property
     def guard(self):
@@ -219,9 +228,8 @@ class GradientScaler(object):
             # GS: the hook attaches to the outputs' graph (with several
             # ranks, each gradient is checked as it lands, before it is
             # averaged).
-            self.hook.hold_step()
+            self.hook.attach(outputs, hold=True)
             self.hook.check_on_landing = self._world() is not None
-            self.hook.attach(outputs)
             return outputs
         scale = self.policy.loss_scale
         if self.policy.checks:
@@ -313,17 +321,46 @@ class GradientScaler(object):
             self._set_scale(new_scale)
             return
         self._core.require_stepped()
-        if self.state is not None and self._core.all_skipped:
-            self.state.restore()  # no optimizer stepped: as if unseen
+        if self._core.all_skipped:
+            self._restore_buffers()  # no optimizer stepped: as if unseen
         try:
             self._core.conclude()
         finally:
             self._new_step()
 
     def _new_step(self):
-        if self.state is not None:
-            self.state.captured = False
+        self._buffers_captured = False
         self._losses = []
+
+    def _capture_buffers(self):
+        """Saves every buffer of the model as it is now, before the
+        forward pass changes them in place (BatchNorm's ``running_mean``,
+        ``running_var`` and ``num_batches_tracked``; PyTorch's own AMP
+        leaves them changed when it skips a step, pytorch/pytorch#88474):
+        into the same tensors as the last capture when the buffers are
+        alike (one fused copy)."""
+        buffers = [b for b in (getattr(m, name)
+                               for m, name in self._buffer_places)
+                   if b is not None]
+        saved = self._saved_buffers
+        with torch.no_grad():
+            if len(saved) == len(buffers) and all(
+                    s.shape == b.shape and s.dtype == b.dtype and
+                    s.device == b.device for s, b in zip(saved, buffers)):
+                if buffers:
+                    internals.copy_all(saved, buffers)
+            else:
+                self._saved_buffers = [b.detach().clone() for b in buffers]
+        self._captured_buffers = buffers
+        self._buffers_captured = True
+
+    def _restore_buffers(self):
+        """Puts every buffer captured this step back, in place: the
+        skipped step's batch leaves no trace."""
+        if self._buffers_captured and self._saved_buffers:
+            with torch.no_grad():
+                internals.copy_all(self._captured_buffers,
+                                   self._saved_buffers)
 
     def _set_scale(self, new_scale):
         if not isinstance(self.policy, core.GradScalerDynamic):
@@ -571,9 +608,15 @@ def _capture_weakly(scaler_ref, module, inputs):
     """Before a module with buffers runs: the scaler captures the
     buffers once per step."""
     scaler = scaler_ref()
-    if scaler is not None and scaler.state is not None and \
-            not scaler.state.captured:
-        scaler.state.capture()
+    if scaler is not None and not scaler._buffers_captured:
+        scaler._capture_buffers()
+
+
+def _buffer_owners(module, places):
+    """``module`` and every submodule that holds buffers (where a capture
+    before the forward may be triggered)."""
+    owners = list(dict.fromkeys(m for m, _ in places))
+    return owners if module in owners else [module] + owners
 
 
 def _params(optimizer):

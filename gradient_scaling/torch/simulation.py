@@ -315,6 +315,7 @@ class SimulatedGemmSite(graph.GemmSite):
             n = int(weight.shape[0]) // config.options.get('groups', 1) * \
                 kernel
         super().__init__(node, weight, data, parameters, n,
+                         len(node.next_functions), weight,
                          scales_itself=True)
 
     def operands(self):
