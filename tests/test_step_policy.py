@@ -97,6 +97,26 @@ def test_a_gs_step_is_combined_once_in_either_framework(monkeypatch,
         monkeypatch.undo()
 
 
+def test_cached_torch_step_crosses_at_most_ten_files_and_classes():
+    """Issue 33's bound, as docs/DESIGN.md states it: a cached PyTorch GS
+    step (``scripts/trace_step.py``) crosses at most 10 library files and
+    10 library classes, and never the core's lookup modules (formats,
+    arrays, underflow, validation) nor the plan cache's per-pass helpers."""
+    if not HAS_TORCH:
+        pytest.skip('needs PyTorch')
+    module = _load_trace_step()
+    step = module.FRAMEWORKS['torch']()
+    step()
+    step()  # the refresh, then cached
+    with module.Trace() as trace:
+        step()
+    assert len(trace.files) <= 10, sorted(trace.files)
+    assert len(trace.classes) <= 10, sorted(trace.classes)
+    for lookup in ('core/formats.py', 'core/arrays.py', 'core/underflow.py',
+                   'core/_validate.py', 'core/scale_state.py'):
+        assert lookup not in trace.files
+
+
 def _load_trace_step():
     import os
     spec = importlib.util.spec_from_file_location(
