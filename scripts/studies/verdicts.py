@@ -154,8 +154,8 @@ COMPARISONS = [
      + _against('FP32', 'Dyn-LS (interval 1000)', 'Fixed-LS (128)'), 8),
     ('table2-mechanism_runs.csv', 'table2-mechanism',
      'Table 2 mechanism: SSD from a pretrained backbone, E5M2, batch 32',
-     _gs_against('FP32', 'Dyn-LS (interval 1000)')
-     + _against('FP32', 'Dyn-LS (interval 1000)'), 32),
+     _gs_against('FP32', 'Dyn-LS (interval 1000)', 'Fixed-LS (128)')
+     + _against('FP32', 'Dyn-LS (interval 1000)', 'Fixed-LS (128)'), 32),
 ] + [('block_scaling_runs.csv', 'block-scaling-' + task,
        'Block scaling, ' + task, _block_pairs(extra))
       for task, extra in (
