@@ -243,11 +243,40 @@ def compile_ops():
     }
 
 
+def fake_mode(example_inputs):
+    """The fake mode of ``example_inputs`` (what a ``bw_compiler`` is
+    given): ``torch._guards.detect_fake_mode``."""
+    from torch._guards import detect_fake_mode
+    return detect_fake_mode(example_inputs)
+
+
+def keep_saved_tensors():
+    """The backward being compiled reuses none of its inputs' buffers:
+    AOTAutograd's donated buffers (saved tensors only the backward reads,
+    which Inductor may overwrite) none, as under
+    ``torch._functorch.config.donated_buffer = False``, for the graph that
+    the tracing context is compiling now."""
+    from torch._guards import TracingContext
+    context = TracingContext.try_get()
+    metadata = getattr(context, 'fw_metadata', None)
+    if metadata is not None and metadata.bw_donated_idxs:
+        metadata.bw_donated_idxs = []
+
+
+def inductor_graph_cache_off():
+    """A context in which Inductor's FX graph cache is off (its key does
+    not say whether a graph was compiled with donated buffers)."""
+    import contextlib
+    try:
+        from torch._inductor import config
+    except ImportError:  # pragma: no cover
+        return contextlib.nullcontext()
+    return config.patch(fx_graph_cache=False)
+
+
 def decompose(gm, example_inputs, table):
     """``gm`` traced again with ``table``'s decompositions, under the fake
     mode of ``example_inputs`` (what a ``bw_compiler`` is given)."""
-    from torch._guards import detect_fake_mode
     from torch.fx.experimental.proxy_tensor import make_fx
-    mode = detect_fake_mode(example_inputs)
-    with mode:
+    with fake_mode(example_inputs):
         return make_fx(gm, decomposition_table=table)(*example_inputs)

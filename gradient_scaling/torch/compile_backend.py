@@ -25,6 +25,14 @@ backward FX graph before it is compiled (by Inductor, or run as traced):
   as float32 numbers), and the graph multiplies each gradient by its own:
   the multiplications are compiled with the rest (Inductor fuses them with
   their neighbours), not run one by one from Python;
+* a cached pass (the scales read from the committed table) runs a second
+  compilation of the graph, in which each site's factors are a slice of
+  one input that the sites' actions, asked once before the pass without
+  gradients, fill (:class:`_CachedVariant`; memoised while the table, the
+  entering scale and the key counters stay the same): no Python call per
+  site. A cast's cached scale is checked against its cap in the graph (a
+  flag read after the pass); where the cap binds, the sites after it are
+  not the table's, and the pass runs again as the refresh variant;
 * the gradients leave the graph at the scale the region was entered with
   (1 where the whole model, loss included, is compiled): the eager hook
   then treats the region's node as a plain one, and a parameter's gradient
@@ -69,6 +77,7 @@ import weakref
 import torch
 
 from gradient_scaling.core import arrays
+from gradient_scaling.core import rules
 from gradient_scaling.torch import _internals as internals
 from gradient_scaling.torch import arrays as torch_arrays  # NOQA: registers
 
@@ -160,6 +169,8 @@ def _scale(grads, operands, action):
     parameter's gradient at that scale), :data:`STEPS` float32 powers of
     two each, in a new 1-d tensor on the first gradient's device."""
     call = _CALLS[-1] if _CALLS else None
+    if call is not None:
+        call.order.append(action)
     if call is None or call.step is None:  # no pass of the hook: unscaled
         return _factors((1.0,) * (len(grads) + 1), grads[0].device)
     return _factors(tuple(_ACTIONS[action](call, grads, operands)),
@@ -228,10 +239,23 @@ class _Call(object):
     loss computed outside the region: the region's logits GEMM, or its
     up-cast, is then the cast site, as for the eager hook)."""
 
-    def __init__(self, step, alpha, softmax=False):
+    def __init__(self, step, alpha, softmax=False, planning=False):
         self.step = step  # None: the hook runs no pass, nothing is scaled
         self.scales = {0: alpha}
         self.softmax = softmax
+        #: The actions' indices in the order the graph called them.
+        self.order = []
+        #: Whether the actions are asked without gradients, to plan a
+        #: cached pass (:meth:`_CachedVariant.plan`): each must then find its
+        #: scale in the table (or raise :class:`_Miss`), and a cast tells
+        #: the scale its cap is compared with (``thresholds``).
+        self.planning = planning
+        self.thresholds = {}
+
+
+class _Miss(Exception):
+    """A site a cached pass cannot plan: its scale is not in the table
+    (or it needs the pass's gradients)."""
 
 
 class _GemmAction(object):
@@ -242,26 +266,32 @@ class _GemmAction(object):
     multiplied (the graph multiplies), then the inverse of the scale of
     its output variable ``var_out``."""
 
-    def __init__(self, hook, name, param, length, data, var_in, var_out):
+    def __init__(self, hook, name, param, length, data, var_in, var_out,
+                 low=False):
         self.hook, self.name, self.param = hook, name, param
         self.length, self.data = length, data
         self.var_in, self.var_out = var_in, var_out
+        self.low = low  # a low-precision gradient (2 bytes or fewer)
 
     def __call__(self, call, grads, operands):
         g, step, hook = grads[0], call.step, self.hook()
         alpha, weight = call.scales[self.var_in], self.param()
         key = step.gemm_key(self.name)
+        if call.planning and not _cached(step, key):
+            raise _Miss(key)
         beta, incoming_finite = step.gemm(
             key, g, weight, self.length, alpha,
             lambda: self.data(g.detach().float(),
                               [o.float() for o in operands]))
         named = step.refresh or hook.controller.backoff.scales
-        if g.element_size() <= 2:
+        if self.low:
             # One scaled low-precision input makes both paths: a
             # weight-path backoff lowers the data path too.
             beta = min(beta, step.weight_path(
                 self.name if named else None, alpha, beta, True))
         call.scales[self.var_out] = alpha * beta
+        if call.planning:  # (a cached site: nothing to measure or trace)
+            return [beta, 1.0 / (alpha * beta)]
         step.measure(key, lambda: self.data(_times(g, beta), operands))
         if step.refresh:
             if incoming_finite is None:
@@ -284,8 +314,18 @@ class _CastAction(object):
         if self.entering and not call.softmax:
             call.scales[self.var_out] = alpha
             return [1.0, 1.0 / alpha]
-        g = grads[0]
         key = call.step.cast_key()
+        if call.planning:
+            # The cached scale; its cap (by this pass's max|g|, as
+            # ``StepScales.cast``) is compared in the graph.
+            if not _cached(call.step, key):
+                raise _Miss(key)
+            beta = call.step._site_scale(key, 'cast', alpha, None)[0]
+            call.thresholds[self] = beta if \
+                call.step.recipe.apply_scales else 0.0
+            call.scales[self.var_out] = alpha * beta
+            return [beta, 1.0 / (alpha * beta)]
+        g = grads[0]
         beta = call.step.cast(key, g, alpha)
         call.step.measure(key, lambda: _times(g, beta))
         call.scales[self.var_out] = alpha * beta
@@ -300,7 +340,13 @@ class _UnifyAction(object):
 
     def __call__(self, call, grads, operands):
         scales = [call.scales[v] for v in self.vars_in]
-        common = call.step.branch(scales, grads)
+        step = call.step
+        if call.planning and len(set(scales)) > 1 and \
+                step.controller.table.lookup(
+                    None, 'branch#{}'.format(step.branch_count),
+                    rules.branch_signature(scales)) is None:
+            raise _Miss('branch#{}'.format(step.branch_count))
+        common = step.branch(scales, grads)
         call.scales[self.var_out] = common
         return [common / s for s in scales] + [1.0 / common]
 
@@ -321,6 +367,12 @@ class _UnscaleAction(object):
 
 #: The variable of a gradient leaving unscaled.
 _UNSCALED = -1
+
+
+def _cached(step, key):
+    """Whether ``step`` (a cached one with nothing staged) reads site
+    ``key``'s scale from its table."""
+    return key in step.controller.table.scales
 
 
 def _action(action):
@@ -388,6 +440,73 @@ class _Region(object):
 
     def compile_backward(self, gm, example_inputs):
         from functorch.compile import make_boxed_func
+        #: The cached variant (None: every pass runs the refresh one).
+        self.cached = None
+        #: The order the refresh variant called its sites in (the order
+        #: a cached pass's keys are given in), once it has run.
+        self.order = None
+        #: Passes run by each variant: 'cached', 'refresh', and 'again'
+        #: (a cached pass run again as the refresh variant: a cast's cap
+        #: bound).
+        self.passes = {'cached': 0, 'refresh': 0, 'again': 0}
+        try:
+            cached = _CachedVariant(self, gm, example_inputs)
+        except Exception as e:  # NOQA: the refresh variant serves
+            cached, self.cached_error = None, e
+        if cached is None:
+            refresh = self.compile_graph(gm, example_inputs)
+        else:
+            # A pass the cached variant ran may run again as the refresh
+            # one, from the same inputs: no saved tensor's buffer is
+            # reused for the graph's own (AOTAutograd's donated buffers),
+            # and no graph compiled with them comes from Inductor's cache
+            # (whose key does not tell).
+            internals.keep_saved_tensors()
+            with internals.inductor_graph_cache_off():
+                refresh = self.compile_graph(gm, example_inputs)
+                try:
+                    cached.compile(self, example_inputs)
+                    self.cached = cached
+                except Exception as e:  # NOQA: the refresh variant serves
+                    self.cached_error = e
+
+        def run(*args):
+            call, running, node = self.begin()
+            cached = self.cached
+            if running and cached is not None and self.order is not None:
+                plan = cached.plan(call, self.order)
+                if plan is not None:
+                    grads = cached.compiled(list(args) + plan.inputs)
+                    if cached.checks:
+                        # A cached cast scale its cap would lower: the
+                        # sites after it would not be the table's.
+                        bound, grads = grads[-1], grads[:-1]
+                        if bound.item():
+                            plan = None
+                            self.passes['again'] += 1
+                    if plan is not None:
+                        self.passes['cached'] += 1
+                        plan.commit(call.step)
+                        self.hook().region_left(node, plan.output_scales)
+                        return grads
+            self.passes['refresh'] += 1
+            _CALLS.append(call)
+            try:
+                grads = refresh(list(args))
+            finally:
+                _CALLS.pop()
+            self.observe(call.order)
+            if running:
+                self.hook().region_left(node, {
+                    i: 1.0 if v == _UNSCALED else call.scales[v]
+                    for i, v in enumerate(self.output_variables)
+                    if v is not None})
+            return grads
+        return make_boxed_func(run)
+
+    def compile_graph(self, gm, example_inputs):
+        """``gm`` compiled by the inner backend (a boxed function)."""
+        from functorch.compile import make_boxed_func
         if self.inner == 'inductor':
             # The softmax backwards, kept for the rewrite, decomposed now
             # (Inductor would not take them undecomposed), by Inductor's
@@ -397,25 +516,21 @@ class _Region(object):
             # decomposed already.
             gm = internals.decompose(gm, example_inputs,
                                      internals.inductor_decompositions())
-            compiled = internals.inductor_compile(gm, example_inputs,
-                                                  is_backward=True)
-        else:
-            compiled = make_boxed_func(gm.forward)
+            return internals.inductor_compile(gm, example_inputs,
+                                              is_backward=True)
+        return make_boxed_func(gm.forward)
 
-        def run(*args):
-            call, running, node = self.begin()
-            _CALLS.append(call)
-            try:
-                grads = compiled(list(args))
-            finally:
-                _CALLS.pop()
-            if running:
-                self.hook().region_left(node, {
-                    i: 1.0 if v == _UNSCALED else call.scales[v]
-                    for i, v in enumerate(self.output_variables)
-                    if v is not None})
-            return grads
-        return make_boxed_func(run)
+    def observe(self, order):
+        """The order of a refresh variant's calls: a cached pass plans its
+        sites in it (the keys of a weight used twice, of the casts and
+        branches, are given in the order the sites are met)."""
+        if self.order is None and self.cached is not None:
+            if sorted(order) == self.cached.indices:
+                self.order = tuple(order)
+            else:  # (not every site called once: no cached variant)
+                self.cached = None
+        elif self.order is not None and tuple(order) != self.order:
+            self.cached = None
 
     def begin(self):
         """``(call, running, node)``: the :class:`_Call` of a backward
@@ -431,6 +546,211 @@ class _Region(object):
             return _Call(None, 1.0), False, None
         alpha, softmax = entered
         return _Call(hook.controller.step, alpha, softmax), True, node
+
+
+# -- the cached variant of a backward graph -----------------------------------
+
+class _CachedVariant(object):
+
+    """A region's backward compiled a second time for cached passes: each
+    call of ``gradient_scaling::scale`` replaced by its slice of one graph
+    input, the factors of every site planned before the pass from the
+    committed table (:meth:`plan`: the same actions, asked without
+    gradients, as the refresh variant would ask them), so that the pass
+    calls no Python per site.
+
+    A cached cast scale is capped by each pass's ``max|g|``
+    (``StepScales.cast``): the graph compares the cap with the planned
+    scale (the cast's input's maximum, in float64 as the host computes it)
+    and returns whether it binds, read after the pass; where it binds, the
+    sites after the cast (their input scales, a branch's signature) are
+    not the planned ones, and the pass runs again as the refresh variant,
+    which asks the step site by site. Planned passes are memoised per
+    entering scale, key counters and committed scales.
+    """
+
+    def __init__(self, region, gm, example_inputs):
+        graph = torch.fx.Graph()
+        env = {}
+        for n in gm.graph.nodes:
+            env[n] = graph.node_copy(n, lambda x: env[x])
+        calls = [n for n in graph.nodes if n.target is _SCALE]
+        if not calls:
+            raise _Unsupported('no site')
+        devices = {_value(n).device for n in calls}
+        if len(devices) != 1:
+            raise _Unsupported('sites on several devices')
+        device = devices.pop()
+        casts = [n for n in calls
+                 if isinstance(_ACTIONS[n.args[2]], _CastAction)]
+        mode = internals.fake_mode(example_inputs)
+        sizes = [int(_value(n).shape[0]) for n in calls]
+        last = [n for n in graph.nodes if n.op == 'placeholder'][-1]
+        with graph.inserting_after(last):
+            factors = graph.placeholder('gs_factors')
+        with mode:
+            factors.meta['val'] = torch.empty(
+                sum(sizes), dtype=torch.float32, device=device)
+        new_inputs = [factors.meta['val']]
+        if casts:
+            with graph.inserting_after(factors):
+                thresholds = graph.placeholder('gs_thresholds')
+            with mode:
+                thresholds.meta['val'] = torch.empty(
+                    len(casts) + 1, dtype=torch.float64, device=device)
+            new_inputs.append(thresholds.meta['val'])
+        #: (action index, offset, size) of each site's factors.
+        self.layout = []
+        offset = 0
+        for n, size in zip(calls, sizes):
+            with graph.inserting_before(n):
+                part = _function(graph, _SLICE, factors, 0, offset,
+                                 offset + size)
+            n.replace_all_uses_with(part)
+            self.layout.append((n.args[2], offset, size))
+            offset += size
+        #: The cast actions, by their threshold's place (after the format's
+        #: largest value).
+        self.casts = [_ACTIONS[n.args[2]] for n in casts]
+        bounds = []
+        for k, n in enumerate(casts):
+            g = n.args[0][0]
+            numel = _value(g).numel()
+            if not isinstance(numel, int):
+                raise _Unsupported('a cast of a dynamic size')
+            if numel == 0:  # max|g| = 0: no cap
+                continue
+            with graph.inserting_before(n):
+                bounds.append(_bound(graph, g, thresholds, k + 1))
+        for n in calls:
+            graph.erase_node(n)
+        #: Whether the graph returns whether a cast's cap binds.
+        self.checks = bool(bounds)
+        output = [n for n in graph.nodes if n.op == 'output'][0]
+        if bounds:
+            with graph.inserting_before(output):
+                bound = _function(graph, _ANY, _function(graph, _STACK,
+                                                         bounds))
+            output.args = (tuple(output.args[0]) + (bound,),) + \
+                tuple(output.args[1:])
+        graph.eliminate_dead_code()
+        graph.lint()
+        self.module = torch.fx.GraphModule(gm, graph)
+        self.new_inputs = new_inputs
+        self.indices = sorted(index for index, _, _ in self.layout)
+        self.device = device
+        self.region = weakref.ref(region)
+        self.memo = {}
+
+    def compile(self, region, example_inputs):
+        """The graph compiled as the refresh variant is."""
+        self.compiled = region.compile_graph(
+            self.module, list(example_inputs) + self.new_inputs)
+        del self.module, self.new_inputs
+
+    def plan(self, call, order):
+        """The :class:`_Plan` of a cached pass (memoised), or None: the
+        step refreshes, has staged or recorded a site, or a site's scale
+        is not in its table (the refresh variant then asks the step)."""
+        step = call.step
+        controller = step.controller
+        if step.refresh or step.recipe.every_pass or \
+                step.staged is not None or step.records or \
+                controller.max_abs not in (None, torch_arrays.max_abs):
+            return None  # (another max|g| than the graph's: not planned)
+        key = (call.scales[0], call.softmax, step.cast_count,
+               step.branch_count, tuple(step.occurrences.items()),
+               id(step.recipe), controller.fmt.max)
+        entry = self.memo.get(key)
+        table = controller.table
+        if entry is None or entry[1] != table.scales or \
+                entry[2] != table.signatures or \
+                entry[3] != controller.backoff.scales:
+            if len(self.memo) > 64:
+                self.memo.clear()
+            entry = self.memo[key] = (
+                self.evaluate(call, order), dict(table.scales),
+                dict(table.signatures), dict(controller.backoff.scales))
+        return entry[0]
+
+    def evaluate(self, call, order):
+        """The actions asked in ``order`` without gradients; their factors
+        laid out as the graph reads them; the step's counters put back."""
+        step = call.step
+        planned = _Call(step, call.scales[0], call.softmax, planning=True)
+        saved = (dict(step.occurrences), step.cast_count, step.branch_count)
+        try:
+            ratios = {i: _ACTIONS[i](planned, [None], None) for i in order}
+            factors = {i: [f for r in ratios[i] for f in _steps(r)]
+                       for i in order}
+        except Exception:  # NOQA: (a miss) the refresh variant asks
+            return None
+        finally:
+            counters = (step.occurrences, step.cast_count,
+                        step.branch_count)
+            step.occurrences, step.cast_count, step.branch_count = saved
+        flat = []
+        for index, offset, size in self.layout:
+            if len(factors[index]) != size:
+                return None
+            flat.extend(factors[index])
+        inputs = [torch.tensor(flat, dtype=torch.float32,
+                               device=self.device)]
+        if self.casts:
+            inputs.append(torch.tensor(
+                [step.controller.fmt.max] + [
+                    planned.thresholds.get(a, 0.0) for a in self.casts],
+                dtype=torch.float64, device=self.device))
+        region = self.region()
+        output_scales = {
+            i: 1.0 if v == _UNSCALED else planned.scales[v]
+            for i, v in enumerate(region.output_variables) if v is not None}
+        occurrences = {k: v for k, v in counters[0].items()
+                       if saved[0].get(k) != v}
+        return _Plan(inputs, output_scales, occurrences, counters[1],
+                     counters[2])
+
+
+class _Plan(object):
+    """A planned cached pass: the graph's extra inputs, the scales of the
+    region's outputs, and the step's key counters after it."""
+
+    def __init__(self, inputs, output_scales, occurrences, cast_count,
+                 branch_count):
+        self.inputs = inputs
+        self.output_scales = output_scales
+        self.occurrences = occurrences
+        self.cast_count, self.branch_count = cast_count, branch_count
+
+    def commit(self, step):
+        """The step's counters as the pass's sites leave them."""
+        step.occurrences.update(self.occurrences)
+        step.cast_count = self.cast_count
+        step.branch_count = self.branch_count
+
+
+def _bound(graph, g, thresholds, k):
+    """Whether the cap of a cached cast scale binds: ``0 < max|g| < inf``
+    and ``fmt_max / max|g| < beta`` in float64 (``rules.
+    cached_cast_scale``: the cap, ``pow2_floor(fmt_max / max|g|)``, is
+    below the power of two ``beta`` exactly when its argument is)."""
+    largest = _function(graph, _CONVERT_TO, _function(
+        graph, _AMAX, _function(graph, _ABS, g), []), torch.float64)
+    ratio = _function(graph, _DIV, _function(graph, _SELECT, thresholds,
+                                             0, 0), largest)
+    finite = _function(graph, _AND, _function(graph, _GT, largest, 0.0),
+                       _function(graph, _LT, largest, math.inf))
+    return _function(graph, _AND, finite, _function(
+        graph, _LT_TENSOR, ratio, _function(graph, _SELECT, thresholds, 0,
+                                            k)))
+
+
+def _function(graph, target, *args, **kwargs):
+    """A node of ``graph`` calling ``target``, its value the fake one."""
+    node = graph.call_function(target, args, kwargs)
+    node.meta['val'] = target(*torch.fx.node.map_arg(args, _value),
+                              **kwargs)
+    return node
 
 
 # -- the rewrite of a backward graph ------------------------------------------
@@ -606,7 +926,7 @@ class _Rewrite(object):
         var_in, var_out = self.var[g], self.new_variable()
         action = _GemmAction(self.region.hook, name,
                              self.region.params[index], length, data,
-                             var_in, var_out)
+                             var_in, var_out, _value(g).dtype.itemsize <= 2)
         scaled = self.call(node, action, [g], operands)[0]
         self.var[scaled] = var_out
         self.replace_after(node, g, scaled)
@@ -817,3 +1137,13 @@ _CONVERT_TO = torch.ops.prims.convert_element_type.default
 _SELECT = _ATEN.select.int
 _TO_COPY = _OPS['to_copy']
 _MUL = _ATEN.mul.Tensor
+_SLICE = _ATEN.slice.Tensor
+_ABS = _ATEN.abs.default
+_AMAX = _ATEN.amax.default
+_DIV = _ATEN.div.Tensor
+_GT = _ATEN.gt.Scalar
+_LT = _ATEN.lt.Scalar
+_LT_TENSOR = _ATEN.lt.Tensor
+_AND = _ATEN.logical_and.default
+_STACK = _ATEN.stack.default
+_ANY = _ATEN.any.default
