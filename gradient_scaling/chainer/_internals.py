@@ -51,6 +51,7 @@ cannot key them).
 import gradient_scaling.compat  # NOQA
 
 import contextlib
+import operator
 
 import numpy
 
@@ -111,6 +112,12 @@ def wrap_backward_once(func, wrapper, *args):
         return wrapper(inner, target_input_indexes, grad_outputs, *args)
 
     func.backward = backward
+
+
+def array_of(var):
+    """``var.array`` without the property's calls (a gradient, read at
+    every GEMM of every pass; ChainerX arrays are refused)."""
+    return var._data[0]
 
 
 def parameter_of(node):
@@ -188,19 +195,35 @@ def set_param_loss_scale(param, scale):
 
 
 def gradient_loss_scales(params):
-    """The loss scales of the parameters that have a gradient and one."""
-    return [scale for scale in [param._loss_scale for param in params
-                                if param.grad is not None]
-            if scale is not None]
+    """The loss scales of the parameters that have a gradient and one
+    (``param.grad``, read for every parameter of every step, without the
+    property's calls: the gradient Variable's array, else the bare
+    gradient array)."""
+    return [param._loss_scale for param in params
+            if param._loss_scale is not None and (
+                param.grad if param._has_chainerx_array else
+                param._grad if param._grad_var is None else
+                param._grad_var._data[0]) is not None]
+
+
+# (Read for every parameter of every step.)
+_loss_scale_of = operator.attrgetter('_loss_scale')
+_fp32_update_of = operator.attrgetter('update_rule._use_fp32_update')
 
 
 def take_loss_scales(params):
     """Each parameter's loss scale, reset to None (so that Chainer's update
     rule does not divide by it again)."""
-    scales = [param._loss_scale for param in params]
+    scales = list(map(_loss_scale_of, params))
     for param in params:
         param._loss_scale = None
     return scales
+
+
+def fp32_updates(params):
+    """Whether each parameter's update rule updates an FP32 master copy
+    (``use_fp32_update``)."""
+    return list(map(_fp32_update_of, params))
 
 
 def set_leaf_scales(leaves):
@@ -217,7 +240,7 @@ def set_leaf_scales(leaves):
         grad_var = var._grad_var
         if grad_var is not None:
             var._loss_scale = getattr(grad_var, SCALE_ATTRIBUTE, 1.0)
-            grads.append((var, grad_var.array))
+            grads.append((var, grad_var._data[0]))  # (grad_var.array)
     return grads
 
 
@@ -322,7 +345,12 @@ def _replacements(handler):
         var = node.get_variable_or_none()
         if var is None:
             return None
-        gv = var.grad_var
+        # var.grad_var, whose property builds the gradient Variable of a
+        # bare gradient array (and reads a ChainerX array's): called only
+        # then (this runs for every leaf of every pass).
+        gv = var._grad_var
+        if gv is None and var._grad is not None or var._has_chainerx_array:
+            gv = var.grad_var
         chainer_set_grad_var(var, None)
         if gv is not None:
             # An existing gradient (accumulation over several backward
@@ -334,7 +362,8 @@ def _replacements(handler):
         chainer_set_grad_var(self, gv)
         # Chainer clears a leaf's gradient (None) before it sets the sum.
         if gv is not None and handler.in_backward:
-            handler.leaf_received(self)
+            # The pass records the leaf (its scale is set at the end).
+            handler.current_pass.leaves[id(self)] = self
 
     def _backprop_to_all(outputs, retain_grad, loss_scale):
         if chainer.config.enable_backprop:

@@ -65,7 +65,8 @@ class BackwardRules(object):
         gy, = grad_outputs
         if gy is None:
             return class_backward(indexes, grad_outputs)
-        step, recipe = self.hook.controller.step, self.hook.recipe
+        hook = self.hook
+        step, recipe = hook.controller.step, hook.recipe
         shares = recipe.weight_path_shares_data_scale
         if recipe.cast_rule != 'none' and getattr(gy, _SOFTMAX, False) \
                 and gy.dtype.itemsize > 2 and not shares:
@@ -77,45 +78,61 @@ class BackwardRules(object):
             gy = self._scale_cast_site(gy)
         alpha = getattr(gy, _SCALE, 1.0)
         weight = in_data[1]
-        local, params = {}, {}
+        data = indexes[0] == 0  # (sorted)
         key = incoming_finite = None
         beta = 1.0
-        if 0 in indexes or shares:
-            key = self._gemm_key(function)
+        if data or shares:
+            key = step.gemm_key(self._gemm_name(function))
             beta, incoming_finite = step.gemm(
-                key, gy.array, weight,
+                key, internals.array_of(gy), weight,
                 lambda: sites.accumulation_length(function, weight), alpha,
                 lambda: sites.data_gradient(function, gy.array, fp32=True))
-            if 0 in indexes:
+        # The weight path. Its parameters are named only where the names
+        # are read (a refresh's traces, a backoff of their own); without
+        # a backoff they all get the same scale.
+        params = indexes[1:] if data else indexes
+        backoffs = hook.controller.backoff.scales
+        names = {i: hook.names.parameter(
+            internals.parameter_of(function.inputs[i]), function.inputs[i])
+            for i in params} if params and (step.refresh or backoffs) \
+            else None
+        if params and backoffs:
+            local = {i: step.weight_path(names[i], alpha, beta)
+                     for i in params}
+            if data:
                 local[0] = beta
-        named = step.refresh or self.hook.controller.backoff.scales
-        for i in indexes:
-            if i != 0:
-                # Names only where they are read: a refresh's traces, or a
-                # weight path with a backoff of its own.
-                name = self.hook.names.parameter(
-                    internals.parameter_of(function.inputs[i]),
-                    function.inputs[i]) if named else None
-                params[i] = name
-                local[i] = step.weight_path(name, alpha, beta)
-        result = self._backward_by_scale(class_backward, indexes, gy, alpha,
-                                         local, len(function.inputs))
-        if key is not None and result.get(0) is not None:
-            step.measure(key, result[0].array)
-        if params and step.refresh:
+            gxs = self._backward_by_scale(class_backward, indexes, gy, alpha,
+                                          local, len(function.inputs))
+        else:
+            gamma = step.weight_path(None, alpha, beta) if params else beta
+            if data and gamma != beta:
+                local = dict.fromkeys(params, gamma)
+                local[0] = beta
+                gxs = self._backward_by_scale(class_backward, indexes, gy,
+                                              alpha, local,
+                                              len(function.inputs))
+            else:  # one scale for every path: one backward call
+                gxs = self._backward_at(class_backward, indexes, gy, alpha,
+                                        gamma, len(function.inputs))
+        if key is not None and data and gxs[0] is not None and \
+                recipe.measure_underflow:
+            step.measure(key, gxs[0].array)
+        if names and step.refresh:
             if incoming_finite is None:
                 incoming_finite = math.isfinite(
                     arrays.ops_for(gy.array).max_abs(gy.array))
-            for i, name in params.items():
-                if internals.parameter_of(function.inputs[i]) is not None:
-                    step.trace(name, incoming_finite, (in_data[0], weight),
-                               None if result[i] is None else
-                               result[i].array)
-        return tuple([result[i] for i in indexes])
+            for i, gx in zip(indexes, gxs):
+                if i and internals.parameter_of(function.inputs[i]) \
+                        is not None:
+                    step.trace(names[i], incoming_finite,
+                               (in_data[0], weight),
+                               None if gx is None else gx.array)
+        return gxs
 
     def _backward_by_scale(self, class_backward, indexes, gy, alpha, local,
                            n_inputs):
-        """Calls the backward once per distinct local scale, data first.
+        """The gradients for ``indexes``: the backward called once per
+        distinct local scale (``local``: index -> scale), data first.
 
         (Deconvolution2DFunction's backward fails for the weight alone
         before it has run once; under a simulation one call also means one
@@ -123,22 +140,34 @@ class BackwardRules(object):
         """
         values = list(local.values())
         if values.count(values[0]) == len(values):
-            groups = ((values[0], indexes),)
-        else:
-            by_scale = {}
-            for i in indexes:
-                by_scale.setdefault(local[i], []).append(i)
-            groups = sorted(by_scale.items(), key=lambda g: 0 not in g[1])
+            return self._backward_at(class_backward, indexes, gy, alpha,
+                                     values[0], n_inputs)
+        by_scale = {}
+        for i in indexes:
+            by_scale.setdefault(local[i], []).append(i)
         result = {}
-        for scale, group in groups:
-            if scale != 1.0:
-                self.hook.current_pass.unit = False
+        for scale, group in sorted(by_scale.items(),
+                                   key=lambda g: 0 not in g[1]):
             group = tuple(group)
-            gxs = sites.select_gradients(
-                class_backward(group, (self.rescale(gy, scale),)), group,
-                n_inputs)
-            result.update(zip(group, _tag(gxs, alpha * scale, False)))
-        return result
+            result.update(zip(group, self._backward_at(
+                class_backward, group, gy, alpha, scale, n_inputs)))
+        return tuple([result[i] for i in indexes])
+
+    def _backward_at(self, class_backward, indexes, gy, alpha, scale,
+                     n_inputs):
+        """The gradients for ``indexes`` of one backward call on ``gy``
+        rescaled by ``scale``, tagged with their scale (left untagged at
+        scale 1 in a pass still at scale 1: that is what an untagged
+        gradient means)."""
+        current = self.hook.current_pass
+        if scale != 1.0:
+            current.unit = False
+            gy = self.rescale(gy, scale)
+        gxs = sites.select_gradients(class_backward(indexes, (gy,)),
+                                     indexes, n_inputs)
+        if alpha * scale != 1.0 or not current.unit:
+            _tag(gxs, alpha * scale, False)
+        return gxs
 
     def cast(self, class_backward, indexes, grad_outputs):
         """An up-cast node: the cast site of Theorem 2 if it feeds a
@@ -187,36 +216,37 @@ class BackwardRules(object):
 
     def combine(self, grad_list):
         """Sums the contributions to one variable at a common scale."""
-        first = getattr(grad_list[0], _SCALE, 1.0)
-        if any(getattr(g, _SCALE, 1.0) != first for g in grad_list):
+        scales = [getattr(g, _SCALE, 1.0) for g in grad_list]
+        common = scales[0]
+        if scales.count(common) != len(scales):
             common = self._unify(grad_list)
-            grad_list[:] = [
-                self.rescale(g, common / getattr(g, _SCALE, 1.0))
-                for g in grad_list]
-        else:
-            common = first
-        flag = all(getattr(g, _SOFTMAX, False) for g in grad_list)
+            grad_list[:] = [self.rescale(g, common / scale)
+                            for g, scale in zip(grad_list, scales)]
+        flag = all([getattr(g, _SOFTMAX, False) for g in grad_list])
         internals.original_reduce(grad_list)
-        setattr(grad_list[0], _SCALE, common)
-        setattr(grad_list[0], _SOFTMAX, flag)
+        if flag or common != 1.0 or not self.hook.current_pass.unit:
+            # (A sum at scale 1, no softmax gradient, of a pass still at
+            # scale 1 is left untagged: that is what an untagged gradient
+            # means.)
+            setattr(grad_list[0], _SCALE, common)
+            setattr(grad_list[0], _SOFTMAX, flag)
 
     def _unify(self, grads):
         return self.hook.controller.step.branch(
             [getattr(g, _SCALE, 1.0) for g in grads],
             [g.array for g in grads])
 
-    def _gemm_key(self, function):
+    def _gemm_name(self, function):
         # Names are cached by the weight node's variable: a GEMM site's
         # name is its weight's link path, which does not change.
-        node = function.inputs[1]
-        weight = internals.parameter_of(node)
+        weight = internals.parameter_of(function.inputs[1])
         base = self.gemm_names.get(id(weight)) if weight is not None \
             else None
         if base is None:
             base = self.hook.names.gemm(function)
             if weight is not None and isinstance(weight, chainer.Parameter):
                 self.gemm_names[id(weight)] = base
-        return self.hook.controller.step.gemm_key(base)
+        return base
 
 
 def _tag(gxs, scale, from_softmax):

@@ -157,14 +157,18 @@ class GradientScaling(ControllerViews, chainer.FunctionHook):
         internals.uninstall(self)
 
     def backward_preprocess(self, function, in_data, out_grad):
-        if not self.in_backward:
+        current = self.current_pass  # (None: not in a backward pass)
+        if current is None:
             raise RuntimeError(
                 'GradientScaling only supports Variable.backward and '
                 'chainer.backward (not chainer.grad): gradients would stay '
                 'scaled.')
         # This runs for every function node of every pass: the rule is
-        # looked up by class, and one closure is made per node.
+        # looked up by class, and one closure is made per wrapped node (a
+        # pass-through node of a pass still at scale 1 needs none).
         kind = self._kinds.get(type(function))
+        if kind is _PLAIN and current.unit:
+            return
         if kind is None:
             cls = internals.function_type(function)
             kind = self._kind_of(cls)
@@ -182,7 +186,7 @@ class GradientScaling(ControllerViews, chainer.FunctionHook):
             else:
                 internals.wrap_backward_once(function, self.rules.plain,
                                              backward_rules.SHAPE_ONLY)
-        elif kind is not _PLAIN or not self.current_pass.unit:
+        elif kind is not _PLAIN or not current.unit:
             internals.wrap_backward_once(function, self.rules.plain, kind)
 
     def _kind_of(self, cls):
@@ -215,9 +219,6 @@ class GradientScaling(ControllerViews, chainer.FunctionHook):
                 self.current_pass.losses.append(var.array)
             if grad is not None:
                 internals.set_gradient_scale(grad, loss_scale)
-
-    def leaf_received(self, var):
-        self.current_pass.leaves[id(var)] = var
 
     def abort_backward(self):
         """A backward pass raised: forget its step."""

@@ -26,6 +26,8 @@ class LinkState(object):
         # than copying their values).
         self._values = [(sub, name) for sub in link.links()
                         for name in internals.persistent_names(sub)]
+        # The same, as two columns (capture reads them with map).
+        self._links, self._names = list(zip(*self._values)) or ((), ())
         self._saved = [None] * len(self._values)
         self.capture()
 
@@ -33,9 +35,12 @@ class LinkState(object):
         """Saves every value as it is now (into the same buffers as the
         last capture, when the shapes agree)."""
         saved = self._saved
-        for i, (sub, name) in enumerate(self._values):
-            value, old = getattr(sub, name), saved[i]
-            if _same_array_layout(value, old):
+        # (_same_array_layout inline, the values read by map: this runs
+        # every step)
+        for i, (value, old) in enumerate(zip(
+                map(getattr, self._links, self._names), saved)):
+            if type(value) is type(old) and hasattr(value, 'shape') and \
+                    value.shape == old.shape and value.dtype == old.dtype:
                 old[...] = value
             else:
                 saved[i] = value.copy() if hasattr(value, 'copy') else value

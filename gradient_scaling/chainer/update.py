@@ -103,8 +103,14 @@ def apply_update(optimizer):
     optimizer.reallocate_cleared_grads()
     params = [param for param in optimizer.target.params()
               if param.update_rule is not None]
-    masters = [_unscaled_master(param, scale) for param, scale in
-               zip(params, internals.take_loss_scales(params))]
+    scales = internals.take_loss_scales(params)
+    fp32 = internals.fp32_updates(params)
+    # A parameter updated in its own dtype whose gradient is unscaled
+    # already is its own master (often all of them).
+    own = not any(fp32) and \
+        scales.count(None) + scales.count(1.0) == len(scales)
+    masters = params if own else [_unscaled_master(param, scale)
+                                  for param, scale in zip(params, scales)]
     _call_optimizer_hooks(optimizer, 'pre', params, masters)
     optimizer.t += 1
     for param, master in zip(params, masters):
