@@ -1,6 +1,7 @@
 """Smoke tests of scripts/benchmark.py and scripts/benchmark_kernels.py
 (their --quick tables, not their timings) and of the harness."""
 
+import collections
 import doctest
 import importlib.util
 import math
@@ -244,16 +245,33 @@ class _Busy(object):
 def test_one_loop_alternates_and_budget_adds_rounds():
     order = []
     variants = [_Busy('a', order), _Busy('b', order), _Busy('c', order)]
-    samples = harness.time_alternately(variants, 3)
-    assert [len(s) for s in samples.values()] == [3, 3, 3]
-    # warm-up, then forward and reversed order in turn
-    assert ''.join(order) == 'abc' + 'abc' + 'cba' + 'abc'
-    assert variants[0].prepared == 4
+    samples = harness.time_alternately(variants, 6)
+    assert [len(s) for s in samples.values()] == [6, 6, 6]
+    # warm-up, then the rounds of a Williams design: within the rounds
+    # each variant right after each other twice
+    assert ''.join(order) == 'abc' + 'abc' + 'bca' + 'cab' + 'cba' + \
+        'acb' + 'bac'
+    rounds = [order[i:i + 3] for i in range(3, len(order), 3)]
+    assert collections.Counter(
+        (x, y) for r in rounds for x, y in zip(r, r[1:])) == {
+            (x, y): 2 for x in 'abc' for y in 'abc' if x != y}
+    assert variants[0].prepared == 7
     assert all(s.wall > 0 and s.cpu >= 0 for s in samples['a'])
     samples = harness.time_alternately(variants, 3, budget=5.0)
     rounds = len(samples['a'])
     assert 3 < rounds <= harness.MAX_ROUNDS
     assert len(samples['c']) == rounds
+
+
+@pytest.mark.parametrize('n', range(1, 9))
+def test_balanced_orders_put_every_variant_after_every_other_equally(n):
+    rows = harness.balanced_orders(n)
+    assert all(sorted(row) == list(range(n)) for row in rows)
+    assert len(rows) == (2 * n if n % 2 else n)
+    follows = collections.Counter(
+        (x, y) for row in rows for x, y in zip(row, row[1:]))
+    assert follows == {(x, y): 1 if n % 2 == 0 else 2
+                       for x in range(n) for y in range(n) if x != y}
 
 
 def test_ratios_and_amortised_series():

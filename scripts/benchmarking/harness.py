@@ -51,12 +51,32 @@ def _prepare(variant):
         prepare()
 
 
+def balanced_orders(n):
+    """Orders of ``range(n)``, one per round, in which every index comes
+    right after every other equally often (a Williams design: n rows for
+    an even n, 2n for an odd one). The first row is 0, 1, n-1, 2, n-2, ...;
+    each next row adds 1 modulo n; an odd n also takes the rows reversed.
+    """
+    first, low, high = [0], 1, n - 1
+    while low <= high:
+        first.append(low)
+        if low != high:
+            first.append(high)
+        low, high = low + 1, high - 1
+    rows = [[(x + i) % n for x in first[:n]] for i in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return rows
+
+
 def time_alternately(variants, rounds, budget=0.0, warm_up=True, log=None):
     """Times one step of every variant per round, alternated.
 
-    Every variant runs once per round, in forward order in even rounds and
-    reversed in odd ones, so that each sees the same machine load and none
-    gains from following a particular other. Wall time
+    Every variant runs once per round, the rounds' orders those of a
+    Williams design (:func:`balanced_orders`), so that each sees the same
+    machine load and each is run right after every other equally often:
+    none gains or loses from following a particular other (a refreshing
+    GS step leaves the caches colder than a plain one). Wall time
     (``time.perf_counter``) and this process's CPU time
     (``time.process_time``) are both taken; on a shared machine the CPU
     time is the steadier.
@@ -83,8 +103,9 @@ def time_alternately(variants, rounds, budget=0.0, warm_up=True, log=None):
         seconds = time.perf_counter() - start
         if budget > 0 and seconds > 0:
             rounds = max(rounds, min(int(budget / seconds), MAX_ROUNDS))
+    orders = balanced_orders(len(variants))
     for r in range(rounds):
-        for v in (variants if r % 2 == 0 else variants[::-1]):
+        for v in [variants[i] for i in orders[r % len(orders)]]:
             _prepare(v)
             wall, cpu = time.perf_counter(), time.process_time()
             v.step()
