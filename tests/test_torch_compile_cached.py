@@ -20,7 +20,6 @@ import pytest
 
 torch = pytest.importorskip('torch')
 
-from gradient_scaling.core.step_scales import StepScales  # NOQA
 from gradient_scaling.torch import GradientScaler  # NOQA
 from gradient_scaling.torch import compile_backend  # NOQA
 
@@ -28,6 +27,7 @@ import torch.nn as nn  # NOQA: after the skip
 import torch.nn.functional as F  # NOQA
 
 from test_torch_compile_backend import NETS  # NOQA
+from test_torch_compile_backend import scale_log  # NOQA: a fixture
 from test_torch_compile_backend import SMALL  # NOQA
 
 backend_module = importlib.import_module(
@@ -64,27 +64,6 @@ def recorded(monkeypatch):
     monkeypatch.setattr(backend_module._Plan, 'commit', logged_commit)
     monkeypatch.setattr(backend_module._Region, 'compile_backward', keep)
     return record
-
-
-@pytest.fixture
-def scale_log(monkeypatch):
-    """Every scale the core returns (as test_torch_compile_backend's)."""
-    log = []
-    site_scale, branch = StepScales._site_scale, StepScales.branch
-
-    def logged_site(self, key, kind, *args):
-        result = site_scale(self, key, kind, *args)
-        log.append((kind, key, result[0]))
-        return result
-
-    def logged_branch(self, scales, grads):
-        common = branch(self, scales, grads)
-        if len(set(scales)) > 1:
-            log.append(('branch', tuple(scales), common))
-        return common
-    monkeypatch.setattr(StepScales, '_site_scale', logged_site)
-    monkeypatch.setattr(StepScales, 'branch', logged_branch)
-    return log
 
 
 def train(make, batch, compiled, steps, interval=3, multipliers=None,
