@@ -6,6 +6,7 @@ the full runs report: rates in [0, 1], scales powers of two, the layer
 order, and the softmax gradient of SegNet underflowing unscaled.
 """
 
+import argparse
 import gradient_scaling  # NOQA: compat must precede chainer
 
 import math
@@ -329,9 +330,12 @@ def test_check_finds_results_whose_code_changed(studies, tmp_path):
     provenance.record_entry(results, entry, ['table.md', 'table.csv'])
     assert '+ uncommitted changes' in (
         repo / 'results' / 'table.md').read_text()
-    # One Provenance line, however often it is stamped.
-    assert (repo / 'results' / 'table.md').read_text().count(
-        'Provenance: ') == 1
+    # One Provenance line, however often it is stamped, and the rest of
+    # the file as it was.
+    stamped = (repo / 'results' / 'table.md').read_text()
+    assert stamped.count('Provenance: ') == 1
+    assert stamped.splitlines()[:2] == ['# A table', '']
+    assert stamped.splitlines()[3:] == ['', 'rows']
     assert provenance.check(results, str(repo), ignore=('orphan.*',)) == {}
     _git(repo, 'commit', '-qam', 'four')
     assert provenance.check(results, str(repo), ignore=('orphan.*',)) == {}
@@ -424,6 +428,36 @@ def test_ssd_backbone_parts_and_ranges(studies):
     assert all(v.args[-2:] == ['--pretrained-model', 'b.npz']
                for v in pretrained)
     assert {v.precision for v in variants} == {'sim-fp16', 'sim-fp8-e5m2'}
+
+
+def test_ssd_backbone_without_recorded_scales_says_why(studies, tmp_path,
+                                                       monkeypatch):
+    # Runs shorter than the first scale record (every 10 iterations)
+    # leave no scales.csv: one clear error, not an IndexError.
+    ssd_backbone = pytest.importorskip('studies.ssd_backbone')
+
+    class Finished(object):
+        def __init__(self, variant):
+            self.variant, self.seed = variant, 0
+            self.out = str(tmp_path / variant.name.replace(' ', '-'))
+
+        def finished(self):
+            return True
+
+        def load(self):
+            return {'metric': 0.1, 'returncode': 0}
+
+    monkeypatch.setattr(ssd_backbone, 'pretrained_backbone',
+                        lambda runs_dir, iterations: 'b.npz')
+    monkeypatch.setattr(ssd_backbone, 'execute', lambda runs, jobs: None)
+    monkeypatch.setattr(ssd_backbone, 'plan', lambda studies_, seeds, d: [
+        Finished(v) for v in studies_[0].variants])
+    args = argparse.Namespace(runs_dir=str(tmp_path), out=str(tmp_path),
+                              seeds=[0], jobs=1, backbone_iterations=3,
+                              backbone_pretrain_iterations=3)
+    with pytest.raises(SystemExit, match='at least 10'):
+        ssd_backbone.run(args)
+    assert not (tmp_path / ssd_backbone.PRODUCT).exists()
 
 
 def test_verdicts_are_two_standard_errors(studies):

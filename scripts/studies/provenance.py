@@ -221,7 +221,17 @@ def stamp_markdown(path, entry):
     (replacing an earlier one)."""
     with open(path) as f:
         lines = f.read().split('\n')
-    lines = [ln for ln in lines if not ln.startswith('Provenance: ')]
+    # An earlier line goes with the blank line it was given, so that
+    # stamping again leaves the file as stamping once would.
+    kept, after_line = [], False
+    for ln in lines:
+        if ln.startswith('Provenance: '):
+            after_line = True
+            continue
+        if not (after_line and not ln.strip()):
+            kept.append(ln)
+        after_line = False
+    lines = kept
     line = provenance_line(entry)
     if lines and lines[0].startswith('#'):
         # After the title and its blank line.

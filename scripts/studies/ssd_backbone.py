@@ -134,6 +134,13 @@ def run(args):
     for r in finished:
         if r.variant.args[1] == 'gs':
             rows += _scale_rows(r, r.load())
+    if not rows:
+        raise SystemExit(
+            '{}: no GS run recorded its scales (they are recorded every 10 '
+            'iterations: --backbone-iterations {} must be at least 10, and '
+            'the GS runs must finish; see their stdout.log under {})'.format(
+                NAME, args.backbone_iterations,
+                os.path.join(args.runs_dir, NAME)))
     summary = _summary(finished, rows)
     _write_markdown(os.path.join(args.out, 'ssd_backbone.md'), summary,
                     finished, args)
