@@ -11,11 +11,15 @@ needs that the public ``FunctionHook`` API does not give (docs/DESIGN.md, 3):
 * ``chainer._backprop_utils._reduce``: the sum of several gradient
   contributions to one variable (eager or lazy); replaced by a version that
   first brings them to a common scale (Algorithm 1, line 17).
-* ``chainer._backprop_utils._grad_var_from_alive_node``: an existing leaf
-  gradient joining an accumulation gets the scale it was stored with.
-* ``Variable._set_grad_var_without_check``: records which leaves received a
-  gradient in this pass; ``Variable._grad_var``, read where ``grad_var``
-  would return it, without the property's work (a pass's end).
+* ``chainer._backprop_utils._grad_var_from_alive_node``: records the
+  leaves a pass meets (Chainer reads each one's existing gradient there
+  before it adds anything), and an existing leaf gradient joining an
+  accumulation gets the scale it was stored with.
+* ``VariableNode._set_grad_var_if_available``: wrapped for a pass with
+  ``retain_grad=True`` (and only then), records the variables whose
+  gradient Chainer keeps.
+* ``Variable._grad_var``: read where ``grad_var`` would return it, without
+  the property's work (a pass's end).
 * ``Variable.backward``: refuses ChainerX arrays, which bypass the above.
 * ``FunctionNode.backward`` and ``forward`` looked up on the instance:
   one-shot wrappers (the hook's rules, the simulation's rounding).
@@ -328,6 +332,7 @@ def _replacements(handler):
     """
     combine = handler.combine
     chainer_set_grad_var = variable_module.Variable._set_grad_var_without_check
+    chainer_retain = variable_module.VariableNode._set_grad_var_if_available
     chainer_backprop = _backprop._backprop_to_all
     chainer_backward = variable_module.Variable.backward
 
@@ -340,16 +345,24 @@ def _replacements(handler):
 
     def _grad_var_from_alive_node(node):
         # Chainer's own, with the gradient cleared by Chainer's setter
-        # itself (not through the replacement below: clearing receives
-        # nothing).
+        # itself. Chainer calls it for every leaf a pass meets, before it
+        # adds anything to the leaf's gradient: the pass records the leaf
+        # there (its scale is set at the end, if it then has a gradient).
         var = node.get_variable_or_none()
         if var is None:
             return None
+        current = handler.current_pass
+        if current is not None:
+            current.leaves[id(var)] = var
         # var.grad_var, whose property builds the gradient Variable of a
         # bare gradient array (and reads a ChainerX array's): called only
         # then (this runs for every leaf of every pass).
         gv = var._grad_var
-        if gv is None and var._grad is not None or var._has_chainerx_array:
+        if gv is None:
+            if var._grad is None and not var._has_chainerx_array:
+                return None  # no gradient, nothing to clear
+            gv = var.grad_var
+        elif var._has_chainerx_array:
             gv = var.grad_var
         chainer_set_grad_var(var, None)
         if gv is not None:
@@ -358,12 +371,15 @@ def _replacements(handler):
             setattr(gv, SCALE_ATTRIBUTE, var._loss_scale or 1.0)
         return gv
 
-    def _set_grad_var_without_check(self, gv):
-        chainer_set_grad_var(self, gv)
-        # Chainer clears a leaf's gradient (None) before it sets the sum.
-        if gv is not None and handler.in_backward:
-            # The pass records the leaf (its scale is set at the end).
-            handler.current_pass.leaves[id(self)] = self
+    def _set_grad_var_if_available(self, g):
+        # Chainer's own (retain_grad=True keeps an output's gradient); the
+        # pass records its variable beside the leaves.
+        chainer_retain(self, g)
+        current = handler.current_pass
+        if g is not None and current is not None:
+            var = self.get_variable_or_none()
+            if var is not None:
+                current.leaves[id(var)] = var
 
     def _backprop_to_all(outputs, retain_grad, loss_scale):
         if chainer.config.enable_backprop:
@@ -372,11 +388,21 @@ def _replacements(handler):
                 '(enable_double_backprop=True): the scaled gradients would '
                 'become part of the graph.')
         handler.begin_backward(outputs, loss_scale)
+        if retain_grad:
+            # Only then, and only for the pass: a class patched at every
+            # install would cost every pass (Python's attribute caches for
+            # its instances are reset whenever a class changes).
+            variable_module.VariableNode._set_grad_var_if_available = \
+                _set_grad_var_if_available
         try:
             chainer_backprop(outputs, retain_grad, loss_scale)
         except BaseException:
             handler.abort_backward()
             raise
+        finally:
+            if retain_grad:
+                variable_module.VariableNode._set_grad_var_if_available = \
+                    chainer_retain
         handler.end_backward()
 
     def _variable_backward(self, *args, **kwargs):
@@ -391,8 +417,6 @@ def _replacements(handler):
         (_backprop_utils, '_grad_var_from_alive_node',
          _grad_var_from_alive_node),
         (_backprop, '_backprop_to_all', _backprop_to_all),
-        (variable_module.Variable, '_set_grad_var_without_check',
-         _set_grad_var_without_check),
         (variable_module.Variable, 'backward', _variable_backward)]
 
 

@@ -83,10 +83,10 @@ class BackwardRules(object):
         beta = 1.0
         if data or shares:
             key = step.gemm_key(self._gemm_name(function))
-            beta, incoming_finite = step.gemm(
-                key, internals.array_of(gy), weight,
-                lambda: sites.accumulation_length(function, weight), alpha,
-                lambda: sites.data_gradient(function, gy.array, fp32=True))
+            beta = step.cached(key, alpha)
+            if beta is None:
+                beta, incoming_finite = self._estimate_gemm(
+                    step, key, gy, weight, function, alpha)
         # The weight path. Its parameters are named only where the names
         # are read (a refresh's traces, a backoff of their own); without
         # a backoff they all get the same scale.
@@ -128,6 +128,14 @@ class BackwardRules(object):
                                (in_data[0], weight),
                                None if gx is None else gx.array)
         return gxs
+
+    @staticmethod
+    def _estimate_gemm(step, key, gy, weight, function, alpha):
+        # (Its own function: a cached site makes no closures.)
+        return step.gemm(
+            key, internals.array_of(gy), weight,
+            lambda: sites.accumulation_length(function, weight), alpha,
+            lambda: sites.data_gradient(function, gy.array, fp32=True))
 
     def _backward_by_scale(self, class_backward, indexes, gy, alpha, local,
                            n_inputs):

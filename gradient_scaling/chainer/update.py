@@ -113,15 +113,19 @@ def apply_update(optimizer):
                                   for param, scale in zip(params, scales)]
     _call_optimizer_hooks(optimizer, 'pre', params, masters)
     optimizer.t += 1
-    for param, master in zip(params, masters):
-        if master is param:
+    if own:
+        for param in params:
             param.update()
-        else:
-            rule = param.update_rule
-            if rule.enabled:
-                rule.update(master)
-                param.array = master.array.astype(param.dtype)
-                master.grad = None
+    else:
+        for param, master in zip(params, masters):
+            if master is param:
+                param.update()
+            else:
+                rule = param.update_rule
+                if rule.enabled:
+                    rule.update(master)
+                    param.array = master.array.astype(param.dtype)
+                    master.grad = None
     optimizer.reallocate_cleared_grads()
     _call_optimizer_hooks(optimizer, 'post', params, masters)
 

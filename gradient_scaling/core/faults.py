@@ -67,14 +67,18 @@ def pass_result(losses, grads, name_of=str, traces_of=None, sites=()):
             finite, where known.
 
     """
-    keyed = [(k, g) for k, g in grads if g is not None]
-    values = list(losses) + [g for _, g in keyed]
+    grads = list(grads)
+    values = list(losses)
+    values += [g for _, g in grads if g is not None]
     if not values:
         return FINITE
     ops = arrays.ops_for(values[0])
     flags = ops.finite_flags(values)
     if all(flags):
         return FINITE
+    # (Paired with their keys only now: a finite pass, the usual one,
+    # never needs them.)
+    keyed = [(k, g) for k, g in grads if g is not None]
     n = len(losses)
     bad = sorted({name_of(k) for (k, _), ok in zip(keyed, flags[n:])
                   if not ok})

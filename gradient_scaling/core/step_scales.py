@@ -102,6 +102,14 @@ class StepScales(object):
             finite, None where it was not measured (a cached pass).
 
         """
+        beta = self.cached(key, alpha)
+        if beta is not None:
+            return beta, None
+        return self._estimated_gemm(key, grad, weight, n, alpha,
+                                    data_gradient)
+
+    def _estimated_gemm(self, key, grad, weight, n, alpha, data_gradient):
+        # (Its own function: the closure costs a cached site nothing.)
         estimator = self.controller.estimator
 
         def estimate(staged):
@@ -162,20 +170,31 @@ class StepScales(object):
             iteration=self.controller.iteration)
         return common
 
+    def cached(self, key, alpha):
+        """The local scale of site ``key`` (whose incoming gradient
+        carries ``alpha``) as cached, or None where this pass estimates it
+        (a refresh, a recipe that estimates every pass, a site not cached
+        yet). An adapter asks it first, so that a cached site costs it
+        nothing it would need only to estimate."""
+        if self.refresh or self.recipe.every_pass:
+            return None
+        staged = self.staged
+        cached = None if staged is None else staged.scales.get(key)
+        if cached is None:
+            cached = self.controller.table.scales.get(key)
+            if cached is None:
+                return None
+        return rules.clamp(alpha, cached, self.recipe.scale_range)
+
     def _site_scale(self, key, kind, alpha, estimate):
         """(beta, incoming finite: None where not measured).
 
         ``estimate(staged)`` gives (beta, estimated rate, rate at scale 1)
         on a refreshing pass (or a cache miss).
         """
-        if not self.refresh and not self.recipe.every_pass:
-            staged = self.staged
-            cached = None if staged is None else staged.scales.get(key)
-            if cached is None:
-                cached = self.controller.table.scales.get(key)
-            if cached is not None:
-                return rules.clamp(alpha, cached,
-                                   self.recipe.scale_range), None
+        beta = self.cached(key, alpha)
+        if beta is not None:
+            return beta, None
         staged = self._staging()
         try:
             beta, estimated, estimated_at_one = estimate(staged)
