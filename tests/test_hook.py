@@ -10,6 +10,7 @@ import pytest
 import chainer
 import chainer.functions as F
 import chainer.links as L
+import chainerx
 
 from gradient_scaling import GradientOverflowError
 from gradient_scaling import GradientScaling
@@ -294,7 +295,14 @@ def test_refuses_double_backprop_grad_and_chainerx(every_construct):
         y = F.sum(L.Linear(3, 2)(F.relu(x)) ** 2)
         with pytest.raises(RuntimeError, match='chainer.grad'):
             chainer.grad([y], [x])
+        # A ChainerX loss (faked: no ChainerX here) goes to ChainerX's own
+        # backprop, which would leave every gradient scaled: refused.
+        class FakeChainerXArray(chainerx.ndarray):
+            def __init__(self):
+                pass
+
         loss = loss_fn()
+        loss._data = [FakeChainerXArray()]
         loss._has_chainerx_array = True
         with pytest.raises(RuntimeError, match='ChainerX'):
             loss.backward()

@@ -20,7 +20,8 @@ needs that the public ``FunctionHook`` API does not give (docs/DESIGN.md, 3):
   gradient Chainer keeps.
 * ``Variable._grad_var``: read where ``grad_var`` would return it, without
   the property's work (a pass's end).
-* ``Variable.backward``: refuses ChainerX arrays, which bypass the above.
+* ``chainerx.backward`` as ``chainer.variable`` calls it: refuses ChainerX
+  arrays, whose backprop bypasses the above.
 * ``FunctionNode.backward`` and ``forward`` looked up on the instance:
   one-shot wrappers (the hook's rules, the simulation's rounding).
 * ``FunctionNode._input_indexes_to_retain`` and an instance-level
@@ -314,7 +315,9 @@ def chainer_backprop_restored():
     installed)."""
     return (_patches.handler is None
             and _backprop_utils._reduce.__module__ == 'chainer._backprop_utils'
-            and _backprop._backprop_to_all.__module__ == 'chainer._backprop')
+            and _backprop._backprop_to_all.__module__ == 'chainer._backprop'
+            and getattr(variable_module.chainerx, 'backward', None)
+            is _CHAINERX_BACKWARD)
 
 
 def default_boxes(coder):
@@ -334,7 +337,6 @@ def _replacements(handler):
     chainer_set_grad_var = variable_module.Variable._set_grad_var_without_check
     chainer_retain = variable_module.VariableNode._set_grad_var_if_available
     chainer_backprop = _backprop._backprop_to_all
-    chainer_backward = variable_module.Variable.backward
 
     def _reduce(grad_list):
         if not grad_list:
@@ -405,22 +407,25 @@ def _replacements(handler):
                     chainer_retain
         handler.end_backward()
 
-    def _variable_backward(self, *args, **kwargs):
-        if self._has_chainerx_array:
-            raise RuntimeError(
-                'GradientScaling does not support ChainerX arrays; use NumPy '
-                'or CuPy arrays (chainer.backend.CpuDevice / GpuDevice).')
-        return chainer_backward(self, *args, **kwargs)
+    def _chainerx_backward(*args, **kwargs):
+        # Where Variable.backward hands a ChainerX loss to ChainerX's own
+        # backprop (a module attribute: patching the Variable class at
+        # every install would void Python's specialised attribute reads of
+        # every Variable for the pass).
+        raise RuntimeError(
+            'GradientScaling does not support ChainerX arrays; use NumPy '
+            'or CuPy arrays (chainer.backend.CpuDevice / GpuDevice).')
 
     return [
         (_backprop_utils, '_reduce', _reduce),
         (_backprop_utils, '_grad_var_from_alive_node',
          _grad_var_from_alive_node),
         (_backprop, '_backprop_to_all', _backprop_to_all),
-        (variable_module.Variable, 'backward', _variable_backward)]
+        (variable_module.chainerx, 'backward', _chainerx_backward)]
 
 
 _patches = patches.Patches([])
+_CHAINERX_BACKWARD = getattr(variable_module.chainerx, 'backward', None)
 
 
 def install(handler):

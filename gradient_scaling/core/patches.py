@@ -22,6 +22,14 @@ knows a framework.
     >>> patches.uninstall(handler); owner.f(), patches.handler
     ('original', None)
 
+    An attribute the owner lacked is removed again:
+
+    >>> patches = Patches([(owner, 'g', lambda: 'added')])
+    >>> patches.install(handler); owner.g()
+    'added'
+    >>> patches.uninstall(handler); hasattr(owner, 'g')
+    False
+
 """
 
 __all__ = ['Patches', 'ANOTHER_ACTIVE']
@@ -29,6 +37,9 @@ __all__ = ['Patches', 'ANOTHER_ACTIVE']
 #: Why a second handler is refused while one is active.
 ANOTHER_ACTIVE = ('another GradientScaling hook is already active; only one '
                   'can scale a backward pass at a time')
+
+
+_ABSENT = object()
 
 
 class Patches(object):
@@ -58,7 +69,9 @@ class Patches(object):
             raise RuntimeError(ANOTHER_ACTIVE)
         self.handler = handler
         for owner, name, replacement in self.replacements:
-            self._originals[id(owner), name] = getattr(owner, name)
+            # (An attribute the owner lacks, e.g. ChainerX's backward where
+            # ChainerX is not built, is removed again at uninstall.)
+            self._originals[id(owner), name] = getattr(owner, name, _ABSENT)
             setattr(owner, name, replacement)
 
     def uninstall(self, handler):
@@ -66,7 +79,11 @@ class Patches(object):
         if self.handler is not handler:
             return
         for owner, name, _ in self.replacements:
-            setattr(owner, name, self._originals[id(owner), name])
+            original = self._originals[id(owner), name]
+            if original is _ABSENT:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
         self._originals.clear()
         self.handler = None
 
