@@ -277,6 +277,15 @@ def inductor_graph_cache_off():
 def decompose(gm, example_inputs, table):
     """``gm`` traced again with ``table``'s decompositions, under the fake
     mode of ``example_inputs`` (what a ``bw_compiler`` is given)."""
+    import torch
     from torch.fx.experimental.proxy_tensor import make_fx
     with fake_mode(example_inputs):
-        return make_fx(gm, decomposition_table=table)(*example_inputs)
+        # Traced from contiguous inputs of the same shapes: the graph's
+        # views were traced so (AOTAutograd's), and Inductor may have laid
+        # out the saved activations otherwise (channels-last convolutions),
+        # which such a view cannot take. Inductor, given the graph, lays
+        # out its views itself.
+        inputs = [torch.empty(x.shape, dtype=x.dtype, device=x.device)
+                  if isinstance(x, torch.Tensor) else x
+                  for x in example_inputs]
+        return make_fx(gm, decomposition_table=table)(*inputs)
