@@ -77,9 +77,12 @@ def test_every_section_on_a_refresh_and_a_cached_pass():
         assert all(v >= 0 for v in seconds.values()), seconds
         assert sum(seconds.values()) > 0
     # Every node's entry is dispatch; each GEMM site and the cast chose a
-    # scale (the weight used twice twice), on both passes.
+    # scale (the weight used twice twice), on both passes: a cached GEMM
+    # site by asking the cache alone, a refreshing one by asking it, then
+    # estimating.
     assert cached['dispatch'] >= 14
-    assert refresh['scale choice'] == cached['scale choice'] >= 6
+    assert cached['scale choice'] >= 6
+    assert refresh['scale choice'] >= cached['scale choice'] + 5
     assert refresh['finiteness check'] == cached['finiteness check'] == 1
 
 

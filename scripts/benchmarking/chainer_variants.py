@@ -45,7 +45,8 @@ SIMULATIONS = ('sim-fp16', 'sim-bf16', 'sim-fp8-e5m2', 'sim-fp8-e4m3',
 #: function's own backward; ``rescaling`` the rules' rescale; ``finiteness
 #: check`` the pass's result).
 _STEP_SECTIONS = {'gemm': 'scale choice', 'cast': 'scale choice',
-                  'weight_path': 'scale choice', 'branch': 'branches',
+                  'cached': 'scale choice', 'weight_path': 'scale choice',
+                  'branch': 'branches',
                   'trace': 'traces', 'measure': 'measurement'}
 
 
