@@ -65,10 +65,12 @@ import gradient_scaling  # NOQA: restores what Chainer 7.8.1 needs
 
 import argparse
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import sys
 import time
+import traceback
 
 from benchmarking import chainer_variants
 from benchmarking import harness
@@ -125,6 +127,17 @@ class Results(object):
     #: Lines under the targets' table (the compiled variants' compilations).
     target_notes: list = dataclasses.field(default_factory=list)
     simulation: list = dataclasses.field(default_factory=list)
+    #: The cases that raised (:class:`Failure`).
+    failures: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Failure(object):
+    """Cases that raised: their tables are missing from this report; the
+    error is the exception's last line (the traceback is in the log)."""
+
+    case: str = rows.column('case')
+    error: str = rows.column('error')
 
 
 def shape_text(shape):
@@ -258,33 +271,72 @@ def run_simulation(args, adapter, device, model, results, log):
                                           shape_text(shape), samples, 'fp32')
 
 
-def run(args, adapter, device, log, results=None):
-    """Every mode's tables for one framework's ``adapter``, added to
-    ``results``."""
-    results = Results() if results is None else results
+def units(args, adapter):
+    """The cases one framework's ``adapter`` measures, in order: ``(name,
+    function)``, each function taking ``(args, adapter, device, results,
+    log)``; a model a mode lacks is logged and left out."""
     framework = framework_of(adapter)
     cases = _cases(adapter)
+    found = []
     for mode in args.modes:
         models = args.target_models if mode == 'targets' else (
             args.models or DEFAULT_MODELS[mode])
         shapes = shapes_of(args, adapter, mode)
         for model in models:
             if model not in shapes or model not in cases:
-                log('{} {}: no {} mode'.format(framework, model, mode))
+                found.append(('{} {} {}'.format(framework, mode, model),
+                              None))
                 continue
-            log('{} {} {} (batch, size) = {}'.format(
-                framework, mode, model, shapes[model]))
+            name = '{} {} {} (batch, size) = {}'.format(
+                framework, mode, model, shapes[model])
             if mode == 'targets':
-                run_targets(args, adapter, device, model, results, log)
+                found.append((name, functools.partial(
+                    _run_model, run_targets, model)))
             elif mode == 'simulation':
-                run_simulation(args, adapter, device, model, results, log)
+                found.append((name, functools.partial(
+                    _run_model, run_simulation, model)))
             else:
                 for precision in args.precisions:
-                    if precision not in FRAMEWORK_PRECISIONS[framework]:
-                        continue
-                    log('  ' + precision)
-                    run_iterations(args, adapter, device, mode, model,
-                                   precision, results, log)
+                    if precision in FRAMEWORK_PRECISIONS[framework]:
+                        found.append(('{} {}'.format(name, precision),
+                                      functools.partial(
+                                          _run_iterations, mode, model,
+                                          precision)))
+    return found
+
+
+def _run_model(function, model, args, adapter, device, results, log):
+    function(args, adapter, device, model, results, log)
+
+
+def _run_iterations(mode, model, precision, args, adapter, device, results,
+                    log):
+    run_iterations(args, adapter, device, mode, model, precision, results,
+                   log)
+
+
+def run(args, adapter, device, log, results=None, done=None):
+    """Every mode's tables for one framework's ``adapter``, added to
+    ``results``. A case that raises is logged with its traceback and
+    recorded in ``results.failures``; the others still run. ``done(name)``
+    is called after each case (the report is written there: a run that
+    dies later keeps what it measured)."""
+    results = Results() if results is None else results
+    for name, function in units(args, adapter):
+        if function is None:
+            log('{}: no such mode for the model'.format(name))
+            continue
+        log(name)
+        try:
+            function(args, adapter, device, results, log)
+        except Exception as error:  # one case's failure loses no other
+            log(traceback.format_exc().rstrip())
+            message = ' '.join('{}: {}'.format(
+                type(error).__name__, error).split())
+            results.failures.append(Failure(name, message.replace(
+                '|', '\\|')))
+        if done is not None:
+            done(name)
     return results
 
 
@@ -298,9 +350,14 @@ def framework_of(adapter):
     return adapter.__name__.rsplit('.', 1)[-1].split('_')[0]
 
 
-def build_report(argv, machine, results, gpu_times=None):
-    """The Markdown report of ``results`` (a :class:`Results`)."""
-    out = report.Report('Gradient scaling: cost in training', argv, machine)
+def build_report(argv, machine, results, gpu_times=None, status=None):
+    """The Markdown report of ``results`` (a :class:`Results`); ``status``:
+    a line saying the run is not complete (while it runs, or after it was
+    interrupted), under the title."""
+    out = report.Report('Gradient scaling: cost in training', argv, machine,
+                        status=status)
+    if results.failures:
+        out.section('Cases that failed', results.failures)
     if results.iterations:
         out.section('Training iteration: time and peak memory',
                     results.iterations)
@@ -484,19 +541,45 @@ def main(argv=None):
         libraries.append(('PyTorch', 'torch'))
     machine = report.machine_description(libraries)
     results = Results()
+    finished = []
+
+    def write(status=None):
+        return build_report(['scripts/benchmark.py'] + argv_list, machine,
+                            results, args.gpu_times, status).write(
+                                args.out, time.perf_counter() - start)
+
+    def done(name):
+        finished.append(name)
+        if args.out:  # what is measured so far, in case the run dies
+            write('Incomplete: {} case{} measured so far, the last "{}"; '
+                  'the run was still going or was stopped.'.format(
+                      len(finished), '' if len(finished) == 1 else 's',
+                      name))
+
     with harness.BlasThreads(args.blas_threads) as blas:
         machine.append(('BLAS threads', blas.description))
-        for framework in args.framework:
-            adapter = importlib.import_module(ADAPTERS[framework])
-            device, gpu_name = adapter.use_device(args.gpu)
-            if gpu_name and ('GPU', gpu_name) not in machine:
-                machine.append(('GPU', gpu_name))
-            run(args, adapter, device, log, results)
+        try:
+            for framework in args.framework:
+                adapter = importlib.import_module(ADAPTERS[framework])
+                device, gpu_name = adapter.use_device(args.gpu)
+                if gpu_name and ('GPU', gpu_name) not in machine:
+                    machine.append(('GPU', gpu_name))
+                run(args, adapter, device, log, results, done)
+        except KeyboardInterrupt:
+            if args.out:
+                write('Interrupted after {} case{}: the tables hold only '
+                      'what was measured before.'.format(
+                          len(finished), '' if len(finished) == 1 else 's'))
+                log('interrupted; what was measured is in ' + args.out)
+            raise
     machine.append(('load average at end', report.load_average()))
-    text = build_report(['scripts/benchmark.py'] + argv_list, machine,
-                        results, args.gpu_times).write(
-                            args.out, time.perf_counter() - start)
+    text = write()
     print(text)
+    if results.failures:
+        log('{} case{} failed: {}'.format(
+            len(results.failures), '' if len(results.failures) == 1
+            else 's', '; '.join(f.case for f in results.failures)))
+        sys.exit(1)
     return results
 
 

@@ -556,3 +556,73 @@ def test_compile_counter_sees_a_recompilation():
     assert counter.counts == {'dynamo': 2}
     compiled(torch.ones(4))  # after the with: not counted
     assert counter.total() == 2
+
+
+def _benchmark_module():
+    spec = importlib.util.spec_from_file_location(
+        'benchmark_under_test', os.path.join(SCRIPTS, 'benchmark.py'))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+QUICK_TWO_CASES = ['--quick', '--framework', 'chainer', '--models',
+                   'small_cnn', '--modes', 'simulation', 'targets',
+                   '--target-models', 'resnet50', '--simulations',
+                   'sim-fp16', '--quiet']
+
+
+def test_a_failing_case_loses_no_other_and_the_run_fails(tmp_path):
+    """A case that raises (here the targets) is named in the report with
+    its error, the tables measured before it are kept, the exit status is
+    1."""
+    benchmark = _benchmark_module()
+
+    def crash(*args, **kwargs):
+        raise RuntimeError('strides (4096, 1) | cannot view')
+    benchmark.run_targets = crash
+    out = tmp_path / 'benchmark.md'
+    with pytest.raises(SystemExit) as exit_:
+        benchmark.main(QUICK_TWO_CASES + ['--out', str(out)])
+    assert exit_.value.code == 1
+    text = out.read_text()
+    assert 'Incomplete' not in text and 'Interrupted' not in text
+    assert [r[2] for r in _table(text, '## Simulation cost')] == [
+        'fp32', 'fp32 (again)', 'sim-fp16']
+    # (The error's own "|" is escaped: one row of two cells.)
+    failed = [line for line in text[text.index('## Cases that failed'):]
+              .splitlines() if line.startswith('| chainer')]
+    assert failed == ['| chainer targets resnet50 (batch, size) = (1, 32) | '
+                      'RuntimeError: strides (4096, 1) \\| cannot view |']
+    assert '## Framework-bound targets' not in text
+
+
+def test_the_report_is_written_after_every_case(tmp_path):
+    """While the run goes on, the file holds every finished case's table
+    and says it is incomplete; stopped by Ctrl-C, it says so and keeps
+    them."""
+    benchmark = _benchmark_module()
+    out = tmp_path / 'benchmark.md'
+    seen = []
+
+    def interrupt(*args, **kwargs):
+        seen.append(out.read_text())
+        raise KeyboardInterrupt
+    benchmark.run_targets = interrupt
+    with pytest.raises(KeyboardInterrupt):
+        benchmark.main(QUICK_TWO_CASES + ['--out', str(out)])
+    assert ('**Incomplete: 1 case measured so far, the last "chainer '
+            'simulation small_cnn') in seen[0]
+    assert _table(seen[0], '## Simulation cost')
+    text = out.read_text()
+    assert '**Interrupted after 1 case: the tables hold only' in text
+    assert _table(text, '## Simulation cost') == _table(
+        seen[0], '## Simulation cost')
+    assert not os.path.exists(str(out) + '.tmp')
+
+
+def test_the_report_names_the_code_it_measured(report):
+    commit = subprocess.run(['git', '-C', ROOT, 'rev-parse', 'HEAD'],
+                            capture_output=True, text=True).stdout.strip()
+    line = next(x for x in report.splitlines() if x.startswith('* code: '))
+    assert line.split()[2] == commit, line

@@ -15,6 +15,7 @@ import datetime
 import os
 import platform
 import shlex
+import subprocess
 
 __all__ = ['markdown_table', 'machine_description', 'Report']
 
@@ -50,6 +51,24 @@ def load_average():
         return 'unknown'
 
 
+def code_version(repo=None):
+    """The commit of the repository that holds these scripts, and whether
+    its tracked files had uncommitted changes: what the numbers measured."""
+    repo = repo or os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))))
+
+    def git(*args):
+        return subprocess.run(['git', '-C', repo] + list(args),
+                              capture_output=True, text=True, check=True
+                              ).stdout.strip()
+    try:
+        commit = git('rev-parse', 'HEAD')
+        changed = git('status', '--porcelain', '--untracked-files=no')
+    except (OSError, subprocess.CalledProcessError):
+        return 'unknown (not a git checkout)'
+    return commit + (' with uncommitted changes' if changed else '')
+
+
 def machine_description(libraries=()):
     """``(key, value)`` pairs: the CPU, the load, Python, NumPy and
     ``libraries``: ``(name, module)`` pairs, whose ``__version__`` to give."""
@@ -62,6 +81,7 @@ def machine_description(libraries=()):
         ('CPU', '{} ({} cores, {} usable by this process)'.format(
             _cpu_name(), os.cpu_count(), usable)),
         ('load average at start (1, 5, 15 min)', load_average()),
+        ('code', code_version()),
         ('Python', platform.python_version()),
         ('NumPy', numpy.__version__)]
     for name, module in libraries:
@@ -84,10 +104,11 @@ class Report(object):
 
     """
 
-    def __init__(self, title, argv, machine):
+    def __init__(self, title, argv, machine, status=None):
         self.title = title
         self.argv = list(argv)
         self.machine = list(machine)
+        self.status = status
         self.started = datetime.datetime.now()
         self.sections = []
 
@@ -109,6 +130,8 @@ class Report(object):
                      ' '.join(shlex.quote(a) for a in self.argv),
                      self.started.isoformat(timespec='seconds'), elapsed),
                  '']
+        if self.status:
+            lines += ['**{}**'.format(self.status), '']
         lines += ['* {}: {}'.format(k, v) for k, v in self.machine]
         for section in self.sections:
             lines += [''] + section
@@ -121,6 +144,8 @@ class Report(object):
             directory = os.path.dirname(path)
             if directory:
                 os.makedirs(directory, exist_ok=True)
-            with open(path, 'w') as f:
+            # A reader (or a run killed mid-write) never sees half a file.
+            with open(path + '.tmp', 'w') as f:
                 f.write(text)
+            os.replace(path + '.tmp', path)
         return text
