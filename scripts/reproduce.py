@@ -67,6 +67,8 @@ from studies import table2_mechanism
 from studies import training
 from studies import verdicts
 
+from example_data import fashion_mnist  # NOQA: on sys.path by studies
+
 # Studies that run once and write their products (the CSV last);
 # block-scaling and segnet-frameworks train their runs themselves (several
 # tasks or frameworks, one table).
@@ -177,6 +179,25 @@ def check(results_dir):
     return 1 if problems else 0
 
 
+def missing_data(studies, run_args=()):
+    """One line per training study whose runs need a dataset this machine
+    lacks (every run would fail): the study and how to install it.
+    ``run_args``: ``--run-args``, added after the study's own (its
+    ``--dataset`` wins, as in the runs' command lines)."""
+    lines = []
+    for study in studies:
+        argv = list(study.common) + list(run_args)
+        given = [i for i, a in enumerate(argv[:-1]) if a == '--dataset']
+        dataset = argv[given[-1] + 1] if given else None
+        if dataset == 'fashion-mnist' and not os.path.isdir(
+                fashion_mnist.FASHION_MNIST_DIR):
+            lines.append(
+                '{}: its runs train on Fashion-MNIST, not found at {} '
+                '(apt-get install dataset-fashion-mnist)'.format(
+                    study.name, fashion_mnist.FASHION_MNIST_DIR))
+    return lines
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -189,11 +210,17 @@ def main(argv=None):
     command_line = 'python scripts/reproduce.py ' + shlex.join(argv)
     commands = (list(SINGLE_STUDIES) + list(TRAINING_STUDIES)
                 if 'all' in args.command else args.command)
+    studies = [TRAINING_STUDIES[c] for c in commands
+               if c in TRAINING_STUDIES]
+    missing = [] if args.summarise_only else missing_data(
+        studies, args.run_args.split())
+    if missing:  # before any study starts: not after hours of the others
+        for line in missing:
+            print(line, file=sys.stderr)
+        return 2
     for command in commands:
         if command in SINGLE_STUDIES:
             run_single(SINGLE_STUDIES[command], args, command_line)
-    studies = [TRAINING_STUDIES[c] for c in commands
-               if c in TRAINING_STUDIES]
     if studies:
         start = time.time()
         names = ', '.join(s.name for s in studies)

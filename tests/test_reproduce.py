@@ -703,3 +703,26 @@ def test_table2_mechanism_starts_every_variant_from_the_backbone(studies):
                for v in study.variants)
     assert study.precision == 'sim-fp8-e5m2' and study.batchsizes == [8, 32]
     assert '--lr' in study.common and study.script == 'examples/ssd/train.py'
+
+
+def test_a_missing_dataset_stops_before_any_run(reproduce, tmp_path,
+                                                monkeypatch, capsys):
+    """s2fp8 trains on Fashion-MNIST: without it, reproduce.py says so and
+    starts nothing (not 36 failed runs); --run-args choosing another
+    dataset needs none."""
+    from example_data import fashion_mnist
+    monkeypatch.setattr(fashion_mnist, 'FASHION_MNIST_DIR',
+                        str(tmp_path / 'absent'))
+    runs = tmp_path / 'runs'
+    status = reproduce.main(['model', 's2fp8', '--out', str(tmp_path),
+                             '--runs-dir', str(runs), '--seeds', '0'])
+    assert status == 2
+    assert ('s2fp8: its runs train on Fashion-MNIST, not found at {} '
+            '(apt-get install dataset-fashion-mnist)'.format(
+                tmp_path / 'absent')) in capsys.readouterr().err
+    assert not runs.exists() and not (tmp_path / 'model_fit.csv').exists()
+    assert reproduce.missing_data(
+        [reproduce.TRAINING_STUDIES['s2fp8']],
+        ['--dataset', 'embedded']) == []
+    assert reproduce.missing_data(
+        [reproduce.TRAINING_STUDIES['classification']]) == []

@@ -1,8 +1,8 @@
 """The shape of the S2FP8 paper's Table 1 at CPU scale, by examples/cifar.
 
 ``python scripts/reproduce.py s2fp8``: ResNet-20 (CIFAR-style) on
-Fashion-MNIST (the Debian package dataset-fashion-mnist; the embedded
-shapes when it is absent: the runs' start lines and the summary say which)
+Fashion-MNIST (the Debian package dataset-fashion-mnist, which the study
+needs: without it ``reproduce.py`` stops before any run and says so)
 trained by ``examples/cifar/train.py`` with the same budget (seed,
 iterations, batch, lr schedule) in FP32, FP8 E5M2 unscaled, FP8 with a
 fixed loss scale of 100, S2FP8, GS-FP8 with the paper's model and with the
