@@ -106,7 +106,9 @@ def parse_args(argv):
                         '(studies/fingerprint.py); minutes per study')
     parser.add_argument('--fingerprints-dir', default=None,
                         help='with --verify: keep each fingerprint\'s '
-                        'material (JSON) here')
+                        'material (JSON) here; a recorded commit\'s kept '
+                        'there by an earlier --verify is reused when made '
+                        'with the same arguments, harness and environment')
     parser.add_argument('--out', default=os.path.join(ROOT, 'results'))
     parser.add_argument('--force', action='store_true',
                         help='recompute results that exist already')

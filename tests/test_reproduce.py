@@ -9,6 +9,7 @@ order, and the softmax gradient of SegNet underflowing unscaled.
 import argparse
 import gradient_scaling  # NOQA: compat must precede chainer
 
+import json
 import math
 import os
 import subprocess
@@ -592,6 +593,39 @@ def test_fingerprint_verifies_only_unchanged_bits(studies, tmp_path,
     assert "main/loss 1.0 -> 1.000000000001" in reason
     assert sorted(provenance.check(results, str(repo))) == [
         'toy.csv', 'toy.md']
+    # Kept fingerprints: a commit's is reused by a later verification
+    # with the same arguments, harness and environment, not otherwise.
+    keep = tmp_path / 'kept'
+    calls = []
+    compute_at = fingerprint.compute_at
+
+    def counted(*args, **kwargs):
+        calls.append(args[:2])
+        return compute_at(*args, **kwargs)
+    monkeypatch.setattr(fingerprint, 'compute_at', counted)
+    manifest = provenance.load(results)
+    del manifest['toy.md']['verified']
+    provenance._write(results, manifest)
+    (repo / 'lib' / 'a.py').write_text(
+        'def loss(i):\n    return 1.0 / (i + 1.0)\n')
+    for expected_calls in (1, 1):
+        outcome = fingerprint.verify(results, ['toy'], str(repo),
+                                     report=lambda *a: None, keep=str(keep))
+        assert outcome['toy.md'][0], outcome
+        assert len(calls) == expected_calls
+        manifest = provenance.load(results)
+        del manifest['toy.md']['verified']
+        provenance._write(results, manifest)
+    kept = keep / 'toy@{}.json'.format(one[:12])
+    record = json.loads(kept.read_text())
+    assert record['reuse']['commit'] == one
+    record['reuse']['libraries']['numpy'] = '0.0'  # another environment
+    kept.write_text(json.dumps(record))
+    assert fingerprint.verify(results, ['toy'], str(repo),
+                              report=lambda *a: None,
+                              keep=str(keep))['toy.md'][0]
+    assert len(calls) == 2
+    monkeypatch.setattr(fingerprint, 'compute_at', compute_at)
     # A commit whose code does not run here: stale, with the reason.
     (repo / 'lib' / 'a.py').write_text(
         'def loss(i):\n    return 1.0 / (i + 1)\n')

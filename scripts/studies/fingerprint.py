@@ -30,6 +30,11 @@ does not run in today's environment (an option it lacks, an import that
 moved), or a file made from uncommitted changes (no commit holds its
 code), cannot be verified: it stays stale, and the reason is printed.
 
+With ``--fingerprints-dir`` each fingerprint's material is kept there,
+and a recorded commit's is reused by a later verification instead of run
+again, when the study's arguments, this harness's source, the interpreter,
+the libraries and the machine are the same (:func:`_kept`).
+
     python scripts/reproduce.py --check --verify            # every stale
     python scripts/reproduce.py --check --verify detection  # one study
 
@@ -317,9 +322,16 @@ def verify(results_dir, studies=None, repo=ROOT, report=log,
             report('fingerprint {}: the code now'.format(study))
             now[study] = compute(study, repo, timeout=timeout)
             _keep(keep, study, 'now', now[study])
-        report('fingerprint {}: the code of {}'.format(study, commit[:12]))
-        then = compute_at(study, commit, repo, timeout)
-        _keep(keep, study, commit[:12], then)
+        then = _kept(keep, study, commit)
+        if then is None:
+            report('fingerprint {}: the code of {}'.format(study,
+                                                           commit[:12]))
+            then = compute_at(study, commit, repo, timeout)
+            _keep(keep, study, commit[:12], then, commit)
+        else:
+            report('fingerprint {}: the code of {}, kept in {} (the same '
+                   'commit, arguments, harness and environment)'.format(
+                       study, commit[:12], keep))
         result = _compare(study, commit, then, now[study], repo)
         report('{} at {}: {}'.format(study, commit[:12], result[1]))
         for name in names:
@@ -361,13 +373,72 @@ def _record(results_dir, names, study, commit, fingerprint, repo):
         provenance.record_entry(results_dir, entry, [name])
 
 
-def _keep(folder, study, label, result):
+def _keep(folder, study, label, result, commit=None):
+    """Keeps a fingerprint's material in ``folder``; a commit's with what
+    makes it reusable (:func:`_kept`): a commit's code never changes, so
+    its fingerprint is the same as long as the arguments, this harness
+    (which runs it and reads its material) and the environment are."""
     if not folder or result[1] is None:
         return
     os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, '{}@{}.json'.format(study, label)),
-              'w') as f:
-        json.dump({'fingerprint': result[0], 'material': result[1]}, f)
+    kept = {'fingerprint': result[0], 'material': result[1]}
+    if commit is not None:
+        kept['reuse'] = _reuse_key(study, commit)
+    path = os.path.join(folder, '{}@{}.json'.format(study, label))
+    with open(path + '.tmp', 'w') as f:
+        json.dump(kept, f)
+    os.replace(path + '.tmp', path)
+
+
+def _kept(folder, study, commit):
+    """The fingerprint of ``commit``'s code kept in ``folder`` by an
+    earlier verification, as :func:`compute` returns it, if it was made
+    with the same arguments, harness and environment (else None: computed
+    again); its material must still hash to it."""
+    if not folder:
+        return None
+    path = os.path.join(folder, '{}@{}.json'.format(study, commit[:12]))
+    try:
+        with open(path) as f:
+            kept = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if kept.get('reuse') != _reuse_key(study, commit) or \
+            digest(kept['material']) != kept['fingerprint']:
+        return None
+    return kept['fingerprint'], kept['material'], None
+
+
+def _reuse_key(study, commit):
+    """What a commit's fingerprint depends on besides that commit's code:
+    the study's arguments, this harness (its source), the interpreter,
+    the libraries the runs import and the machine."""
+    import importlib.metadata
+    import platform
+    versions = {}
+    for name in ('numpy', 'scipy', 'chainer', 'chainercv', 'torch',
+                 'matplotlib', 'ml_dtypes'):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    with open(os.path.abspath(__file__), 'rb') as f:
+        harness = hashlib.sha256(f.read()).hexdigest()
+    return {'study': study, 'commit': commit,
+            'arguments': list(REDUCED[study]), 'harness': harness,
+            'python': sys.version, 'machine': platform.machine(),
+            'cpu': _cpu_model(), 'libraries': versions}
+
+
+def _cpu_model():
+    try:
+        with open('/proc/cpuinfo') as f:
+            for line in f:
+                if line.startswith('model name'):
+                    return line.split(':', 1)[1].strip()
+    except OSError:
+        pass
+    return None
 
 
 def verify_stale(results_dir, studies=None, keep=None):
