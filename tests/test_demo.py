@@ -240,7 +240,7 @@ def test_the_readme_says_what_results_demo_measured():
     sigmas = (sum(gs) / n - sum(none) / n) / math.sqrt(
         (stdev(gs) ** 2 + stdev(none) ** 2) / 2)
     assert sigmas > 5 and min(gs) > max(none)
-    assert '{:.1f} standard deviations'.format(sigmas) in readme
+    assert '{:.1f} pooled standard deviations'.format(sigmas) in readme
     assert '{} iterations of 4 images of 32x48'.format(
         demo.DEFAULT['iteration']) in readme
     lost = measured_lost(demo.MEASURED)

@@ -98,7 +98,9 @@ def _block_pairs(extra):
     return (_against('FP32', 'E4M3: GS', 'E4M3: amax-current',
                      'MXFP8 (floor scale, OCP)',
                      'MXFP8 (rounded-up scale, TE)') + list(extra)
-            + _against('FP32', 'FP8 1x128 tiles', 'E4M3: no scaling')
+            + _against('FP32', 'FP8 1x128 tiles', 'E4M3: no scaling',
+                       'E4M3: GS (hybrid)', 'NVFP4 (amax tensor scale)',
+                       'NVFP4 (GS tensor scale)')
             + [('NVFP4 (GS tensor scale)', 'NVFP4 (amax tensor scale)'),
                ('MXFP8 (floor scale, OCP)', 'MXFP8 (rounded-up scale, TE)')])
 
@@ -145,7 +147,7 @@ COMPARISONS = [
               'Fixed-LS (2048)', 'Dyn-LS (interval 10)', 'GS (hybrid)',
               'Dyn-LS (interval 1000)', 'amax-current', 'amax-delayed',
               'E4M3: no scaling', 'E4M3: amax-current',
-              'E4M3: GS (hybrid)')),
+              'E4M3: GS (hybrid)') + [('no scaling', 'GS')]),
     ('residual_runs.csv', 'residual', 'Residual connections: accuracy, '
      'no scaling', _SKIPS),
     ('table2-mechanism_runs.csv', 'table2-mechanism',
