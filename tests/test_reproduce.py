@@ -646,6 +646,15 @@ def test_fingerprint_verifies_only_unchanged_bits(studies, tmp_path,
     assert not ok
     assert reason.startswith('the code of {} does not run here (exit '
                              'status 1'.format(entry['commit'][:12]))
+    # The code now does not run: the recorded commit's is not run either.
+    (repo / 'scripts' / 'reproduce.py').write_text(
+        'raise SystemExit("broken now")\n')
+    calls.clear()
+    monkeypatch.setattr(fingerprint, 'compute_at', counted)
+    ok, reason = fingerprint.verify(results, ['toy'], str(repo),
+                                    report=lambda *a: None)['toy.csv']
+    assert not ok and calls == []
+    assert reason.startswith('the fingerprint fails with the code now')
 
 
 def test_every_study_has_a_fingerprint(studies):

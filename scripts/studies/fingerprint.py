@@ -191,7 +191,7 @@ def digest(found):
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def compute(study, tree, scratch=None, timeout=1800):
+def compute(study, tree, scratch=None, timeout=3600):
     """Runs ``study``'s fingerprint with the code of ``tree``; returns
     ``(hash, material, None)`` or ``(None, None, why)`` when it failed."""
     own = scratch is None
@@ -239,7 +239,7 @@ def _failed_runs(out):
     return sorted(failed)
 
 
-def compute_at(study, commit, repo=ROOT, timeout=1800):
+def compute_at(study, commit, repo=ROOT, timeout=3600):
     """:func:`compute` with the code of ``commit``: in a temporary
     detached worktree of ``repo``, removed afterwards."""
     scratch = tempfile.mkdtemp(prefix='fingerprint-at-')
@@ -286,7 +286,7 @@ def first_difference(a, b):
 
 
 def verify(results_dir, studies=None, repo=ROOT, report=log,
-           keep=None, timeout=1800):
+           keep=None, timeout=3600):
     """Verifies the stale files of ``studies`` (all, if None) by
     fingerprint; records the verified ones in the manifest.  Returns
     ``{file: (verified, reason)}``.  ``keep``: a folder for the
@@ -322,6 +322,11 @@ def verify(results_dir, studies=None, repo=ROOT, report=log,
             report('fingerprint {}: the code now'.format(study))
             now[study] = compute(study, repo, timeout=timeout)
             _keep(keep, study, 'now', now[study])
+        if now[study][0] is None:  # nothing to compare with: not run
+            outcome.update((name, _compare(study, commit, (None,) * 3,
+                                           now[study], repo))
+                           for name in names)
+            continue
         then = _kept(keep, study, commit)
         if then is None:
             report('fingerprint {}: the code of {}'.format(study,
