@@ -660,10 +660,9 @@ def test_fingerprint_verifies_only_unchanged_bits(studies, tmp_path,
 def test_every_study_has_a_fingerprint(studies):
     provenance = pytest.importorskip('studies.provenance')
     fingerprint = pytest.importorskip('studies.fingerprint')
-    # verdicts trains nothing (made from the other results); the runs of
-    # segnet-frameworks take no --run-args: no short version of it.
+    # verdicts trains nothing (made from the other results).
     assert set(provenance.SOURCES) - set(fingerprint.REDUCED) == {
-        'verdicts', 'segnet-frameworks'}
+        'verdicts'}
     assert '--iteration 3' in ' '.join(fingerprint.REDUCED['detection'])
 
 
@@ -769,3 +768,23 @@ def test_a_missing_dataset_stops_before_any_run(reproduce, tmp_path,
         ['--dataset', 'embedded']) == []
     assert reproduce.missing_data(
         [reproduce.TRAINING_STUDIES['classification']]) == []
+
+
+def test_segnet_frameworks_runs_take_run_args(studies, monkeypatch,
+                                              tmp_path):
+    """--run-args reach both frameworks' runs (the study's fingerprint
+    is a 3-iteration run of each)."""
+    import studies.segnet_frameworks as frameworks
+    planned = []
+    monkeypatch.setattr(frameworks, 'first_refresh_scales',
+                        lambda: ({}, {}))
+    monkeypatch.setattr(frameworks, 'execute',
+                        lambda runs, jobs: planned.extend(runs))
+    monkeypatch.setattr(frameworks, 'summarise', lambda *args: [])
+    frameworks.run(argparse.Namespace(
+        seeds=[0], runs_dir=str(tmp_path), jobs=1,
+        run_args='--iteration 3 --eval-interval 3'))
+    assert len(planned) == 10
+    for run in planned:
+        assert run.argv()[-4:] == ['--iteration', '3', '--eval-interval',
+                                   '3']

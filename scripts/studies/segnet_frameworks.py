@@ -190,7 +190,8 @@ def run(args):
     log('{}: first refresh, {} of {} sites with identical scales'.format(
         NAME, len(same), len(set(chainer_scales) | set(torch_scales))))
     pair = studies()
-    runs = plan(pair, args.seeds, args.runs_dir)
+    runs = plan(pair, args.seeds, args.runs_dir, None,
+                getattr(args, 'run_args', '').split())
     execute(runs, args.jobs)
     records = {s.name: [r.load() for r in runs if r.study.name == s.name
                         and r.finished()] for s in pair}
