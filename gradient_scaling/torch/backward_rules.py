@@ -95,8 +95,19 @@ class BackwardPass(object):
         #: ``id(leaf)`` -> its accumulation node (the plan holds the leaves:
         #: the ids stand for them while the pass lives; a tensor's hash is
         #: a Python call).
-        self.leaf_nodes = {id(var): node for node, var in
-                           self.plan.accumulators.items()}
+        shared = self.plan.shared
+        leaf_nodes = None if shared is None else shared.get('leaf_nodes')
+        if leaf_nodes is None:
+            leaf_nodes = {id(var): node for node, var in
+                          self.plan.accumulators.items()}
+            if shared is not None:  # (the same for the structure's plans)
+                shared['leaf_nodes'] = leaf_nodes
+        self.leaf_nodes = leaf_nodes
+        #: Accumulation node -> the scale of the gradient reaching it, for
+        #: the leaves fed by a compiled root region, once the region has
+        #: returned (:meth:`region_left`): what :meth:`slot_scale` would
+        #: find, looked up at once as each lands.
+        self.leaf_scales = {}
         self._leaves = None
         #: ``(leaf, scale)``: the scale each landed gradient carried,
         #: divided out as it landed.
@@ -186,7 +197,9 @@ class BackwardPass(object):
 
     def landing_scale(self, leaf):
         """The scale of the gradient reaching ``leaf`` in this pass."""
-        return self.slot_scale(self.leaves[leaf], 0)
+        node = self.leaves[leaf]
+        known = self.leaf_scales.get(node)
+        return known if known is not None else self.slot_scale(node, 0)
 
     # -- registration -------------------------------------------------------
 
@@ -213,9 +226,15 @@ class BackwardPass(object):
         for node, edges in consumers.items():
             on(node.register_hook(self._contribute(node, edges)))
         lands, itself = self.hook.land, self.hook.landing_ids
-        for leaf in plan.accumulators.values():
-            if id(leaf) not in itself:  # (not lands_itself: a call each)
-                on(leaf.register_hook(functools.partial(lands, leaf)))
+        shared = plan.shared
+        foreign = None if shared is None else shared.get('foreign')
+        if foreign is None:  # (not lands_itself: a call each)
+            foreign = [leaf for leaf in plan.accumulators.values()
+                       if id(leaf) not in itself]
+            if shared is not None:
+                shared['foreign'] = foreign
+        for leaf in foreign:
+            on(leaf.register_hook(functools.partial(lands, leaf)))
 
     def remove(self):
         for handle in self.handles:
@@ -228,6 +247,40 @@ class BackwardPass(object):
         known = self.node_scales.get(node)
         return known if known is not None else self.slot_scale(
             *self._own_slot(node))
+
+    def region_left(self, node, scales):
+        """The compiled region ``node`` returns its gradients with
+        ``scales`` (``{edge: scale}``)."""
+        plan = self.plan
+        if plan.leaf_edges and node is plan.roots[0]:
+            # The root region's edges feed the leaves directly, one each:
+            # a leaf's gradient is at its edge's scale (its slot's, kept by
+            # accumulation node: :meth:`slot_scale` is not asked for
+            # them). A region's memoised cached pass gives the same dict
+            # of scales each time: what follows from it is kept with it.
+            known = plan.shared.get('scales')
+            if known is None or known[0] is not scales:
+                leaf_scales = {accumulator: scales[i]
+                               for i, accumulator in plan.leaf_edges
+                               if i in scales}
+                accumulators = plan.accumulators
+                unit = {id(accumulators[a]): None
+                        for a, scale in leaf_scales.items()
+                        if scale == 1.0}
+                leaves = {i for i, _ in plan.leaf_edges}
+                rest = [(i, s) for i, s in scales.items() if i not in leaves]
+                known = plan.shared['scales'] = (scales, leaf_scales, unit,
+                                                 rest)
+            self.leaf_scales = known[1]
+            for i, scale in known[3]:
+                self.edge_scales[node, i] = scale
+            if not self.nested and self.hook._running and \
+                    self.hook._running[-1] is self:
+                self.hook.unit_landing(self, known[2])
+            return
+        edge_scales = self.edge_scales
+        for i, scale in scales.items():
+            edge_scales[node, i] = scale
 
     def _started(self, grad_outputs):
         if not self.started:

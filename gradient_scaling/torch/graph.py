@@ -230,6 +230,13 @@ class Plan(object):
         self.compiled = []
         self.softmax_gradients = set()
         self.template, self.order, self.index = template, order, index
+        #: On a plan of :meth:`PlanCache.plan`'s quick path: a dict shared
+        #: by every plan of that graph's structure, where a pass keeps what
+        #: it derives from the structure alone (None elsewhere).
+        self.shared = None
+        #: On such a plan: ``(edge, accumulation node)`` of each edge of
+        #: the root (a compiled region) that leads to a leaf.
+        self.leaf_edges = ()
 
     def consumers_of(self, slot):
         """The edges that feed ``slot``, or None."""
@@ -685,29 +692,56 @@ class PlanCache(object):
     def __init__(self, size=8):
         self.size = size
         self._templates = collections.OrderedDict()
+        #: (cast rule, generation, root class, the root's edges) -> a
+        #: :class:`_Quick`: graphs of one compiled region over leaves.
+        self._quick = collections.OrderedDict()
         #: Plans reused and graphs walked so far.
         self.reused = self.walked = 0
 
     def plan(self, roots, cast_rule='softmax'):
         """The :class:`Plan` of the graph below ``roots``, as
-        :func:`walk` makes it."""
+        :func:`walk` makes it.
+
+        A graph that is one ``torch.compile``d region's node over the
+        accumulation nodes of leaves (a whole model compiled, loss
+        included) takes a quick path: its structure is the root's class
+        and its edges, which lead to the same accumulation nodes step
+        after step (kept alive here, so that the engine reuses them: a
+        leaf's accumulation node lives while referenced); the plan is the
+        last one's, on the new root."""
         roots = [r for r in roots if r is not None]
+        if len(roots) == 1:
+            root = roots[0]
+            edges = root.next_functions
+            quick_key = (cast_rule, _GENERATION[0], type(root), edges)
+            quick = self._quick.get(quick_key)
+            if quick is not None:
+                self.reused += 1
+                return quick.plan(root)
         order, index, signature = structure(roots)
         key = (cast_rule, _GENERATION[0], signature)
         template = self._templates.get(key)
+        plan = None
         if template is not None:
             plan = self._reused(template, order, index)
             if plan is not None:
                 self._templates.move_to_end(key)
                 self.reused += 1
-                return plan
-        reads = Reads([])
-        plan = walk(roots, cast_rule, reads)
-        self.walked += 1
-        self._templates[key] = _Template(plan, reads.log, index, order)
-        self._templates.move_to_end(key)
-        while len(self._templates) > self.size:
-            self._templates.popitem(last=False)
+        if plan is None:
+            reads = Reads([])
+            plan = walk(roots, cast_rule, reads)
+            self.walked += 1
+            template = self._templates[key] = _Template(plan, reads.log,
+                                                        index, order)
+            self._templates.move_to_end(key)
+            while len(self._templates) > self.size:
+                self._templates.popitem(last=False)
+        if len(roots) == 1:
+            quick = _Quick.of(template, plan, order, index, edges)
+            if quick is not None:
+                self._quick[quick_key] = quick
+                while len(self._quick) > self.size:
+                    self._quick.popitem(last=False)
         return plan
 
     @staticmethod
@@ -746,6 +780,60 @@ class PlanCache(object):
         plan.compiled = [order[i] for i in template.compiled]
         plan.softmax_gradients = {order[i]
                                   for i in template.softmax_gradients}
+        return plan
+
+
+class _Quick(object):
+
+    """The plan of a graph that is one compiled region's backward node
+    (the root) over the accumulation nodes of parameters, each fed by one
+    edge of it: its
+    structure is the root's class and its edges (the same accumulation
+    nodes, held here, hence the same leaves), what :func:`walk` finds
+    there depends on nothing else (no site, no read of a shape or
+    dtype), and its plan is the template's on the new root."""
+
+    def __init__(self, template, plan, order, index, root_softmax):
+        self.template = template
+        self.rest = order[1:]  # the accumulation nodes (kept alive)
+        self.index = {n: i for n, i in index.items() if i}
+        self.accumulators = plan.accumulators
+        self.root_softmax = root_softmax
+        self.shared = {}
+
+    @classmethod
+    def of(cls, template, plan, order, index, edges):
+        """The quick plan of a graph of that shape, or None."""
+        root = order[0]
+        if _role(root) != _COMPILED or template.reads or template.extra \
+                or plan.gemms or plan.casts or plan.softmax_gemms or \
+                plan.branches or plan.multi_output or \
+                len(plan.accumulators) != len(order) - 1 or \
+                plan.roots != [root]:
+            return None
+        leaves = [p for p, _ in edges if p is not None]
+        if len(leaves) != len(order) - 1 or any(
+                _role(p) != _ACCUMULATE_ROLE for p in leaves):
+            return None  # (a leaf fed twice is a branch: not here)
+        if not all(isinstance(v, torch.nn.Parameter)
+                   for v in plan.accumulators.values()):
+            return None  # (an input's node would keep the input alive)
+        quick = cls(template, plan, order, index,
+                    root in plan.softmax_gradients)
+        quick.leaf_edges = tuple((i, p) for i, (p, _) in enumerate(edges)
+                                 if p is not None)
+        return quick
+
+    def plan(self, root):
+        index = dict(self.index)
+        index[root] = 0
+        plan = Plan(self.template, [root] + self.rest, index)
+        plan.roots = [root]
+        plan.accumulators = self.accumulators
+        plan.compiled = [root]
+        plan.softmax_gradients = {root} if self.root_softmax else set()
+        plan.shared = self.shared
+        plan.leaf_edges = self.leaf_edges
         return plan
 
 

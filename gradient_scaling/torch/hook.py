@@ -110,6 +110,9 @@ class GradientScaling(ControllerViews):
         self.plans = graph.PlanCache()
         self._pass = None
         self._running = []  # passes whose backward runs now, innermost last
+        #: ``(pass, {id(leaf): None})``: leaves whose gradients reach them
+        #: at scale 1 in the innermost running pass (:meth:`unit_landing`).
+        self._unit = None
         self._bare = False  # active as ``with hook:``
         self._patched = False  # torch.autograd.backward routed here
         # A tensor hook on every parameter of the model, for the hook's
@@ -225,7 +228,9 @@ class GradientScaling(ControllerViews):
                     self.parameter_name(leaf)))
         if current.nested and not self._lands_unscaled_in_nested(leaf):
             return None  # handed back to the outer pass with its scale
-        scale = current.slot_scale(node, 0)
+        scale = current.leaf_scales.get(node)
+        if scale is None:
+            scale = current.slot_scale(node, 0)
         current.landed.append((leaf, scale))
         if scale != 1.0 and key in self.in_place_ids and leaf.grad is None \
                 and not self._capturing and not self.check_on_landing and \
@@ -277,13 +282,23 @@ class GradientScaling(ControllerViews):
         """The compiled region ``node`` returns its gradients with
         ``scales`` (``{edge: scale}``)."""
         if self._running:
-            self._running[-1].edge_scales.update(
-                ((node, i), scale) for i, scale in scales.items())
+            self._running[-1].region_left(node, scales)
+
+    def unit_landing(self, current, leaves):
+        """The innermost running pass ``current`` knows now that the
+        gradients of ``leaves`` (``{id(leaf): None}``) reach them at scale
+        1: each then lands as it comes, recorded, with no lookup (until
+        another pass starts or this one ends). Not while gradients are
+        checked on landing (each needs its witness)."""
+        if not self.check_on_landing:
+            self._unit = (current, leaves)
 
     def pass_started(self, current):
+        self._unit = None
         self._running.append(current)
 
     def pass_ended(self, current):
+        self._unit = None
         if current in self._running:
             self._running.remove(current)
         if not self._running and not self._bare:
@@ -517,6 +532,7 @@ class GradientScaling(ControllerViews):
     def abort(self):
         """The backward pass raised: forget its step."""
         self._running = []
+        self._unit = None
         self._deferred.clear()
         if not self._bare:
             self._unpatch()
@@ -534,6 +550,7 @@ class GradientScaling(ControllerViews):
         if current is None:
             return
         current.remove()
+        self._unit = None
         if current in self._running:  # its backward did not end
             self._running.remove(current)
         if not self._running and not self._bare:
@@ -682,7 +699,14 @@ _NORMAL_FLOAT32 = (2.0 ** -126, 2.0 ** 127)
 
 def _land_weakly(hook_ref, param, grad):
     hook = hook_ref()
-    return None if hook is None else hook.land(param, grad)
+    if hook is None:
+        return None
+    unit = hook._unit
+    if unit is not None and id(param) in unit[1]:
+        # (what land() does at scale 1: record it, nothing to divide)
+        unit[0].landed.append((param, 1.0))
+        return None
+    return hook.land(param, grad)
 
 
 def _remove_all(handles):

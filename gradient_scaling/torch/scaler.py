@@ -615,6 +615,8 @@ def _capture_weakly(scaler_ref, module, inputs):
 def _buffer_owners(module, places):
     """``module`` and every submodule that holds buffers (where a capture
     before the forward may be triggered)."""
+    if not places:
+        return []  # (no buffer: nothing to capture, no hook to run)
     owners = list(dict.fromkeys(m for m, _ in places))
     return owners if module in owners else [module] + owners
 

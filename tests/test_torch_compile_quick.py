@@ -1,0 +1,226 @@
+"""A whole model compiled with GS's backend: the hook's quick pass.
+
+When the backward graph is one compiled region's node over the leaves'
+accumulation nodes (the model compiled with its loss), the hook's plan is
+found from the root's class and edges alone (``graph.PlanCache``'s quick
+path: the accumulation nodes are kept, so the engine reuses them step after
+step), and the leaves whose gradients leave the region at scale 1 (every
+parameter's) land with no lookup. Held here to the slow path (the quick
+plans turned off) and to the plain compiled model, in float64 with the
+loss times 2**-24 and ``aot_eager`` (0 error is the bar): the same
+gradients bit for bit, the same scales at every site (eager GS's), the
+same ``report()`` and landed scales; a leaf input that leaves the region at
+its own scale lands divided by it, exactly.
+"""
+
+import importlib
+import warnings
+
+import pytest
+
+torch = pytest.importorskip('torch')
+
+from gradient_scaling.torch import GradientScaler  # NOQA
+from gradient_scaling.torch import compile_backend  # NOQA
+from gradient_scaling.torch import graph  # NOQA
+
+import torch.nn as nn  # NOQA: after the skip
+
+from test_torch_compile_backend import NETS  # NOQA
+from test_torch_compile_backend import scale_log  # NOQA: a fixture
+from test_torch_plans import _same_plan  # NOQA
+
+hook_module = importlib.import_module('gradient_scaling.torch.hook')
+
+
+def _run(make, batch, compiled, steps=6, interval=3, quick=True,
+         monkeypatch=None, log=None, leaf_input=False, after_step=None):
+    """``steps`` SGD steps of a fresh float64 ``make()`` under GS: eager
+    (``compiled`` None), compiled with GS's backend around aot_eager
+    (``'gs'``) or plain (a backend name). ``quick``: whether the plan
+    cache's quick path may serve. ``leaf_input``: the batch's first input
+    requires its gradient. Per step: gradients (the input's as 'input'),
+    whether taken, scales logged, ``report()``, the landed scales (by
+    name), the hook's plan counters. ``after_step()``: called after each
+    step's backward."""
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    model = make().double()
+    scaler = GradientScaler(model, update_interval=interval)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = model
+    if compiled:
+        run = torch.compile(model, backend=compile_backend(
+            scaler, inner='aot_eager') if compiled == 'gs' else compiled)
+    if not quick:
+        monkeypatch.setattr(graph._Quick, 'of',
+                            classmethod(lambda cls, *args: None))
+    names = {p: n for n, p in model.named_parameters()}
+    history = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        start = len(log) if log is not None else 0
+        args = list(batch(step))
+        if leaf_input:
+            args[0] = args[0].clone().requires_grad_()
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore', RuntimeWarning)
+            loss = run(*args)
+            scaler.scale(loss).backward()
+        if after_step is not None:
+            after_step()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()
+                 if p.grad is not None}
+        if leaf_input:
+            grads['input'] = args[0].grad.clone()
+        scaler.step(optimizer)  # (the pass ends: its landed scales)
+        landed = {names.get(leaf, 'input'): scale
+                  for leaf, scale in scaler.hook.landed_scales.items()
+                  if leaf in names or leaf is args[0]}
+        taken = scaler.step_taken
+        scaler.update()
+        scales = sorted(log[start:], key=repr) if log is not None else None
+        report = {r.name: (r.kind, r.local_scale, r.input_scale,
+                           r.output_scale) for r in scaler.report()}
+        plans = scaler.hook.plans
+        history.append((grads, taken, scales, report, landed,
+                        (plans.reused, plans.walked, len(plans._quick))))
+    return history
+
+
+def _assert_same_gradients(a, b):
+    for step, ((grads_a, *_), (grads_b, *_)) in enumerate(zip(a, b)):
+        assert grads_a.keys() == grads_b.keys()
+        for name in grads_a:
+            torch.testing.assert_close(grads_a[name], grads_b[name],
+                                       rtol=0, atol=0, equal_nan=True,
+                                       msg='{} {}'.format(step, name))
+
+
+def test_the_quick_plan_is_the_walk_of_the_new_graph():
+    """The plan of a whole compiled model's graph, from the quick path,
+    is what a walk of that graph makes (every field, nodes by identity);
+    an eager model's graph takes no quick path."""
+    make, batch = NETS['transformer']
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    model = make().double()
+    scaler = GradientScaler(model)
+    compiled = torch.compile(model, backend=compile_backend(
+        scaler, inner='aot_eager'))
+    cache = graph.PlanCache()
+    first = compiled(*batch(0))
+    assert type(first.grad_fn).__name__ == graph.COMPILED_NODE
+    cache.plan([first.grad_fn])
+    assert (cache.reused, cache.walked, len(cache._quick)) == (0, 1, 1)
+    del first  # (its accumulation nodes stay: the cache holds them)
+    for step in range(1, 3):
+        root = compiled(*batch(step)).grad_fn
+        quick = cache.plan([root])
+        assert quick.shared is not None and quick.leaf_edges
+        _same_plan(quick, graph.walk([root]))
+        assert quick.roots == [root] and quick.compiled == [root]
+    assert (cache.reused, cache.walked) == (2, 1)
+    eager = graph.PlanCache()
+    for step in range(2):
+        eager.plan([model(*batch(step)).grad_fn])
+    assert not eager._quick and eager.reused == 1
+
+
+@pytest.mark.parametrize('net', sorted(NETS))
+def test_quick_passes_as_the_slow_ones(net, scale_log, monkeypatch):
+    """Refresh, two cached steps, refresh, two cached: the quick plans
+    serve from the second step on and the parameters land with no lookup
+    (``land`` is not called for them); the gradients are the plain
+    compiled model's bit for bit, and the scales, reports and landed
+    scales (1: every parameter's gradient leaves the region unscaled) are
+    those of the same run with the quick path off, and eager GS's."""
+    make, batch = NETS[net]
+    calls, per_step = [], []
+    land = hook_module.GradientScaling.land
+
+    def counted(self, leaf, grad):
+        calls.append(leaf)
+        return land(self, leaf, grad)
+    with monkeypatch.context() as m:
+        m.setattr(hook_module.GradientScaling, 'land', counted)
+        quick = _run(make, batch, 'gs', log=scale_log,
+                     after_step=lambda: per_step.append(len(calls)))
+    # the first pass walks its graph (each parameter lands through
+    # land()); the others land on the fast path
+    assert per_step[0] == len(quick[0][0]) and \
+        per_step == per_step[:1] * 6
+    assert [h[5] for h in quick][-1][1:] == (1, 1)  # one walk, one quick
+    assert [h[5][0] for h in quick] == [0, 1, 2, 3, 4, 5]
+    with monkeypatch.context() as m:
+        slow = _run(make, batch, 'gs', quick=False, monkeypatch=m,
+                    log=scale_log)
+    assert [h[5][2] for h in slow] == [0] * 6
+    eager = _run(make, batch, None, log=scale_log)
+    plain = _run(make, batch, 'aot_eager')
+    for step, (q, s, e) in enumerate(zip(quick, slow, eager)):
+        assert q[1] and s[1] and e[1]
+        assert q[3] == s[3] == e[3], step
+        assert q[4] == s[4], step
+        assert set(q[4].values()) == {1.0} and len(q[4]) == len(q[0])
+        assert q[2] == s[2], step
+    assert quick[0][2] == eager[0][2] and quick[3][2] == eager[3][2]
+    _assert_same_gradients(quick, plain)
+    _assert_same_gradients(slow, plain)
+
+
+@pytest.mark.parametrize('net', ['resnet', 'every_construct'])
+def test_a_leaf_input_lands_at_its_own_scale(net, monkeypatch):
+    """The batch's input requires its gradient: it leaves the region at
+    the scale of its variable (not 1), and lands divided by it: the plain
+    compiled model's gradient, bit for bit. (A new input each step: its
+    graph takes no quick path, which would keep its accumulation node, and
+    the input, alive.)"""
+    make, batch = NETS[net]
+    quick = _run(make, batch, 'gs', leaf_input=True)
+    assert [q[5][2] for q in quick] == [0] * 6
+    with monkeypatch.context() as m:
+        slow = _run(make, batch, 'gs', quick=False, monkeypatch=m,
+                    leaf_input=True)
+    plain = _run(make, batch, 'aot_eager', leaf_input=True)
+    for q, s in zip(quick, slow):
+        assert q[4] == s[4]
+        assert set(q[4]) >= {'input'}
+    assert any(q[4]['input'] != 1.0 for q in quick)
+    _assert_same_gradients(quick, plain)
+    _assert_same_gradients(slow, plain)
+
+
+def test_a_fault_on_a_quick_pass(scale_log):
+    """A NaN in the second step's input, on a quick pass: the step is
+    skipped (a data fault), as in eager GS; the next steps are the plain
+    model's."""
+    make, clean = NETS['every_construct']
+
+    def batch(step):
+        x, t = clean(step)
+        if step == 1:
+            x = x.clone()
+            x[0, 0, 0, 0] = float('nan')
+        return x, t
+    quick = _run(make, batch, 'gs', steps=4, log=scale_log)
+    eager = _run(make, batch, None, steps=4, log=scale_log)
+    plain = _run(make, batch, 'aot_eager', steps=4)
+    assert [q[1] for q in quick] == [e[1] for e in eager] == \
+        [True, False, True, True]
+    assert quick[1][5][0] == 1  # (the faulty pass was a quick one)
+    for q, e in zip(quick, eager):
+        assert q[3] == e[3]
+    _assert_same_gradients(quick, plain)
+
+
+def test_no_forward_hook_without_buffers():
+    """The scaler saves a skipped step's buffers from a forward
+    pre-hook: a model without buffers gets none (nothing to save)."""
+    plain = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    scaler = GradientScaler(plain)
+    assert not scaler._capture and not any(
+        m._forward_pre_hooks for m in plain.modules())
+    normed = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    scaler = GradientScaler(normed)
+    assert scaler._capture and normed._forward_pre_hooks
