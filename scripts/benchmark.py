@@ -65,6 +65,7 @@ import gradient_scaling  # NOQA: restores what Chainer 7.8.1 needs
 
 import argparse
 import dataclasses
+import datetime
 import functools
 import importlib
 import importlib.util
@@ -350,12 +351,14 @@ def framework_of(adapter):
     return adapter.__name__.rsplit('.', 1)[-1].split('_')[0]
 
 
-def build_report(argv, machine, results, gpu_times=None, status=None):
+def build_report(argv, machine, results, gpu_times=None, status=None,
+                 started=None):
     """The Markdown report of ``results`` (a :class:`Results`); ``status``:
     a line saying the run is not complete (while it runs, or after it was
-    interrupted), under the title."""
+    interrupted), under the title; ``started``: when the run began
+    (datetime; default: now)."""
     out = report.Report('Gradient scaling: cost in training', argv, machine,
-                        status=status)
+                        status=status, started=started)
     if results.failures:
         out.section('Cases that failed', results.failures)
     if results.iterations:
@@ -536,6 +539,7 @@ def main(argv=None):
             print(message, file=sys.stderr, flush=True)
 
     start = time.perf_counter()
+    started = datetime.datetime.now()
     libraries = [('Chainer', 'chainer'), ('ChainerCV', 'chainercv')]
     if 'torch' in args.framework:
         libraries.append(('PyTorch', 'torch'))
@@ -545,7 +549,7 @@ def main(argv=None):
 
     def write(status=None):
         return build_report(['scripts/benchmark.py'] + argv_list, machine,
-                            results, args.gpu_times, status).write(
+                            results, args.gpu_times, status, started).write(
                                 args.out, time.perf_counter() - start)
 
     def done(name):

@@ -104,12 +104,12 @@ class Report(object):
 
     """
 
-    def __init__(self, title, argv, machine, status=None):
+    def __init__(self, title, argv, machine, status=None, started=None):
         self.title = title
         self.argv = list(argv)
         self.machine = list(machine)
         self.status = status
-        self.started = datetime.datetime.now()
+        self.started = started or datetime.datetime.now()
         self.sections = []
 
     def section(self, heading, rows, text=None, after=()):
