@@ -267,3 +267,56 @@ def test_other_post_accumulate_hooks_see_the_true_gradient(before):
     assert hook.landed_scales[net.wide.weight] >= 2 ** 10
     assert torch.equal(seen[0], plain.wide.weight.grad)
     assert torch.equal(net.wide.weight.grad, plain.wide.weight.grad)
+
+
+def test_a_gradient_divided_in_place_is_checked_in_the_same_read(
+        monkeypatch):
+    """In float32 the large gradient is divided in place by GradScaler's
+    fused kernel, which checks it as it reads it: the pass's final check
+    leaves it out, and a non-finite value in it (here put there by a
+    user's tensor hook, after GS's) still skips the step."""
+    from gradient_scaling.torch import GradientScaler
+    from gradient_scaling.torch import hook as hook_module
+    torch.manual_seed(0)
+    plain = Wide()
+    net = copy.deepcopy(plain)
+    x, t = (a.float() if a.is_floating_point() else a
+            for a in _wide_batch())
+    scaler = GradientScaler(net, update_interval=1)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    checked = []
+    all_finite = hook_module._all_finite
+
+    def spy(tensors, losses, flags=()):
+        checked.append(([t.data_ptr() for t in tensors], len(flags)))
+        return all_finite(tensors, losses, flags)
+    monkeypatch.setattr(hook_module, '_all_finite', spy)
+    poison = []
+    net.wide.weight.register_hook(
+        lambda g: g * float('inf') if poison else None)
+    before = None
+    for poisoned in (False, True):
+        if poisoned:
+            poison.append(True)
+        optimizer.zero_grad(set_to_none=True)
+        plain.zero_grad(set_to_none=True)
+        scaler.scale(net(x, t)).backward()
+        plain(x, t).backward()
+        if not poisoned:  # the same bits as a plain backward
+            for p, q in zip(net.parameters(), plain.parameters()):
+                assert torch.equal(p.grad, q.grad)
+        scaler.step(optimizer)
+        taken = scaler.step_taken
+        landed = scaler.hook.landed_scales[net.wide.weight]
+        assert landed >= 2 ** 10  # divided, in place
+        ptrs, flags = checked[-1]
+        assert flags == 1 and net.wide.weight.grad.data_ptr() not in ptrs
+        assert net.out.weight.grad.data_ptr() in ptrs
+        scaler.update()
+        if poisoned:
+            assert not scaler.step_taken
+            for p, b in zip(net.parameters(), before):
+                assert torch.equal(p.detach(), b)
+        else:
+            assert taken
+            before = [p.detach().clone() for p in net.parameters()]

@@ -115,6 +115,12 @@ class BackwardPass(object):
         #: (leaf, 0-d finiteness witness) of what landed, when the hook
         #: checks on landing.
         self.witnesses = []
+        #: ``id`` of the parameters whose gradient was divided in place,
+        #: once accumulated, by GradScaler's fused kernel, which checked
+        #: it in the same read; its flags, per device (non-zero: not
+        #: finite). The pass's final check reads these flags instead.
+        self.checked_in_place = set()
+        self.in_place_flags = {}
         #: Compiled regions that scaled their inside themselves
         #: (:func:`~gradient_scaling.torch.compile_backend.compile_backend`).
         self.self_scaled = set()

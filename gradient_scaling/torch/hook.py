@@ -132,7 +132,8 @@ class GradientScaling(ControllerViews):
         #: ``.grad`` as soon as it is accumulated (see :meth:`land`).
         self.in_place_ids = frozenset(
             id(p) for p in self._landing if p.numel() >= IN_PLACE_NUMEL)
-        self._deferred = {}  # id(param) -> the inverse of its scale
+        # id(param) -> (the inverse of its scale, the pass it landed in)
+        self._deferred = {}
         self._capturing = 0  # torch.autograd.grad calls running
         #: ``id`` of the parameters with the hook's own landing hook.
         self.landing_ids = frozenset(id(p) for p in self._landing)
@@ -245,7 +246,7 @@ class GradientScaling(ControllerViews):
             # post-accumulate hook, the hook's own and only one there,
             # before anything else sees it (DistributedDataParallel's
             # reducer, the next node).
-            self._deferred[key] = 1.0 / scale
+            self._deferred[key] = (1.0 / scale, current)
             return None
         if scale != 1.0:
             grad = unscaled(grad, scale) if grad.dtype in _LOW else \
@@ -563,14 +564,20 @@ class GradientScaling(ControllerViews):
         self._landed_pending.append(current.landed)
         if len(self._landed_pending) > 64:
             self.landed_scales  # NOQA: flushed now and then
+        flags = []
         if self.check_on_landing:  # what landed here, before any average
             grads = current.witnesses
+            unread = [g for _, g in grads]
         else:
             grads = [(p, p.grad) for p in current.checked_leaves()
                      if p.grad is not None]
+            # (a gradient divided in place was checked in that read)
+            done = current.checked_in_place
+            unread = [g for p, g in grads if id(p) not in done]
+            flags = list(current.in_place_flags.values())
         # The gradients landed unscaled: one fused read checks them and the
         # losses (GradScaler's check, with nothing left to divide).
-        if _all_finite([g for _, g in grads], current.losses):
+        if _all_finite(unread, current.losses, flags):
             result = FINITE
         else:
             result = self._result(current, grads)
@@ -615,20 +622,30 @@ class GradientScaling(ControllerViews):
         self.controller.load_state_dict(state)
 
 
-def _all_finite(tensors, losses):
-    """Whether every value of ``tensors`` and ``losses`` is finite:
-    GradScaler's fused check of them all (the losses copied: it works in
-    place, multiplying by 1) and one host read; where it refuses them
-    (several devices, a sparse gradient), :func:`~gradient_scaling.torch.
-    unscaling.unscale`'s check."""
+def _all_finite(tensors, losses, flags=()):
+    """Whether every value of ``tensors`` and ``losses`` is finite and
+    every flag of ``flags`` (one-element tensors, GradScaler's ``found``)
+    zero: GradScaler's fused check of them all (the losses copied: it
+    works in place, multiplying by 1) and one host read; where it refuses
+    them (several devices, a sparse gradient), :func:`~gradient_scaling.
+    torch.unscaling.unscale`'s check."""
+    flags = list(flags)
+    if flags and len({f.device for f in flags}) > 1:  # (one read each)
+        if any(f.item() != 0 for f in flags):
+            return False
+        flags = []
     checked = tensors + [t.reshape(-1).clone() for t in losses]
     if checked:
         try:
-            return internals.check_and_unscale(checked, 1.0).item() == 0
+            found = internals.check_and_unscale(checked, 1.0)
+            if flags and flags[0].device == found.device:
+                found = found + flags.pop()
+            return found.item() == 0 and all(f.item() == 0 for f in flags)
         except (RuntimeError, NotImplementedError):
             pass
     return unscaling.unscale([(g, 1.0) for g in tensors], losses,
-                             check=True)
+                             check=True) and all(f.item() == 0
+                                                 for f in flags)
 
 
 def _free_routing():
@@ -684,11 +701,39 @@ def _unscale_weakly(hook_ref, param):
     GradientScaling.land` left that to it."""
     hook = hook_ref()
     if hook is not None and hook._deferred:
-        inverse = hook._deferred.pop(id(param), None)
-        if inverse is not None:
-            param.grad.mul_(torch_arrays.power_of_two(inverse,
-                                                      param.grad.dtype))
+        deferred = hook._deferred.pop(id(param), None)
+        if deferred is None:
+            return
+        inverse, current = deferred
+        grad = param.grad
+        if grad.dtype == torch.float32 and not hook.check_on_landing:
+            # GradScaler's kernel: divided and checked in one read (the
+            # same product as ``mul_``), the pass's final check spared it.
+            flags = current.in_place_flags
+            found = flags.get(grad.device)
+            if found is None:
+                found = flags[grad.device] = torch.zeros(
+                    1, device=grad.device)
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                [grad], found, _inverse_on(inverse, grad.device))
+            current.checked_in_place.add(id(param))
+        else:
+            grad.mul_(torch_arrays.power_of_two(inverse, grad.dtype))
 
+
+def _inverse_on(inverse, device):
+    """``inverse`` as a one-element float32 tensor on ``device`` (what
+    GradScaler's kernel multiplies by), made once."""
+    key = (inverse, device)
+    factor = _INVERSES.get(key)
+    if factor is None:
+        factor = _INVERSES[key] = torch.full((1,), inverse,
+                                             dtype=torch.float32,
+                                             device=device)
+    return factor
+
+
+_INVERSES = {}  # (power of two, device) -> it as a one-element tensor
 
 #: Parameters of at least this many elements are unscaled in place.
 IN_PLACE_NUMEL = 2 ** 16
