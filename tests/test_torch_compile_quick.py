@@ -23,6 +23,7 @@ torch = pytest.importorskip('torch')
 from gradient_scaling.torch import GradientScaler  # NOQA
 from gradient_scaling.torch import compile_backend  # NOQA
 from gradient_scaling.torch import graph  # NOQA
+from gradient_scaling.torch import _internals as internals  # NOQA
 
 import torch.nn as nn  # NOQA: after the skip
 
@@ -220,7 +221,7 @@ def test_no_forward_hook_without_buffers():
     plain = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
     scaler = GradientScaler(plain)
     assert not scaler._capture and not any(
-        m._forward_pre_hooks for m in plain.modules())
+        internals.forward_pre_hooks(m) for m in plain.modules())
     normed = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
     scaler = GradientScaler(normed)
-    assert scaler._capture and normed._forward_pre_hooks
+    assert scaler._capture and internals.forward_pre_hooks(normed)

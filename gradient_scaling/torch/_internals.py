@@ -41,9 +41,10 @@ import torch
 from gradient_scaling.core import patches
 
 __all__ = ['input_dtype', 'input_shape', 'saved', 'unsharded_names',
-           'post_accumulate_hooks', 'sparse_values', 'current_node',
+           'post_accumulate_hooks', 'forward_pre_hooks', 'sparse_values',
+           'current_node',
            'queue_end_of_backward', 'install', 'uninstall', 'active_handler',
-           'check_and_unscale', 'copy_all']
+           'check_and_unscale', 'check_and_unscale_into', 'copy_all']
 
 
 def input_dtype(node, slot):
@@ -97,6 +98,12 @@ def post_accumulate_hooks(tensor):
     return 0 if hooks is None else len(hooks)
 
 
+def forward_pre_hooks(module):
+    """How many forward pre-hooks ``module`` has (``Module.
+    _forward_pre_hooks``)."""
+    return len(module._forward_pre_hooks)
+
+
 def sparse_values(tensor):
     """The values of a sparse COO tensor, coalesced or not, as a tensor
     sharing its storage (``Tensor._values``; the public ``values`` needs a
@@ -133,6 +140,14 @@ def check_and_unscale(tensors, inv_scale):
     torch._amp_foreach_non_finite_check_and_unscale_(tensors, found,
                                                      inverse)
     return found
+
+
+def check_and_unscale_into(tensors, found, inv_scale):
+    """GradScaler's kernel: ``tensors`` multiplied in place by
+    ``inv_scale`` (a one-element tensor on their device), ``found`` (one
+    element) made non-zero if any value was not finite; nothing read."""
+    torch._amp_foreach_non_finite_check_and_unscale_(tensors, found,
+                                                     inv_scale)
 
 
 def copy_all(destinations, sources):

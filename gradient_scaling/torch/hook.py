@@ -714,7 +714,7 @@ def _unscale_weakly(hook_ref, param):
             if found is None:
                 found = flags[grad.device] = torch.zeros(
                     1, device=grad.device)
-            torch._amp_foreach_non_finite_check_and_unscale_(
+            internals.check_and_unscale_into(
                 [grad], found, _inverse_on(inverse, grad.device))
             current.checked_in_place.add(id(param))
         else:
