@@ -300,15 +300,28 @@ def test_the_bare_hook_too():
     assert reports[1] == reports[0] and 'deconv.weight' in reports[0]
 
 
-def test_gradients_pass_unscaled_without_a_scaler_pass():
-    """Run outside the scaler (no pass attached): plain gradients."""
-    make, batch = NETS['transformer']
+def fresh_compiled(make, compiled='gs', inner='aot_eager', **settings):
+    """A fresh float64 model of ``make`` (seed 0, compile caches reset),
+    its ``GradientScaler(**settings)``, an SGD optimizer and what a step
+    runs: the model, or it under ``torch.compile`` with GS's backend
+    around ``inner`` (``compiled`` 'gs') or the plain backend
+    ``compiled``."""
     torch.compiler.reset()
     torch.manual_seed(0)
     model = make().double()
-    scaler = GradientScaler(model)
-    compiled = torch.compile(model, backend=compile_backend(
-        scaler, inner='aot_eager'))
+    scaler = GradientScaler(model, **settings)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = model
+    if compiled:
+        run = torch.compile(model, backend=compile_backend(
+            scaler, inner=inner) if compiled == 'gs' else compiled)
+    return model, scaler, optimizer, run
+
+
+def test_gradients_pass_unscaled_without_a_scaler_pass():
+    """Run outside the scaler (no pass attached): plain gradients."""
+    make, batch = NETS['transformer']
+    model, scaler, _, compiled = fresh_compiled(make)
     compiled(*batch(0)).backward()
     torch.manual_seed(0)
     reference = make().double()

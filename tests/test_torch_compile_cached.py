@@ -20,13 +20,12 @@ import pytest
 
 torch = pytest.importorskip('torch')
 
-from gradient_scaling.torch import GradientScaler  # NOQA
-from gradient_scaling.torch import compile_backend  # NOQA
 
 import torch.nn as nn  # NOQA: after the skip
 import torch.nn.functional as F  # NOQA
 
 from test_torch_compile_backend import NETS  # NOQA
+from test_torch_compile_backend import fresh_compiled  # NOQA
 from test_torch_compile_backend import scale_log  # NOQA: a fixture
 from test_torch_compile_backend import SMALL  # NOQA
 
@@ -76,15 +75,8 @@ def train(make, batch, compiled, steps, interval=3, multipliers=None,
     whether the cached variant may run. Per step: gradients, whether the
     step was taken, the scales logged, ``report()``, the factors
     recorded."""
-    torch.compiler.reset()
-    torch.manual_seed(0)
-    model = make().double()
-    scaler = GradientScaler(model, update_interval=interval)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    run = model
-    if compiled:
-        run = torch.compile(model, backend=compile_backend(
-            scaler, inner=inner) if compiled == 'gs' else compiled)
+    model, scaler, optimizer, run = fresh_compiled(
+        make, compiled, inner, update_interval=interval)
     if not cached:
         monkeypatch.setattr(backend_module._CachedVariant, 'plan',
                             lambda self, call, order: None)

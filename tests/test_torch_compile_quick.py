@@ -21,13 +21,13 @@ import pytest
 torch = pytest.importorskip('torch')
 
 from gradient_scaling.torch import GradientScaler  # NOQA
-from gradient_scaling.torch import compile_backend  # NOQA
 from gradient_scaling.torch import graph  # NOQA
 from gradient_scaling.torch import _internals as internals  # NOQA
 
 import torch.nn as nn  # NOQA: after the skip
 
 from test_torch_compile_backend import NETS  # NOQA
+from test_torch_compile_backend import fresh_compiled  # NOQA
 from test_torch_compile_backend import scale_log  # NOQA: a fixture
 from test_torch_plans import _same_plan  # NOQA
 
@@ -44,15 +44,8 @@ def _run(make, batch, compiled, steps=6, interval=3, quick=True,
     whether taken, scales logged, ``report()``, the landed scales (by
     name), the hook's plan counters. ``after_step()``: called after each
     step's backward."""
-    torch.compiler.reset()
-    torch.manual_seed(0)
-    model = make().double()
-    scaler = GradientScaler(model, update_interval=interval)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    run = model
-    if compiled:
-        run = torch.compile(model, backend=compile_backend(
-            scaler, inner='aot_eager') if compiled == 'gs' else compiled)
+    model, scaler, optimizer, run = fresh_compiled(
+        make, compiled, update_interval=interval)
     if not quick:
         monkeypatch.setattr(graph._Quick, 'of',
                             classmethod(lambda cls, *args: None))
@@ -103,12 +96,7 @@ def test_the_quick_plan_is_the_walk_of_the_new_graph():
     is what a walk of that graph makes (every field, nodes by identity);
     an eager model's graph takes no quick path."""
     make, batch = NETS['transformer']
-    torch.compiler.reset()
-    torch.manual_seed(0)
-    model = make().double()
-    scaler = GradientScaler(model)
-    compiled = torch.compile(model, backend=compile_backend(
-        scaler, inner='aot_eager'))
+    model, scaler, _, compiled = fresh_compiled(make)
     cache = graph.PlanCache()
     first = compiled(*batch(0))
     assert type(first.grad_fn).__name__ == graph.COMPILED_NODE

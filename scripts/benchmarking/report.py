@@ -17,7 +17,8 @@ import platform
 import shlex
 import subprocess
 
-__all__ = ['markdown_table', 'machine_description', 'Report']
+__all__ = ['markdown_table', 'cpu_name', 'code_version',
+           'machine_description', 'Report']
 
 
 def markdown_table(rows):
@@ -33,7 +34,8 @@ def markdown_table(rows):
     return '\n'.join(lines)
 
 
-def _cpu_name():
+def cpu_name():
+    """The CPU's model name (from /proc/cpuinfo where there is one)."""
     try:
         with open('/proc/cpuinfo') as f:
             for line in f:
@@ -79,7 +81,7 @@ def machine_description(libraries=()):
         usable = os.cpu_count()
     machine = [
         ('CPU', '{} ({} cores, {} usable by this process)'.format(
-            _cpu_name(), os.cpu_count(), usable)),
+            cpu_name(), os.cpu_count(), usable)),
         ('load average at start (1, 5, 15 min)', load_average()),
         ('code', code_version()),
         ('Python', platform.python_version()),

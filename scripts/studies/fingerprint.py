@@ -58,6 +58,7 @@ import subprocess
 import sys
 import tempfile
 
+from benchmarking import report
 from studies import provenance
 from studies.common import log
 from studies.common import ROOT
@@ -434,18 +435,7 @@ def _reuse_key(study, commit):
     return {'study': study, 'commit': commit,
             'arguments': list(REDUCED[study]), 'harness': harness,
             'python': sys.version, 'machine': platform.machine(),
-            'cpu': _cpu_model(), 'libraries': versions}
-
-
-def _cpu_model():
-    try:
-        with open('/proc/cpuinfo') as f:
-            for line in f:
-                if line.startswith('model name'):
-                    return line.split(':', 1)[1].strip()
-    except OSError:
-        pass
-    return None
+            'cpu': report.cpu_name(), 'libraries': versions}
 
 
 def verify_stale(results_dir, studies=None, keep=None):
