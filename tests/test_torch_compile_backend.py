@@ -300,6 +300,18 @@ def test_the_bare_hook_too():
     assert reports[1] == reports[0] and 'deconv.weight' in reports[0]
 
 
+def nan_at_step_1(clean):
+    """``clean``'s batches, with a NaN in the first input's first value
+    at step 1 (a data fault)."""
+    def batch(step):
+        x, t = clean(step)
+        if step == 1:
+            x = x.clone()
+            x[0, 0, 0, 0] = float('nan')
+        return x, t
+    return batch
+
+
 def fresh_compiled(make, compiled='gs', inner='aot_eager', **settings):
     """A fresh float64 model of ``make`` (seed 0, compile caches reset),
     its ``GradientScaler(**settings)``, an SGD optimizer and what a step

@@ -26,6 +26,7 @@ import torch.nn.functional as F  # NOQA
 
 from test_torch_compile_backend import NETS  # NOQA
 from test_torch_compile_backend import fresh_compiled  # NOQA
+from test_torch_compile_backend import nan_at_step_1  # NOQA
 from test_torch_compile_backend import scale_log  # NOQA: a fixture
 from test_torch_compile_backend import SMALL  # NOQA
 
@@ -264,13 +265,7 @@ def test_a_fault_on_a_cached_pass(net, recorded, scale_log):
     eager GS's steps, scales and reports, and the plain model's
     gradients."""
     make, clean = NETS[net]
-
-    def batch(step):
-        x, t = clean(step)
-        if step == 1:
-            x = x.clone()
-            x[0, 0, 0, 0] = float('nan')
-        return x, t
+    batch = nan_at_step_1(clean)
     compiled = train(make, batch, 'gs', 5, log=scale_log, record=recorded)
     # refresh, cached (NaN: skipped, a data fault: no refresh forced),
     # cached, cached, refresh (the interval counts taken steps)

@@ -28,6 +28,7 @@ import torch.nn as nn  # NOQA: after the skip
 
 from test_torch_compile_backend import NETS  # NOQA
 from test_torch_compile_backend import fresh_compiled  # NOQA
+from test_torch_compile_backend import nan_at_step_1  # NOQA
 from test_torch_compile_backend import scale_log  # NOQA: a fixture
 from test_torch_plans import _same_plan  # NOQA
 
@@ -185,13 +186,7 @@ def test_a_fault_on_a_quick_pass(scale_log):
     skipped (a data fault), as in eager GS; the next steps are the plain
     model's."""
     make, clean = NETS['every_construct']
-
-    def batch(step):
-        x, t = clean(step)
-        if step == 1:
-            x = x.clone()
-            x[0, 0, 0, 0] = float('nan')
-        return x, t
+    batch = nan_at_step_1(clean)
     quick = _run(make, batch, 'gs', steps=4, log=scale_log)
     eager = _run(make, batch, None, steps=4, log=scale_log)
     plain = _run(make, batch, 'aot_eager', steps=4)
