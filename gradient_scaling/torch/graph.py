@@ -736,7 +736,8 @@ class PlanCache(object):
             self._templates.move_to_end(key)
             while len(self._templates) > self.size:
                 self._templates.popitem(last=False)
-        if len(roots) == 1:
+        if len(roots) == 1 and _role(order[0]) == _COMPILED:
+            # (an eager graph's root is no compiled region: not asked)
             quick = _Quick.of(template, plan, order, index, edges)
             if quick is not None:
                 self._quick[quick_key] = quick
