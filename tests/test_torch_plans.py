@@ -320,3 +320,38 @@ def test_a_gradient_divided_in_place_is_checked_in_the_same_read(
         else:
             assert taken
             before = [p.detach().clone() for p in net.parameters()]
+
+
+def test_more_landing_on_a_gradient_checked_in_place_is_checked_again():
+    """The wide weight's gradient lands in the outer pass (divided and
+    checked in place), then again from a reentrant checkpoint's nested
+    pass: what that adds is checked too (a non-finite value there skips
+    the step)."""
+    from torch.utils.checkpoint import checkpoint
+    from gradient_scaling.torch import GradientScaler
+
+    class Twice(Wide):
+        def forward(self, x, t):
+            h = checkpoint(lambda a: torch.tanh(self.wide(a)), x,
+                           use_reentrant=True)
+            return F.cross_entropy(self.out(torch.tanh(self.wide(h))),
+                                   t) * 2.0 ** -24
+    torch.manual_seed(0)
+    net = Twice()
+    x, t = (a.float() if a.is_floating_point() else a
+            for a in _wide_batch())
+    x.requires_grad_()
+    scaler = GradientScaler(net, update_interval=1)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    calls = []
+    net.wide.weight.register_hook(
+        lambda g: (calls.append(1), g * float('inf'))[1]
+        if len(calls) % 2 else calls.append(1))
+    before = [p.detach().clone() for p in net.parameters()]
+    scaler.scale(net(x, t)).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    assert len(calls) == 2 and not scaler.step_taken
+    assert not torch.isfinite(net.wide.weight.grad).all()
+    for p, b in zip(net.parameters(), before):
+        assert torch.equal(p.detach(), b)

@@ -212,6 +212,8 @@ class GradientScaling(ControllerViews):
         if not running:
             return None  # a backward the hook does not scale
         key = id(leaf)
+        for current in running:  # (more lands on a gradient checked in
+            current.checked_in_place.discard(key)  # place: read it again)
         for current in reversed(running):
             node = current.leaf_nodes.get(key)
             if node is not None:
