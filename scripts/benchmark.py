@@ -128,6 +128,8 @@ class Results(object):
     #: Lines under the targets' table (the compiled variants' compilations).
     target_notes: list = dataclasses.field(default_factory=list)
     simulation: list = dataclasses.field(default_factory=list)
+    #: PyTorch's eager targets, phase by phase (:class:`rows.PhaseRow`).
+    phases: list = dataclasses.field(default_factory=list)
     #: The cases that raised (:class:`Failure`).
     failures: list = dataclasses.field(default_factory=list)
 
@@ -220,6 +222,12 @@ def run_eager_targets(args, adapter, device, model, results, log):
     results.targets += rows.target_rows(
         case_name(adapter, model), shape_text(shape), 'fp32', samples,
         'cpu' if _on_cpu(device) else 'wall', baseline, targets)
+    # Each phase over the timed rounds (the warm-up round's step first).
+    phases = {v.label: v.phases[-len(samples[v.label]):] for v in variants
+              if getattr(v, 'phases', None)}
+    if phases and _on_cpu(device):
+        results.phases += rows.phase_rows(
+            case_name(adapter, model), shape_text(shape), 'fp32', phases)
 
 
 def run_compiled_targets(args, adapter, device, model, results, log):
@@ -381,6 +389,9 @@ def build_report(argv, machine, results, gpu_times=None, status=None,
         notes = ['* ' + n for n in results.target_notes]
         out.section('Framework-bound targets (one model copy)',
                     results.targets, after=notes)
+    if results.phases:
+        out.section('PyTorch\'s step by phase (framework-bound targets, '
+                    'eager)', results.phases)
     if results.simulation:
         out.section('Simulation cost', results.simulation)
     return out

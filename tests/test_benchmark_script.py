@@ -378,8 +378,8 @@ def test_quick_torch_tables_against_pytorchs_own_baselines(torch_report):
             assert float(row[6]) == float(row[7]) == float(row[10]) == 1.0
     assert '## Peak memory' not in torch_report  # --memory-only's table
     everything = _table(torch_report, '## Framework-bound targets')
-    variants = ('GradScaler', 'GradScaler (A/A)', 'gs-cached', 'gs@1',
-                'gs@100')
+    variants = ('GradScaler', 'GradScaler (A/A)', 'GradScaler + no-op hooks',
+                'gs-cached', 'gs@1', 'gs@100')
     # --quick's targets: ResNet-50 and the framework-bound transformer.
     assert [(r[0], r[1], r[3]) for r in everything] == [
         (model, shape, v) for model, shape in (
@@ -407,6 +407,20 @@ def test_quick_torch_tables_against_pytorchs_own_baselines(torch_report):
     simulation = _table(torch_report, '## Simulation cost')
     assert [r[2] for r in simulation] == [
         'fp32', 'fp32 (again)', 'sim-fp16', 'sim-fp8-e5m2']
+    # The eager targets phase by phase: every timed variant (not the
+    # amortised GS@100), with their rounds; each cell min / median (ms).
+    phases = _table(torch_report, "## PyTorch's step by phase")
+    assert [(r[0], r[3], r[4]) for r in phases] == [
+        (model, v, rows_by['gs-cached'][4])
+        for model in ('resnet50 (torch)', 'gpt (torch)')
+        for v in variants[:-1]]
+    for row in phases:
+        cells = [tuple(float(x) for x in c.split(' / ')) for c in row[5:]]
+        assert all(0 <= low <= median for low, median in cells), row
+        # the phases of one step add up to its total: the total's minimum
+        # is at least the sum of the phases' minima (each shown to 0.01)
+        assert sum(low for low, _ in cells[:-1]) <= cells[-1][0] + 0.03
+        assert cells[-1][0] > 0
 
 
 @pytest.mark.parametrize('framework', ['chainer', 'torch'])
@@ -539,6 +553,69 @@ def test_compiled_variants_each_on_its_own_compiled_copy():
         # forward pre-hook again, guarded on the step's capture)
         loss = v.model(*v.inputs)
         assert type(loss.grad_fn).__name__ == 'CompiledFunctionBackward'
+
+
+@pytest.mark.parametrize('case, shape', [
+    pytest.param('resnet50', (2, 32), marks=pytest.mark.slow),
+    ('gpt', (1, 8))])
+def test_no_op_hooks_control_hooks_where_gs_does_and_changes_nothing(
+        case, shape, monkeypatch):
+    """``GradScaler + no-op hooks``: GradScaler's own gradients, bit for
+    bit, with a Python hook on each node GS's cached pass hooks (its plan
+    of the same graph) and on every parameter, removed at ``step``."""
+    torch = pytest.importorskip('torch')
+    from gradient_scaling.torch import graph
+    from gradient_scaling.torch.hook import IN_PLACE_NUMEL
+    from benchmarking import torch_variants
+    calls = []
+    monkeypatch.setattr(torch_variants, '_nothing',
+                        lambda *args: calls.append(len(args)))
+    cpu = torch.device('cpu')
+    variants = {v.label: v for v in torch_variants.target_variants(
+        case, shape, cpu)}
+    plain = variants[torch_variants.TARGET_BASELINE]
+    hooked = variants[torch_variants.HOOKS_CONTROL]
+    for v in (plain, hooked):
+        v.prepare()
+        v.step()
+        v.prepare()
+    # As many node hooks as GS's cached pass registers on its own copy.
+    gs = variants['gs-cached']
+    for _ in range(2):
+        gs.prepare()
+        gs.step()
+    gs.prepare()
+    scaled = gs.scaler.scale(gs.model(*gs.inputs))
+    expected = len(gs.scaler.hook._pass.handles)
+    scaled.backward()  # (GS's pass ends: it routes no other backward)
+    gs.scaler.step(gs.optimizer)
+    gs.scaler.update()
+    loss = hooked.model(*hooked.inputs)
+    assert len(graph.walk([loss.grad_fn]).gemms) >= 8
+    scaler = hooked.scaler
+    scaled = scaler.scale(loss)
+    assert len(scaler._handles) == expected
+    del calls[:]
+    scaled.backward()
+    # each hook once: the nodes', every parameter's, the large ones' after
+    # accumulation (GS's in-place division)
+    params = list(hooked.model.parameters())
+    assert len(calls) == expected + len(params) + sum(
+        p.numel() >= IN_PLACE_NUMEL for p in params)
+    scaler.step(hooked.optimizer)
+    scaler.update()
+    assert scaler._handles == []
+    plain.step()  # (the same step, GradScaler's own)
+    # Same steps from the same weights: the same gradients, bit for bit.
+    for v in (plain, hooked):
+        v.prepare()
+        v.step()
+    for a, b in zip(plain.model.parameters(), hooked.model.parameters()):
+        assert torch.equal(a, b) and torch.equal(a.grad, b.grad)
+    hooked.prepare()
+    other = hooked.model(*hooked.inputs) * 2
+    with pytest.raises(RuntimeError, match='graph changed'):
+        scaler.scale(other)  # another graph: refused, not mis-hooked
 
 
 def test_compile_counter_sees_a_recompilation():

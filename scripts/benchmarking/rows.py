@@ -22,6 +22,7 @@ __all__ = ['column', 'IterationRow', 'MemoryRow', 'NodeCostRow',
            'KernelRow', 'training_specs', 'iteration_rows', 'memory_rows',
            'node_cost_row', 'predicted_ratio', 'prediction_rows',
            'attribution_row', 'ratio_rows', 'target_rows', 'SECTIONS',
+           'PHASES', 'PhaseRow', 'phase_rows',
            'TARGETS', 'MEMORY_LABELS', 'NEVER']
 
 # The labels of the training-iteration variants. NONE_COPY is the A/A
@@ -239,6 +240,45 @@ class TargetRow(object):
     skipped step puts back, would run in every variant of one copy), and
     GS@100 amortised from the GS@1 and cached rounds,
     `(t_1 + 99 t_cached) / 100`; targets: cached <= 1.05, GS@100 <= 1.02."""
+
+
+#: The phases of a PyTorch step (``torch_variants.TorchStep``), in order.
+PHASES = ('forward', 'scale', 'backward', 'step', 'update')
+_MIN_MEDIAN = '{0[0]:.2f} / {0[1]:.2f}'
+
+
+@_columns(_case('input (batch x size)'), ('rounds', int, 'rounds'),
+          [(phase, tuple, phase + ' (ms)', _MIN_MEDIAN)
+           for phase in PHASES + ('total',)])
+class PhaseRow(object):
+    """Where a PyTorch step's time goes, the framework-bound targets'
+    eager variants (each on its own model copy, alternated, the timed
+    rounds): CPU time of each phase of `TorchStep.step`, minimum / median
+    over the rounds in ms: the forward, `scaler.scale(loss)` (GS: attaching
+    the pass), the backward (GS: its hooks run inside it), `scaler.step`
+    (GradScaler: `unscale_`, its one fused check and divide; GS: the
+    pass's finiteness check, the gradients already unscaled) and
+    `scaler.update`. `GradScaler + no-op hooks` is GradScaler's step with
+    a Python hook that does nothing wherever GS's cached pass has one
+    (read from GS's plan of the same graph: the root's, each GEMM site's
+    and cast site's pre-hook, each branch consumer's post-hook; every
+    parameter's tensor hook, a post-accumulate hook on each parameter GS
+    divides in place), registered as GS registers them (at `scale`, the
+    graph's structure read first; removed at `step`): its excess over
+    GradScaler is what PyTorch's calls into Python cost, and GS's excess
+    over it what GS does inside them."""
+
+
+def phase_rows(model, shape, precision, phases):
+    """:class:`PhaseRow` per variant; ``phases``: label -> the per-round
+    tuples of :data:`PHASES`' CPU seconds."""
+    rows = []
+    for label, series in phases.items():
+        columns = list(zip(*series)) + [[sum(p) for p in series]]
+        rows.append(PhaseRow(model, shape, precision, label, len(series),
+                             *((min(c) * 1e3, statistics.median(c) * 1e3)
+                               for c in columns)))
+    return rows
 
 
 @_columns(('operation', str, 'operation'), ('timing', str, 'timed'),

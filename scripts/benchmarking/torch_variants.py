@@ -19,12 +19,15 @@ compiled meanwhile.
 import collections
 import contextlib
 import copy
+import time
 
 import numpy
 import torch
 
 from gradient_scaling.torch import GradientScaler
 from gradient_scaling.torch import compile_backend
+from gradient_scaling.torch import graph
+from gradient_scaling.torch.hook import IN_PLACE_NUMEL
 from gradient_scaling.torch.simulation import LowPrecisionSimulation
 
 from benchmarking import rows
@@ -38,7 +41,8 @@ __all__ = ['TorchStep', 'use_device', 'memory_tracker', 'training_variants',
            'TARGETS', 'MODEL_TARGETS', 'TARGET_BASELINE',
            'TARGET_BASELINE_AA', 'MEMORY_TARGET', 'compiled_target_variants',
            'CompileCounter', 'COMPILED', 'COMPILED_TARGETS',
-           'COMPILED_BASELINE', 'COMPILED_BASELINE_AA', 'COMPILE_WARM_UP']
+           'COMPILED_BASELINE', 'COMPILED_BASELINE_AA', 'COMPILE_WARM_UP',
+           'HookedGradScaler', 'HOOKS_CONTROL']
 
 NEVER = rows.NEVER
 #: Precisions: FP32, the simulations (FP32 compute, values rounded where
@@ -61,6 +65,8 @@ MODEL_TARGETS = {'gpt': {'gs@100': 1.10, 'gs@1': 1.5},
 #: The issue's peak-memory target: GS against GradScaler.
 MEMORY_TARGET = 1.05
 TARGET_BASELINE, TARGET_BASELINE_AA = 'GradScaler', 'GradScaler (A/A)'
+#: GradScaler with no-op hooks where GS has its own (:class:`HookedGradScaler`).
+HOOKS_CONTROL = 'GradScaler + no-op hooks'
 #: The compiled variants' labels: the eager ones', prefixed.
 COMPILED = 'compiled '
 COMPILED_BASELINE, COMPILED_BASELINE_AA = (COMPILED + TARGET_BASELINE,
@@ -130,30 +136,117 @@ class TorchStep(object):
         self.precision, self.optimizer = precision, optimizer
         self.scaler, self.device, self.measure = scaler, device, measure
         self.skips = 0
+        #: A list to record each step's phases in (``rows.PHASES``: CPU
+        #: seconds of each), or None.
+        self.phases = None
 
     def prepare(self):
         self.optimizer.zero_grad(set_to_none=True)
 
     def step(self):
+        marks = None if self.phases is None else [time.process_time()]
+
+        def mark():
+            if marks is not None:
+                marks.append(time.process_time())
         with _context(self.precision, self.device, self.model, self.measure):
             loss = self.model(*self.inputs)
+            mark()
             if self.scaler is None:
+                mark()
                 loss.backward()
             else:
-                self.scaler.scale(loss).backward()
+                scaled = self.scaler.scale(loss)
+                mark()
+                scaled.backward()
+            mark()
         if self.scaler is None:
             self.optimizer.step()
+            mark()
+            mark()
         elif isinstance(self.scaler, GradientScaler):
             self.scaler.step(self.optimizer)
+            mark()
             self.skips += not self.scaler.step_taken
             self.scaler.update()
+            mark()
         else:
             before = self.scaler.get_scale()
             self.scaler.step(self.optimizer)
+            mark()
             self.scaler.update()
+            mark()
             self.skips += self.scaler.get_scale() < before
         if self.device.type == 'cuda':
             torch.cuda.synchronize(self.device)
+        if marks is not None:
+            self.phases.append(tuple(b - a for a, b in zip(marks,
+                                                           marks[1:])))
+
+
+class HookedGradScaler(object):
+
+    """``torch.amp.GradScaler`` with a Python hook that does nothing
+    wherever a GS cached pass has one (the control of ``rows.PhaseRow``):
+    on the first ``scale``, GS's plan of that graph (:func:`~gradient_
+    scaling.torch.graph.walk`) gives the nodes, by their place in the
+    graph's structure; each ``scale`` reads the new graph's structure, as
+    GS's cached pass does, and registers the node hooks there, ``step``
+    removes them; the parameters' hooks stay, as GS's do.
+
+    Raises:
+        RuntimeError: When a graph's structure is not the first one's.
+
+    """
+
+    def __init__(self, scaler, model):
+        self.scaler = scaler
+        self._handles, self._signature = [], None
+        for param in model.parameters():
+            if param.requires_grad:
+                param.register_hook(_nothing)
+                if param.numel() >= IN_PLACE_NUMEL:
+                    param.register_post_accumulate_grad_hook(_nothing)
+
+    def _learn(self, roots):
+        plan = graph.walk(roots)
+        order, index, self._signature = graph.structure(roots)
+        pre = set(plan.roots) | set(plan.gemms) | set(plan.casts) | \
+            set(plan.multi_output)
+        post = {node for edges in plan.branches.values()
+                for node, _ in edges}
+        self._pre = sorted(index[n] for n in pre)
+        self._post = sorted(index[n] for n in post)
+
+    def scale(self, loss):
+        roots = [loss.grad_fn]
+        if self._signature is None:
+            self._learn(roots)
+        order, _, signature = graph.structure(roots)
+        if signature != self._signature:
+            raise RuntimeError('HookedGradScaler: the graph changed')
+        on = self._handles.append
+        for i in self._pre:
+            on(order[i].register_prehook(_nothing))
+        for i in self._post:
+            on(order[i].register_hook(_nothing))
+        return self.scaler.scale(loss)
+
+    def step(self, optimizer):
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        return self.scaler.step(optimizer)
+
+    def update(self):
+        self.scaler.update()
+
+    def get_scale(self):
+        return self.scaler.get_scale()
+
+
+def _nothing(*args):
+    return None
 
 
 def build_case(name, shape, device, seed=0):
@@ -172,6 +265,8 @@ def _scaler(kind, model, device, precision, interval=NEVER, measure=False):
                                     growth_interval=NEVER)
     if kind == 'dynamic':
         return torch.amp.GradScaler(device.type)
+    if kind == 'hooks':
+        return HookedGradScaler(torch.amp.GradScaler(device.type), model)
     return GradientScaler(model, update_interval=interval,
                           fmt=_format(precision), measure_underflow=measure)
 
@@ -225,6 +320,7 @@ def target_variants(name, shape, device):
     base, inputs = build_case(name, shape, device)
     specs = [(TARGET_BASELINE, 'dynamic', NEVER),
              (TARGET_BASELINE_AA, 'dynamic', NEVER),
+             (HOOKS_CONTROL, 'hooks', NEVER),
              ('gs-cached', 'gs', NEVER), ('gs@1', 'gs', 1)]
     variants = []
     for label, kind, interval in specs:
@@ -233,6 +329,7 @@ def target_variants(name, shape, device):
         variants.append(TorchStep(
             label, model, inputs, 'fp32', optimizer,
             _scaler(kind, model, device, 'fp32', interval), device))
+        variants[-1].phases = []
     return variants
 
 
