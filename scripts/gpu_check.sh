@@ -14,8 +14,6 @@
 # Steps, each timed, each run whatever happened before, within a total
 # budget of GPU_CHECK_BUDGET seconds (default 570, under 10 minutes):
 #   install, info          the wheels; versions, device, CUDA/cuDNN as Chainer sees them
-#   gpu-tests              pytest -m gpu
-#   kernels, smoke-train   scripts/gpu_smoke.py kernels / train
 #   torch_*                the PyTorch adapter (scripts/gpu_torch.py, at most 3.5
 #                          minutes): the device; the statistics on it against
 #                          NumPy; GS against torch.amp.GradScaler under CUDA
@@ -24,6 +22,8 @@
 #                          examples/torch/train.py (SegNet, autocast-fp16, GS).
 #                          Skipped (not run, counted as not ok) when this
 #                          PyTorch has no CUDA
+#   gpu-tests              pytest -m gpu
+#   kernels, smoke-train   scripts/gpu_smoke.py kernels / train
 #   statistics-bandwidth   scripts/benchmark_kernels.py --gpu 0 (64 MB float32)
 #   benchmark              scripts/benchmark.py --gpu 0, small_cnn resnet50 ssd300, fp32 + mixed16,
 #                          and the framework-bound targets (ResNet-50 32x32, one model copy)
@@ -179,11 +179,13 @@ if [[ -d $LOGDIR/site ]]; then
     export PYTHONPATH=$LOGDIR/site:$PYTHONPATH
 fi
 step info 60 "$PYTHON" scripts/gpu_smoke.py info --gpu "$GPU"
+# The PyTorch adapter first (its compiled path is the newest code), then
+# Chainer's tests, kernels and a few iterations.
+step torch_info 20 "$PYTHON" scripts/gpu_torch.py info --gpu "$GPU"
+torch_steps
 step gpu_tests 150 "$PYTHON" -m pytest -q -m gpu tests -p no:cacheprovider
 step kernels 60 "$PYTHON" scripts/gpu_smoke.py kernels --gpu "$GPU"
 step smoke_train 60 "$PYTHON" scripts/gpu_smoke.py train --gpu "$GPU"
-step torch_info 20 "$PYTHON" scripts/gpu_torch.py info --gpu "$GPU"
-torch_steps
 step statistics_bandwidth 60 "$PYTHON" scripts/benchmark_kernels.py \
     --gpu "$GPU" --size $((2 ** 24)) --dtypes float32 --repeat 5 \
     --out "$LOGDIR/benchmark_kernels.md"
