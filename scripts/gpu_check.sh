@@ -29,6 +29,9 @@
 #                          and the framework-bound targets (ResNet-50 32x32, one model copy)
 #   example-*              20 iterations of every example with --gpu 0 --scaling gs,
 #                          and their per-site scales
+# GPU_CHECK_ONLY (an extended regular expression of step names, e.g.
+# 'torch_.*|gpu_tests') runs those steps alone, after install, info and
+# torch_info, which always run: a rerun of what failed.
 # then one summary table. Logs and results go to $OUT if set, else to
 # results/gpu/<date>; the exit status is the number of steps not ok.
 set -uo pipefail
@@ -37,6 +40,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 GPU=${GPU:-0}
 BUDGET=${GPU_CHECK_BUDGET:-570}
+ONLY=${GPU_CHECK_ONLY:-}
 LOGDIR=${OUT:-results/gpu/$(date -u +%Y%m%d-%H%M%S)}
 mkdir -p "$LOGDIR"
 LOGDIR=$(cd "$LOGDIR" && pwd)
@@ -59,6 +63,10 @@ step() {
     shift 2
     local log=$LOGDIR/$name.log left=$((BUDGET - (SECONDS - START)))
     local limit=$((cap < left ? cap : left)) status note t0=$SECONDS rc
+    if [[ -n $ONLY && ! $name =~ ^(install|info|torch_info|$ONLY)$ ]]; then
+        echo "=== $name: not selected (GPU_CHECK_ONLY)"
+        return
+    fi
     if ((limit < 5)); then
         STEPS+=("$name|skipped|0|budget of ${BUDGET} s spent")
         FAILED=$((FAILED + 1))
@@ -151,7 +159,7 @@ note_torch_example() { example_note "$1" "$LOGDIR/torch_segnet"; }
 # The PyTorch steps after torch_info; all skipped when it was not ok (no
 # CUDA in this PyTorch), each with the reason.
 torch_steps() {
-    local last=${STEPS[-1]}
+    local last=${STEPS[-1]}  # torch_info's row (it always runs)
     if [[ $last != "torch_info|ok|"* ]]; then
         local why=${last##*|}
         for name in torch_statistics torch_compare torch_compiled torch_example; do

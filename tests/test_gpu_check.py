@@ -146,6 +146,21 @@ def test_budget_skips_the_remaining_steps(tmp_path):
     assert result.returncode == len(STEPS)
 
 
+def test_only_reruns_the_named_steps(tmp_path):
+    # GPU_CHECK_ONLY: install, info and torch_info always, then the steps
+    # named (here two that fail fast without a GPU), nothing else.
+    pytest.importorskip('chainer')
+    result, summary, rows = run_check(
+        tmp_path, budget=120, GPU_CHECK_ONLY='kernels|statistics_bandwidth')
+    expected = ['install', 'info', 'torch_info', 'kernels',
+                'statistics_bandwidth']
+    assert [n for n in rows if n not in TORCH_STEPS[1:]] == expected
+    for name in TORCH_STEPS[1:]:  # torch_info not ok: listed as skipped
+        assert rows.get(name, ('skipped',))[0] == 'skipped'
+    assert '| benchmark |' not in summary and '| example_' not in summary
+    assert 'not selected (GPU_CHECK_ONLY)' in result.stdout
+
+
 def test_missing_wheels_and_frameworks_are_reported(tmp_path):
     # An interpreter without chainer and a checkout without build/wheels:
     # the install step says what to do, and the script still finishes.

@@ -170,9 +170,12 @@ def _histogram(xp, x):
     size = int(exponent.max()) + 1
     counts = xp.bincount(exponent, minlength=size)
     powers = xp.bincount(exponent[power], minlength=size)
-    largest = xp.abs(x[keep]).max()
+    # The largest magnitude from its bits (sign cleared): a float
+    # reduction on CuPy (-ftz=true) would read float32 subnormals as zero.
+    largest = ((field << unsigned(shift)) | mantissa).max()
     if xp is not numpy:
         counts, powers, largest = counts.get(), powers.get(), largest.get()
+    largest = numpy.asarray(largest, unsigned).reshape(1).view(x.dtype)[0]
     return ExponentHistogram(low, numpy.asarray(counts, numpy.int64),
                              numpy.asarray(powers, numpy.int64),
                              float(largest))

@@ -164,10 +164,10 @@ class TorchOps(arrays.ArrayOps):
             return mean, var
         mean, var = moments(values)
         log_mean, log_var = moments(logs)
-        (n_finite, nonzero, mean, var, largest, log_mean,
-         log_var) = _values(finite.sum(), torch.tensor(logs.numel()),
-                            mean, var, magnitudes.max() if values.numel()
-                            else zero, log_mean, log_var)
+        nonzero = logs.numel()  # known here: no transfer
+        (n_finite, mean, var, largest, log_mean,
+         log_var) = _values(finite.sum(), mean, var, magnitudes.max()
+                            if values.numel() else zero, log_mean, log_var)
         return TensorStatistics(
             count=count, mean=mean, std=math.sqrt(max(var, 0.0)),
             max_abs=largest, nonzero=int(nonzero), log_mean=log_mean,

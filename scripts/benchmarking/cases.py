@@ -18,6 +18,19 @@ from chainer_links import SmallCNN
 __all__ = ['Classification', 'MultiboxTraining', 'CASES']
 
 
+def _in_config_dtype(x):
+    """``x`` (float32 images) in the configured dtype, as the examples
+    feed their models (in mixed16 the links' parameters are float16)."""
+    dtype = chainer.get_dtype()
+    return x if x.dtype == dtype else x.astype(dtype)
+
+
+def _to_float32(y):
+    """A model's output in float32 for its loss, as the examples compute
+    it (in mixed16 the backward of this cast is the FP32 -> FP16 one)."""
+    return y if y.dtype == numpy.float32 else F.cast(y, numpy.float32)
+
+
 class Classification(chainer.Chain):
 
     """Softmax cross entropy of a classifier's logits (or of a per-pixel
@@ -29,7 +42,8 @@ class Classification(chainer.Chain):
             self.predictor = predictor
 
     def forward(self, x, t):
-        return F.softmax_cross_entropy(self.predictor(x), t)
+        y = self.predictor(_in_config_dtype(x))
+        return F.softmax_cross_entropy(_to_float32(y), t)
 
 
 class MultiboxTraining(chainer.Chain):
@@ -43,8 +57,9 @@ class MultiboxTraining(chainer.Chain):
 
     def forward(self, x, gt_locs, gt_labels):
         from chainercv.links.model.ssd import multibox_loss
-        mb_locs, mb_confs = self.model(x)
-        loc, conf = multibox_loss(mb_locs, mb_confs, gt_locs, gt_labels, 3)
+        mb_locs, mb_confs = self.model(_in_config_dtype(x))
+        loc, conf = multibox_loss(_to_float32(mb_locs), _to_float32(mb_confs),
+                                  gt_locs, gt_labels, 3)
         return loc + conf
 
 
