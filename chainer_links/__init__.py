@@ -7,6 +7,8 @@
 * :class:`SmallSSD`: ChainerCV's SSD with a small extractor (64x64 inputs).
 * :func:`mixed_precision_ssd`: ChainerCV's ``SSD300``/``SSD512`` made usable
   under ``chainer.mixed16`` (:class:`MixedPrecisionSSDMixin`).
+* :class:`SegNetBasic`: ChainerCV's ``SegNetBasic`` whose input
+  normalisation runs in FP32 under ``chainer.mixed16``.
 * :class:`SmallCNN`: a configurable small classifier for tests and
   benchmarks.
 * :class:`ClassifierTrainChain`: softmax cross entropy and accuracy with the
@@ -22,6 +24,7 @@ from chainer_links.resnet import BasicBlock
 from chainer_links.resnet import BasicResBlock
 from chainer_links.resnet import ResNet18
 from chainer_links.resnet import ResNet50
+from chainer_links.segnet import SegNetBasic
 from chainer_links.small_cnn import SmallCNN
 from chainer_links.small_ssd import mixed_precision_ssd
 from chainer_links.small_ssd import MixedPrecisionSSDMixin
@@ -30,5 +33,5 @@ from chainer_links.small_ssd import SmallSSDExtractor
 
 __all__ = ['CIFARResNet', 'ResNet20', 'ResNet32', 'ResNet56',
            'ClassifierTrainChain', 'BasicBlock', 'BasicResBlock', 'ResNet18',
-           'ResNet50', 'SmallCNN', 'mixed_precision_ssd',
+           'ResNet50', 'SegNetBasic', 'SmallCNN', 'mixed_precision_ssd',
            'MixedPrecisionSSDMixin', 'SmallSSD', 'SmallSSDExtractor']

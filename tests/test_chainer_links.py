@@ -461,3 +461,61 @@ def test_cifar_resnet20_learns_shapes():
           .format(untrained, trained, time.time() - start))
     assert untrained < 0.2
     assert trained > 0.45
+
+
+def _segnets(dtype):
+    """ChainerCV's SegNetBasic and chainer_links' with the same weights,
+    built (and their lazy conv1 initialised) under ``dtype``."""
+    from chainer_links import SegNetBasic
+    models = []
+    for cls in (chainercv.links.SegNetBasic, SegNetBasic):
+        numpy.random.seed(0)  # SegNetBasic's initialisers draw from it
+        with chainer.using_config('dtype', dtype):
+            model = cls(n_class=5)
+            with chainer.using_config('train', False):
+                model(numpy.zeros((1, 3, 16, 16), chainer.get_dtype()))
+        models.append(model)
+    return models
+
+
+def test_segnet_fp32_is_chainercvs_graph_bit_for_bit():
+    theirs, ours = _segnets(numpy.float32)
+    x = numpy.random.default_rng(0).uniform(
+        0, 255, (2, 3, 32, 48)).astype(numpy.float32)
+    a, b = theirs(x), ours(x)
+    numpy.testing.assert_array_equal(a.array, b.array)
+    a.grad = b.grad = numpy.ones_like(a.array)
+    a.backward()
+    b.backward()
+    for (name, p), (_, q) in zip(sorted(theirs.namedparams()),
+                                 sorted(ours.namedparams())):
+        numpy.testing.assert_array_equal(p.grad, q.grad, err_msg=name)
+
+
+class _FirstConvolutionInput(chainer.FunctionHook):
+    name = 'first_convolution_input'
+    seen = None
+
+    def forward_preprocess(self, function, in_data):
+        if self.seen is None and function.label == 'Convolution2DFunction':
+            self.seen = in_data[0].astype(numpy.float32)
+
+
+def test_segnet_mixed16_normalises_bright_images_as_fp32_does():
+    # A bright pixel's sum of squares over 5 channels (3 x 200^2) is
+    # beyond FP16's 65504: ChainerCV's float16 normalisation gives 0 where
+    # FP32 gives ~80; ours normalises in FP32: conv1 sees the image.
+    x = numpy.random.default_rng(1).uniform(
+        150, 255, (2, 3, 16, 16)).astype(numpy.float32)
+    lrn = F.local_response_normalization(x, 5, 1, 1e-4 / 5., 0.75).array
+    assert lrn.min() > 50
+    seen = []
+    for model in _segnets(chainer.mixed16):
+        with chainer.using_config('dtype', chainer.mixed16), \
+                _FirstConvolutionInput() as hook:
+            y = model(x.astype(numpy.float16))
+        assert y.dtype == numpy.float16
+        seen.append(hook.seen)
+    theirs, ours = seen
+    assert (theirs == 0).all()  # the defect the link exists for
+    numpy.testing.assert_allclose(ours, lrn, rtol=2 ** -10)

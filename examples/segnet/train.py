@@ -50,11 +50,12 @@ from chainer import training
 
 from chainercv.evaluations import calc_semantic_segmentation_confusion
 from chainercv.extensions import SemanticSegmentationEvaluator
-from chainercv.links import SegNetBasic
 from chainercv.utils import apply_to_iterator
 from chainercv import transforms
 
 from gradient_scaling.chainer import training as gs_training
+
+from chainer_links import SegNetBasic  # ChainerCV's, FP16-safe input LRN
 
 from example_common import arguments
 from example_common.errors import run_main

@@ -116,9 +116,10 @@ def ssd300(batch, size, rng):
 
 
 def segnet(batch, size, rng):
-    """ChainerCV's SegNetBasic, 11 classes (CamVid's), ``size`` = (H, W)
-    score maps."""
-    from chainercv.links import SegNetBasic
+    """ChainerCV's SegNetBasic (as the example builds it:
+    :class:`chainer_links.SegNetBasic`), 11 classes (CamVid's), ``size`` =
+    (H, W) score maps."""
+    from chainer_links import SegNetBasic
     model = Classification(SegNetBasic(n_class=11))
     return model, _images_and_labels(rng, batch, tuple(size), 11,
                                      tuple(size))
