@@ -29,6 +29,8 @@
 #                          and the framework-bound targets (ResNet-50 32x32, one model copy)
 #   example-*              20 iterations of every example with --gpu 0 --scaling gs,
 #                          and their per-site scales
+#   segnet_debug           3 mixed16 SegNet iterations under CHAINER_DEBUG=1: the
+#                          first function with a NaN output or gradient, if any
 # GPU_CHECK_ONLY (an extended regular expression of step names, e.g.
 # 'torch_.*|gpu_tests') runs those steps alone, after install, info and
 # torch_info, which always run: a rerun of what failed.
@@ -218,6 +220,13 @@ step example_ssd300 90 "$PYTHON" examples/ssd/train.py "${EXAMPLE[@]}" \
 SEGNET=(--batchsize 4 --embedded-size 40 8 --embedded-image-size 360 480)
 step example_segnet 90 "$PYTHON" examples/segnet/train.py "${EXAMPLE[@]}" \
     "${SEGNET[@]}" --out "$LOGDIR/segnet"
+# Mixed16 SegNet at 360x480 gave NaN from its second iteration on the first
+# GPU run (2026-12-04), with or without scaling, FP32 did not: Chainer's
+# debug mode stops at the first function whose output or gradient is NaN
+# and names it (the note). ok means no NaN in 3 iterations.
+step segnet_debug 45 env CHAINER_DEBUG=1 "$PYTHON" examples/segnet/train.py \
+    --gpu "$GPU" --scaling none --iteration 3 --log-interval 1 --no-plot \
+    "${SEGNET[@]}" --out "$LOGDIR/segnet_debug"
 step example_resnet50 90 "$PYTHON" examples/classification/train_imagenet_multi.py \
     "${EXAMPLE[@]}" --arch resnet50 --batchsize 32 --embedded-size 640 64 \
     --out "$LOGDIR/resnet50"

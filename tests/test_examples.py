@@ -232,6 +232,19 @@ def test_command_line(example, capsys):
     assert module.__doc__.split('\n')[0] in help_text
 
 
+def test_ssd_embedded_lr_follows_the_model():
+    # A random VGG-16 (SSD300/512 on the embedded data) diverges at the
+    # small SSD's lr 1e-2 (FP32 loss 14.5, 67.6, 138559): it gets 1e-3.
+    module = load_example(os.path.join(EXAMPLES, 'ssd', 'train.py'))
+    train = ShapesDetectionDataset('train', size=8)
+    for argv, lr in (([], 1e-2), (['--model', 'ssd300'], 1e-3),
+                     (['--model', 'ssd512'], 1e-3),
+                     (['--model', 'ssd300', '--lr', '0.05'], 0.05)):
+        args = module.parse_args(argv)
+        module.apply_defaults(args, train)
+        assert args.lr == lr, argv
+
+
 def test_segnet_loss_pixels(tmp_path):
     """--loss-pixels leaves FP32 training as it was and makes the softmax
     gradients as small as at the paper's scale: unscaled, FP16 loses many."""

@@ -19,8 +19,8 @@ TORCH_STEPS = ['torch_info', 'torch_statistics', 'torch_compare',
                'torch_compiled', 'torch_example']
 STEPS = ['install', 'info'] + TORCH_STEPS + [
     'gpu_tests', 'kernels', 'smoke_train', 'statistics_bandwidth',
-    'benchmark', 'example_ssd300', 'example_segnet', 'example_resnet50',
-    'example_cifar']
+    'benchmark', 'example_ssd300', 'example_segnet', 'segnet_debug',
+    'example_resnet50', 'example_cifar']
 
 pytestmark = pytest.mark.skipif(
     shutil.which('bash') is None or shutil.which('timeout') is None,
