@@ -12,6 +12,18 @@ __all__ = ['SegNetBasic', 'LRN_ARGS']
 LRN_ARGS = (5, 1, 1e-4 / 5., 0.75)
 
 
+def _unpool(x, indices):
+    """ChainerCV's SegNetBasic unpooling: ``x`` (cropped to ``indices``'s
+    size where they differ) upsampled by 2 at the max-pooling's indices."""
+    if x.shape != indices.shape:
+        min_h = min(x.shape[2], indices.shape[2])
+        min_w = min(x.shape[3], indices.shape[3])
+        x = x[:, :, :min_h, :min_w]
+        indices = indices[:, :, :min_h, :min_w]
+    outsize = (x.shape[2] * 2, x.shape[3] * 2)
+    return F.upsampling_2d(x, indices, ksize=2, stride=2, outsize=outsize)
+
+
 class SegNetBasic(_ChainerCVSegNetBasic):
     """ChainerCV's :class:`~chainercv.links.SegNetBasic` whose input
     normalisation runs in FP32 when the model runs in FP16.
@@ -31,9 +43,13 @@ class SegNetBasic(_ChainerCVSegNetBasic):
     def forward(self, x):
         if x.dtype != numpy.float16:
             return super(SegNetBasic, self).forward(x)
-        h = F.cast(F.local_response_normalization(
-            F.cast(x, numpy.float32), *LRN_ARGS), x.dtype)
-        # The rest as ChainerCV's forward.
+        return self.after_normalisation(F.cast(
+            F.local_response_normalization(F.cast(x, numpy.float32),
+                                           *LRN_ARGS), x.dtype))
+
+    def after_normalisation(self, h):
+        """The rest of ChainerCV's forward, from the normalised images
+        ``h`` to the scores."""
         h, indices1 = F.max_pooling_2d(
             F.relu(self.conv1_bn(self.conv1(h))), 2, 2, return_indices=True)
         h, indices2 = F.max_pooling_2d(
@@ -42,12 +58,12 @@ class SegNetBasic(_ChainerCVSegNetBasic):
             F.relu(self.conv3_bn(self.conv3(h))), 2, 2, return_indices=True)
         h, indices4 = F.max_pooling_2d(
             F.relu(self.conv4_bn(self.conv4(h))), 2, 2, return_indices=True)
-        h = self._upsampling_2d(h, indices4)
+        h = _unpool(h, indices4)
         h = self.conv_decode4_bn(self.conv_decode4(h))
-        h = self._upsampling_2d(h, indices3)
+        h = _unpool(h, indices3)
         h = self.conv_decode3_bn(self.conv_decode3(h))
-        h = self._upsampling_2d(h, indices2)
+        h = _unpool(h, indices2)
         h = self.conv_decode2_bn(self.conv_decode2(h))
-        h = self._upsampling_2d(h, indices1)
+        h = _unpool(h, indices1)
         h = self.conv_decode1_bn(self.conv_decode1(h))
         return self.conv_classifier(h)

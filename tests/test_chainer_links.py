@@ -21,6 +21,7 @@ from chainercv import transforms
 from chainercv.utils.testing.assertions import assert_is_detection_link
 
 from chainer_links import CIFARResNet
+from chainer_links.segnet import LRN_ARGS
 from chainer_links import ClassifierTrainChain
 from chainer_links import mixed_precision_ssd
 from chainer_links import ResNet18
@@ -484,6 +485,11 @@ def test_segnet_fp32_is_chainercvs_graph_bit_for_bit():
         0, 255, (2, 3, 32, 48)).astype(numpy.float32)
     a, b = theirs(x), ours(x)
     numpy.testing.assert_array_equal(a.array, b.array)
+    # The float16 path's copy of ChainerCV's forward after the
+    # normalisation is ChainerCV's, bit for bit, in FP32.
+    c = ours.after_normalisation(
+        F.local_response_normalization(x, *LRN_ARGS))
+    numpy.testing.assert_array_equal(a.array, c.array)
     a.grad = b.grad = numpy.ones_like(a.array)
     a.backward()
     b.backward()

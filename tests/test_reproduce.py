@@ -155,9 +155,15 @@ def test_segnet_first_checkpoint_is_the_table_s(reproduce, tmp_path):
     reproduce.main(['segnet', '--out', str(tmp_path), '--iterations', '1',
                     '--checkpoints', '0'])
     first = read_csv(tmp_path / 'segnet_cast_underflow.csv')[0]
-    for key in ('measured_at_1', 'measured_at_gs', 'gs_scale', 'nonzero'):
+    for key in ('gs_scale', 'nonzero'):
+        assert float(first[key]) == float(table[0][key]), key
+    # The fractions count values near FP16's threshold: another BLAS build
+    # rounds the backward differently and moves a few of them (a fresh
+    # machine, OpenBLAS SkylakeX: 15,465 of 24,576 lost against the
+    # table's 15,469). Within 12 values (0.05%), far inside the 63%.
+    for key in ('measured_at_1', 'measured_at_gs'):
         assert float(first[key]) == pytest.approx(float(table[0][key]),
-                                                  rel=1e-6), key
+                                                  abs=5e-4), key
 
 
 def test_s2fp8(reproduce, tmp_path):
