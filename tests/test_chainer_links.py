@@ -513,7 +513,7 @@ def test_segnet_mixed16_normalises_bright_images_as_fp32_does():
     # FP32 gives ~80; ours normalises in FP32: conv1 sees the image.
     x = numpy.random.default_rng(1).uniform(
         150, 255, (2, 3, 16, 16)).astype(numpy.float32)
-    lrn = F.local_response_normalization(x, 5, 1, 1e-4 / 5., 0.75).array
+    lrn = F.local_response_normalization(x, *LRN_ARGS).array
     assert lrn.min() > 50
     seen = []
     for model in _segnets(chainer.mixed16):

@@ -13,6 +13,7 @@ import numpy
 import chainer
 import chainer.functions as F
 
+from chainer_links import mixed_precision_ssd
 from chainer_links import SmallCNN
 
 __all__ = ['Classification', 'MultiboxTraining', 'CASES']
@@ -48,7 +49,9 @@ class Classification(chainer.Chain):
 
 class MultiboxTraining(chainer.Chain):
 
-    """SSD's training loss (ChainerCV's multibox_loss, hard negatives 3:1)."""
+    """SSD's training loss (ChainerCV's multibox_loss, hard negatives 3:1)
+    of an SSD made by :func:`chainer_links.mixed_precision_ssd` (which
+    casts the images in and the outputs to float32 as mixed16 needs)."""
 
     def __init__(self, model):
         super().__init__()
@@ -57,9 +60,8 @@ class MultiboxTraining(chainer.Chain):
 
     def forward(self, x, gt_locs, gt_labels):
         from chainercv.links.model.ssd import multibox_loss
-        mb_locs, mb_confs = self.model(_in_config_dtype(x))
-        loc, conf = multibox_loss(_to_float32(mb_locs), _to_float32(mb_confs),
-                                  gt_locs, gt_labels, 3)
+        mb_locs, mb_confs = self.model(x)  # float32 (the mixin's casts)
+        loc, conf = multibox_loss(mb_locs, mb_confs, gt_locs, gt_labels, 3)
         return loc + conf
 
 
@@ -103,10 +105,11 @@ def resnet18(batch, size, rng):
 
 
 def ssd300(batch, size, rng):
-    """ChainerCV's SSD300 (20 classes) on 300x300 images, two boxes each
-    (``size`` is not used: SSD300's input size is fixed)."""
+    """ChainerCV's SSD300 (20 classes; as the example builds it, by
+    :func:`chainer_links.mixed_precision_ssd`) on 300x300 images, two boxes
+    each (``size`` is not used: SSD300's input size is fixed)."""
     from chainercv.links import SSD300
-    net = SSD300(n_fg_class=20)
+    net = mixed_precision_ssd(SSD300)(n_fg_class=20)
     x = rng.uniform(0, 255, (batch, 3, 300, 300)).astype(numpy.float32)
     bbox = numpy.array([[20, 30, 120, 160], [100, 100, 250, 280]],
                        numpy.float32)
