@@ -565,7 +565,6 @@ def test_no_op_hooks_control_hooks_where_gs_does_and_changes_nothing(
     of the same graph) and on every parameter, removed at ``step``."""
     torch = pytest.importorskip('torch')
     from gradient_scaling.torch import graph
-    from gradient_scaling.torch.hook import IN_PLACE_NUMEL
     from benchmarking import torch_variants
     calls = []
     monkeypatch.setattr(torch_variants, '_nothing',
@@ -597,11 +596,9 @@ def test_no_op_hooks_control_hooks_where_gs_does_and_changes_nothing(
     assert len(scaler._handles) == expected
     del calls[:]
     scaled.backward()
-    # each hook once: the nodes', every parameter's, the large ones' after
-    # accumulation (GS's in-place division)
+    # each hook once: the nodes', every parameter's
     params = list(hooked.model.parameters())
-    assert len(calls) == expected + len(params) + sum(
-        p.numel() >= IN_PLACE_NUMEL for p in params)
+    assert len(calls) == expected + len(params)
     scaler.step(hooked.optimizer)
     scaler.update()
     assert scaler._handles == []

@@ -5,6 +5,7 @@ parameter) is walked afresh, and its gradients and scales are a fresh
 walk's."""
 
 import copy
+import os
 
 import numpy as np
 import pytest
@@ -195,14 +196,16 @@ def _wide_batch():
 
 
 @pytest.mark.parametrize('interval', [1, 100])
-def test_a_large_gradient_unscaled_in_place_is_exact(interval):
-    from gradient_scaling.torch import hook as hook_module
+def test_gradients_divided_in_grad_when_the_pass_ends_are_exact(interval):
+    """Gradients accumulated scaled into an empty ``.grad`` are divided
+    there, in place, when their pass ends: the same bits as a plain
+    backward, pass after pass, accumulated over passes (a second pass
+    finds ``.grad`` divided: its own gradients land divided), and
+    returned divided by ``torch.autograd.grad``."""
     torch.manual_seed(0)
     plain = Wide().double()
     net = copy.deepcopy(plain)
-    assert net.wide.weight.numel() >= hook_module.IN_PLACE_NUMEL
     hook = GradientScaling(net, update_interval=interval)
-    assert hook.in_place_ids == {id(net.wide.weight)}
     x, t = _wide_batch()
     for passes in (1, 2, 2):  # a pass, then two accumulated into .grad
         plain.zero_grad(set_to_none=True)
@@ -211,16 +214,49 @@ def test_a_large_gradient_unscaled_in_place_is_exact(interval):
             plain(x, t).backward()
             with hook:
                 net(x, t).backward()
+            assert not hook._pending
         for (name, p), q in zip(net.named_parameters(), plain.parameters()):
             assert torch.equal(p.grad, q.grad), (name, passes)
         assert hook.landed_scales[net.wide.weight] >= 2 ** 10
-        assert not hook._deferred
     # torch.autograd.grad returns the gradient (nothing is accumulated):
-    # it is unscaled at once.
+    # it is unscaled at once, the function taken before the hook routed
+    # it or after.
     expected = torch.autograd.grad(plain(x, t), [plain.wide.weight])
     with hook:
         actual = torch.autograd.grad(net(x, t), [net.wide.weight])
-    assert torch.equal(actual[0], expected[0]) and not hook._deferred
+    grad = torch.autograd.grad
+    with hook:
+        early = grad(net(x, t), [net.wide.weight])
+    assert torch.equal(actual[0], expected[0]) and not hook._pending
+    assert torch.equal(early[0], expected[0])
+
+
+@pytest.mark.parametrize('changes', [False, True])
+def test_a_users_tensor_hook_sees_the_true_gradient(changes):
+    """A tensor hook registered on a parameter after GS's gets the true
+    gradient (GS's hook divides it as it lands: none is left to the end
+    of the pass), and what it returns is what ``.grad`` holds."""
+    torch.manual_seed(0)
+    plain = Wide().double()
+    net = copy.deepcopy(plain)
+    hook = GradientScaling(net)
+    seen = []
+
+    def user_hook(g):  # (clipping each value: wrong on a scaled gradient)
+        seen.append(g.clone())
+        return g.clamp(-1e-9, 1e-9) if changes else None
+    net.wide.weight.register_hook(user_hook)
+    plain.wide.weight.register_hook(lambda g: g.clamp(-1e-9, 1e-9)
+                                    if changes else None)
+    x, t = _wide_batch()
+    plain(x, t).backward()
+    with hook:
+        net(x, t).backward()
+    assert hook.landed_scales[net.wide.weight] >= 2 ** 10
+    assert torch.equal(seen[0] if not changes else seen[0].clamp(
+        -1e-9, 1e-9), plain.wide.weight.grad)
+    for p, q in zip(net.parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad)
 
 
 # -- statistics read at once (issue 35) -------------------------------------
@@ -271,10 +307,11 @@ def test_other_post_accumulate_hooks_see_the_true_gradient(before):
 
 def test_a_gradient_divided_in_place_is_checked_in_the_same_read(
         monkeypatch):
-    """In float32 the large gradient is divided in place by GradScaler's
-    fused kernel, which checks it as it reads it: the pass's final check
-    leaves it out, and a non-finite value in it (here put there by a
-    user's tensor hook, after GS's) still skips the step."""
+    """In float32 the gradients accumulated scaled are divided in place
+    by GradScaler's fused kernel when the pass ends, which checks them as
+    it reads them: the pass's final check leaves them out, and a
+    non-finite value in one (here put there by a pre-hook on its
+    accumulation node, after GS's tensor hook) still skips the step."""
     from gradient_scaling.torch import GradientScaler
     from gradient_scaling.torch import hook as hook_module
     torch.manual_seed(0)
@@ -292,15 +329,21 @@ def test_a_gradient_divided_in_place_is_checked_in_the_same_read(
         return all_finite(tensors, losses, flags)
     monkeypatch.setattr(hook_module, '_all_finite', spy)
     poison = []
-    net.wide.weight.register_hook(
-        lambda g: g * float('inf') if poison else None)
     before = None
     for poisoned in (False, True):
         if poisoned:
             poison.append(True)
         optimizer.zero_grad(set_to_none=True)
         plain.zero_grad(set_to_none=True)
-        scaler.scale(net(x, t)).backward()
+        loss = net(x, t)
+        # A pre-hook on the weight's accumulation node runs after GS's
+        # tensor hook left the gradient scaled: it poisons what is
+        # accumulated.
+        accumulator = net.wide.weight.view_as(
+            net.wide.weight).grad_fn.next_functions[0][0]
+        accumulator.register_prehook(
+            lambda gs: (gs[0] * float('inf'),) if poison else None)
+        scaler.scale(loss).backward()
         plain(x, t).backward()
         if not poisoned:  # the same bits as a plain backward
             for p, q in zip(net.parameters(), plain.parameters()):
@@ -311,7 +354,7 @@ def test_a_gradient_divided_in_place_is_checked_in_the_same_read(
         assert landed >= 2 ** 10  # divided, in place
         ptrs, flags = checked[-1]
         assert flags == 1 and net.wide.weight.grad.data_ptr() not in ptrs
-        assert net.out.weight.grad.data_ptr() in ptrs
+        assert net.out.weight.grad.data_ptr() not in ptrs
         scaler.update()
         if poisoned:
             assert not scaler.step_taken
@@ -355,3 +398,49 @@ def test_more_landing_on_a_gradient_checked_in_place_is_checked_again():
     assert not torch.isfinite(net.wide.weight.grad).all()
     for p, b in zip(net.parameters(), before):
         assert torch.equal(p.detach(), b)
+
+
+_BARE_DDP = r'''
+import copy, sys, torch, torch.distributed as dist
+import torch.nn.functional as F
+sys.path.insert(0, sys.argv[2])
+from test_torch_plans import Wide, _wide_batch
+from gradient_scaling.torch import GradientScaling
+dist.init_process_group('gloo', init_method='tcp://127.0.0.1:' + sys.argv[1],
+                        rank=0, world_size=1)
+torch.manual_seed(0)
+plain = Wide().double()
+net = copy.deepcopy(plain)
+ddp = torch.nn.parallel.DistributedDataParallel(net)
+hook = GradientScaling(ddp)
+reference = torch.nn.parallel.DistributedDataParallel(plain)
+x, t = _wide_batch()
+reference(x, t).backward()
+with hook:
+    ddp(x, t).backward()
+assert hook.landed_scales[net.wide.weight] >= 2 ** 10
+for p, q in zip(net.parameters(), plain.parameters()):
+    assert torch.equal(p.grad, q.grad)
+dist.destroy_process_group()
+print('ok')
+'''
+
+
+def test_under_a_process_group_gradients_are_divided_as_they_land():
+    """Under ``torch.distributed`` a reducer reads ``.grad`` as soon as it
+    is accumulated (``DistributedDataParallel``'s, a C++ hook GS cannot
+    count): nothing is left scaled in ``.grad``, also with the bare hook
+    (no scaler to set the per-rank check)."""
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        port = s.getsockname()[1]
+    here = os.path.dirname(os.path.abspath(__file__))
+    result = subprocess.run(
+        [sys.executable, '-c', _BARE_DDP, str(port), here],
+        capture_output=True, text=True, timeout=120,
+        cwd=os.path.dirname(here))
+    assert result.returncode == 0 and 'ok' in result.stdout, \
+        result.stderr[-3000:]

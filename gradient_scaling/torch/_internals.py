@@ -31,9 +31,12 @@ What the autograd-graph hook needs that PyTorch's public API does not give:
   which parameter name an unsharded parameter in the graph stands for.
 * ``Node._raw_saved_<name>.unpack_hook``: whether a saved tensor is packed
   by hooks (a checkpoint's): such a tensor is never unpacked by the hook.
-* ``Tensor._post_accumulate_grad_hooks``: how many post-accumulate hooks a
-  parameter has (a large gradient is unscaled in place by the hook's own
-  only where no other runs before it).
+* ``Tensor._post_accumulate_grad_hooks`` and ``Tensor._backward_hooks``:
+  how many post-accumulate hooks and tensor hooks a parameter has (a
+  gradient is left scaled in ``.grad`` until its pass ends only where
+  nothing else reads it before).
+* ``torch._C._will_engine_execute_node``: whether the running backward
+  accumulates into a leaf or returns its gradient (``autograd.grad``).
 """
 
 import torch
@@ -41,7 +44,8 @@ import torch
 from gradient_scaling.core import patches
 
 __all__ = ['input_dtype', 'input_shape', 'saved', 'unsharded_names',
-           'post_accumulate_hooks', 'forward_pre_hooks', 'sparse_values',
+           'post_accumulate_hooks', 'tensor_hooks', 'engine_accumulates',
+           'distributed', 'forward_pre_hooks', 'sparse_values',
            'current_node',
            'queue_end_of_backward', 'install', 'uninstall', 'active_handler',
            'check_and_unscale', 'check_and_unscale_into', 'copy_all']
@@ -96,6 +100,28 @@ def post_accumulate_hooks(tensor):
     """How many post-accumulate-grad hooks ``tensor`` has."""
     hooks = getattr(tensor, '_post_accumulate_grad_hooks', None)
     return 0 if hooks is None else len(hooks)
+
+
+def tensor_hooks(tensor):
+    """How many hooks ``tensor.register_hook`` gave ``tensor``."""
+    hooks = tensor._backward_hooks
+    return 0 if hooks is None else len(hooks)
+
+
+def engine_accumulates(node):
+    """Whether the backward running now accumulates into the leaf of
+    accumulation node ``node`` (``backward``), rather than returning its
+    gradient (``torch.autograd.grad``)."""
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:  # (asked of a leaf's node: autograd.grad runs)
+        return False
+
+
+def distributed():
+    """Whether a ``torch.distributed`` process group is initialised."""
+    return torch.distributed.is_available() and \
+        torch.distributed.is_initialized()
 
 
 def forward_pre_hooks(module):

@@ -30,10 +30,12 @@ moving tensors:
   (line 17); a node with several used outputs unifies them in its pre-hook;
 * every leaf's gradient (a parameter's, or an input's with
   ``requires_grad``) *lands unscaled*: a tensor hook on the leaf divides it
-  by the scale it carries, in FP32, before the engine accumulates it into
-  ``.grad`` and before anything else reads it (``DistributedDataParallel``'s
-  reducer, FSDP's reduce-scatter, ``torch.autograd.grad``'s result, an
-  accumulation over several backward passes). ``.grad`` always holds the
+  by the scale it carries, in FP32, before anything else reads it
+  (``DistributedDataParallel``'s reducer, FSDP's reduce-scatter,
+  ``torch.autograd.grad``'s result, another hook, an accumulation over
+  several backward passes); one accumulated into an empty ``.grad`` that
+  nothing reads before the pass ends is divided there when it ends, with
+  the others, by GradScaler's fused kernel. ``.grad`` always holds the
   true gradient; scales live only inside the backward, as Algorithm 1 has
   them.
 """
@@ -43,6 +45,7 @@ import dataclasses
 import functools
 
 from gradient_scaling.core import arrays
+from gradient_scaling.torch import _internals as internals
 from gradient_scaling.torch.arrays import times_power_of_two
 
 __all__ = ['BackwardPass']
@@ -115,6 +118,11 @@ class BackwardPass(object):
         #: (leaf, 0-d finiteness witness) of what landed, when the hook
         #: checks on landing.
         self.witnesses = []
+        #: Whether gradients may land scaled and be divided in ``.grad``
+        #: when the pass ends (set as it starts: :meth:`~gradient_scaling.
+        #: torch.hook.GradientScaling.land`).
+        self.defers = False
+        self._accumulates = None
         #: ``id`` of the parameters whose gradient was divided in place,
         #: once accumulated, by GradScaler's fused kernel, which checked
         #: it in the same read; its flags, per device (non-zero: not
@@ -288,9 +296,18 @@ class BackwardPass(object):
         for i, scale in scales.items():
             edge_scales[node, i] = scale
 
+    def accumulates(self, node):
+        """Whether this backward accumulates gradients into the leaves
+        (``backward``) rather than returning them (``torch.autograd.
+        grad``), asked of accumulation node ``node`` once per pass."""
+        if self._accumulates is None:
+            self._accumulates = internals.engine_accumulates(node)
+        return self._accumulates
+
     def _started(self, grad_outputs):
         if not self.started:
             self.started = True
+            self.defers = not self.nested and self.hook.defers_landing()
             self.hook.pass_started(self)
             self.hook.queue_end(self._finished)
 
@@ -348,30 +365,32 @@ class BackwardPass(object):
         parameter names) of a GEMM for its incoming gradient ``g``."""
         step, recipe = self.step, self.hook.recipe
         shares = recipe.weight_path_shares_data_scale
-        coupled = not site.scales_itself and g.element_size() <= 2
         beta, key, incoming_finite = 1.0, None, None
         if site.data is not None or shares:
             key = step.gemm_key(self.hook.site_name(site.weight, site.part))
-            beta, incoming_finite = step.gemm(
-                key, g,
-                site.weight_values, lambda: site.accumulation_length, alpha,
-                lambda: site.data_gradient(g))
-        named = step.refresh or self.hook.controller.backoff.scales
-        names = {edge: self.hook.parameter_name(param) if named else None
-                 for edge, param in site.parameters.items()}
+            cached = step.cached(key, alpha)  # (a cached pass: only this)
+            if cached is not None:
+                beta = cached
+            else:
+                beta, incoming_finite = step.gemm(
+                    key, g, site.weight_values,
+                    lambda: site.accumulation_length, alpha,
+                    lambda: site.data_gradient(g))
         # A PyTorch GEMM computes its weight gradients from the scaled
         # input: they keep its scale (exact, unscaled by the scaler), a
         # backoff below it where their path overflowed. The simulation's
         # GEMMs apply the recipe's own weight-path scale.
-        if named:
-            gammas = {edge: step.weight_path(
-                name, alpha, beta, shares or not site.scales_itself)
-                for edge, name in names.items()}
+        own = shares or not site.scales_itself
+        if step.refresh or self.hook.controller.backoff.scales:
+            names = {edge: self.hook.parameter_name(param)
+                     for edge, param in site.parameters.items()}
+            gammas = {edge: step.weight_path(name, alpha, beta, own)
+                      for edge, name in names.items()}
         else:  # no name, no backoff: one scale for every parameter
+            names = dict.fromkeys(site.parameters)
             gammas = dict.fromkeys(names, step.weight_path(
-                None, alpha, beta, shares or not site.scales_itself)) \
-                if names else {}
-        if coupled and gammas:
+                None, alpha, beta, own)) if names else names
+        if gammas and not site.scales_itself and g.element_size() <= 2:
             # One scaled low-precision input makes both paths: a
             # weight-path backoff lowers the data path too.
             beta = min([beta] + list(gammas.values()))

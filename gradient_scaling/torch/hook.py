@@ -46,10 +46,13 @@ class GradientScaling(ControllerViews):
     residual adds) and nodes with several outputs (split, chunk, unbind).
 
     Gradients land unscaled: a parameter's (or any leaf's) gradient is
-    divided by the scale it carries, in FP32, before it is accumulated into
-    ``.grad``, so ``.grad`` always holds the true gradient, whatever reads
-    it (``DistributedDataParallel``, FSDP, ``torch.autograd.grad``, gradient
-    accumulation, clipping). :attr:`landed_scales` says which scale each
+    divided by the scale it carries, in FP32, before anything else reads
+    it (``DistributedDataParallel``, FSDP, ``torch.autograd.grad``, another
+    hook, gradient accumulation, clipping): as it lands, or, where it is
+    accumulated into an empty ``.grad`` that nothing reads before the pass
+    ends, in ``.grad`` when the pass ends, by GradScaler's fused kernel
+    (:meth:`land`). When ``backward()`` returns, ``.grad`` holds the true
+    gradient. :attr:`landed_scales` says which scale each
     parameter's last gradient carried. A gradient that reaches a parameter
     through a backward the hook did not walk while its pass runs (an
     engine it cannot see) raises one clear error; nested backward passes
@@ -120,25 +123,18 @@ class GradientScaling(ControllerViews):
         # graph's nested backward included); removed when the hook is
         # collected.
         self._landing = {}
-        handles = []
         for param in self._names:
             if param.requires_grad:
                 self._landing[param] = param.register_hook(
                     functools.partial(_land_weakly, weakref.ref(self), param))
-                if param.numel() >= IN_PLACE_NUMEL:
-                    handles.append(param.register_post_accumulate_grad_hook(
-                        functools.partial(_unscale_weakly, weakref.ref(self))))
-        #: ``id`` of the large parameters whose gradient may be unscaled in
-        #: ``.grad`` as soon as it is accumulated (see :meth:`land`).
-        self.in_place_ids = frozenset(
-            id(p) for p in self._landing if p.numel() >= IN_PLACE_NUMEL)
-        # id(param) -> (the inverse of its scale, the pass it landed in)
-        self._deferred = {}
+        #: ``id(leaf)`` -> ``(leaf, inverse, pass)``: gradients accumulated
+        #: into ``.grad`` still scaled, divided there when their pass ends
+        #: (:meth:`land`).
+        self._pending = {}
         self._capturing = 0  # torch.autograd.grad calls running
         #: ``id`` of the parameters with the hook's own landing hook.
         self.landing_ids = frozenset(id(p) for p in self._landing)
-        weakref.finalize(self, _remove_all,
-                         list(self._landing.values()) + handles)
+        weakref.finalize(self, _remove_all, list(self._landing.values()))
 
     # -- names -----------------------------------------------------------
 
@@ -212,8 +208,8 @@ class GradientScaling(ControllerViews):
         if not running:
             return None  # a backward the hook does not scale
         key = id(leaf)
-        for current in running:  # (more lands on a gradient checked in
-            current.checked_in_place.discard(key)  # place: read it again)
+        if key in self._pending:  # (more lands on it: divided first)
+            self._unscale_pending([self._pending.pop(key)])
         for current in reversed(running):
             node = current.leaf_nodes.get(key)
             if node is not None:
@@ -235,28 +231,67 @@ class GradientScaling(ControllerViews):
         if scale is None:
             scale = current.slot_scale(node, 0)
         current.landed.append((leaf, scale))
-        if scale != 1.0 and key in self.in_place_ids and leaf.grad is None \
-                and not self._capturing and not self.check_on_landing and \
+        if scale == 1.0:
+            if self.check_on_landing:
+                current.witnesses.append(
+                    (leaf, arrays.ops_for(grad).finite_witness(grad)))
+            return None
+        if current.defers and leaf.grad is None and \
+                current.accumulates(node) and \
                 grad.dtype in _IN_PLACE and not grad.is_sparse and \
                 _NORMAL_FLOAT32[0] <= 1.0 / scale <= _NORMAL_FLOAT32[1] \
-                and not torch.is_grad_enabled() and \
-                internals.post_accumulate_hooks(leaf) == 1:
-            # A large gradient is unscaled in place once accumulated (a new
-            # tensor of its size costs a fresh allocation, page faults
-            # included, each step): the engine makes ``.grad`` this tensor
-            # or a copy, its own either way, and calls the parameter's
-            # post-accumulate hook, the hook's own and only one there,
-            # before anything else sees it (DistributedDataParallel's
-            # reducer, the next node).
-            self._deferred[key] = (1.0 / scale, current)
+                and not self._capturing and not torch.is_grad_enabled() \
+                and internals.post_accumulate_hooks(leaf) == 0 and \
+                internals.tensor_hooks(leaf) == 1:
+            # Accumulated as it is, divided in ``.grad`` when the pass
+            # ends (:meth:`pass_ended`), all such gradients at once, by
+            # GradScaler's fused kernel, which checks them in the same
+            # read: the engine makes ``.grad`` this tensor or a copy, its
+            # own either way, and nothing reads it before then (no other
+            # hook on the leaf, no post-accumulate hook, no process group:
+            # no reducer; the next backward pass of these leaves finds
+            # them divided, and a gradient that lands on one again first
+            # divides it). Not where the gradient is returned, not
+            # accumulated (torch.autograd.grad, however it was called).
+            self._pending[key] = (leaf, 1.0 / scale, current)
             return None
-        if scale != 1.0:
-            grad = unscaled(grad, scale) if grad.dtype in _LOW else \
-                torch_arrays.times_power_of_two(grad, 1.0 / scale)
+        grad = unscaled(grad, scale) if grad.dtype in _LOW else \
+            torch_arrays.times_power_of_two(grad, 1.0 / scale)
         if self.check_on_landing:
             current.witnesses.append(
                 (leaf, arrays.ops_for(grad).finite_witness(grad)))
-        return None if scale == 1.0 else grad
+        return grad
+
+    def _unscale_pending(self, pending):
+        """Divides ``.grad`` of each ``(leaf, inverse, pass)`` of
+        ``pending`` in place: in float32, by GradScaler's fused kernel,
+        which checks it in the same read (the pass's final check reads its
+        flag instead); otherwise by an exact multiplication, checked at
+        the pass's end."""
+        groups = {}
+        for leaf, inverse, current in pending:
+            grad = leaf.grad
+            if grad is None:
+                continue
+            if grad.dtype == torch.float32:
+                groups.setdefault((current, grad.device, inverse),
+                                  []).append((leaf, grad))
+            else:
+                grad.mul_(torch_arrays.power_of_two(inverse, grad.dtype))
+        for (current, device, inverse), grads in groups.items():
+            found = current.in_place_flags.get(device)
+            if found is None:
+                found = current.in_place_flags[device] = torch.zeros(
+                    1, device=device)
+            internals.check_and_unscale_into(
+                [g for _, g in grads], found, _inverse_on(inverse, device))
+            current.checked_in_place.update(id(leaf) for leaf, _ in grads)
+
+    def _unscale_pass(self, current):
+        """Divides the gradients of ``current`` still pending."""
+        if self._pending:
+            mine = [k for k, v in self._pending.items() if v[2] is current]
+            self._unscale_pending([self._pending.pop(k) for k in mine])
 
     def _lands_unscaled_in_nested(self, leaf):
         """In a nested backward, parameters land unscaled; the other
@@ -296,12 +331,20 @@ class GradientScaling(ControllerViews):
         if not self.check_on_landing:
             self._unit = (current, leaves)
 
+    def defers_landing(self):
+        """Whether a pass starting now may leave its gradients scaled in
+        ``.grad`` until it ends (:meth:`land`): not where each is checked
+        as it lands, nor under a process group (a reducer reads ``.grad``
+        as soon as it is accumulated)."""
+        return not self.check_on_landing and not internals.distributed()
+
     def pass_started(self, current):
         self._unit = None
         self._running.append(current)
 
     def pass_ended(self, current):
         self._unit = None
+        self._unscale_pass(current)
         if current in self._running:
             self._running.remove(current)
         if not self._running and not self._bare:
@@ -536,7 +579,9 @@ class GradientScaling(ControllerViews):
         """The backward pass raised: forget its step."""
         self._running = []
         self._unit = None
-        self._deferred.clear()
+        # (what landed is left divided, as the landing promises)
+        pending, self._pending = list(self._pending.values()), {}
+        self._unscale_pending(pending)
         if not self._bare:
             self._unpatch()
         if self._pass is not None:
@@ -554,6 +599,7 @@ class GradientScaling(ControllerViews):
             return
         current.remove()
         self._unit = None
+        self._unscale_pass(current)
         if current in self._running:  # its backward did not end
             self._running.remove(current)
         if not self._running and not self._bare:
@@ -697,32 +743,6 @@ def _times(tensor, ratio):
     return arrays.ops_for(tensor).scaled(tensor, ratio)
 
 
-def _unscale_weakly(hook_ref, param):
-    """A large parameter's post-accumulate hook: ``.grad`` divided, in
-    place, by the scale its new gradient carried, where :meth:`~
-    GradientScaling.land` left that to it."""
-    hook = hook_ref()
-    if hook is not None and hook._deferred:
-        deferred = hook._deferred.pop(id(param), None)
-        if deferred is None:
-            return
-        inverse, current = deferred
-        grad = param.grad
-        if grad.dtype == torch.float32 and not hook.check_on_landing:
-            # GradScaler's kernel: divided and checked in one read (the
-            # same product as ``mul_``), the pass's final check spared it.
-            flags = current.in_place_flags
-            found = flags.get(grad.device)
-            if found is None:
-                found = flags[grad.device] = torch.zeros(
-                    1, device=grad.device)
-            internals.check_and_unscale_into(
-                [grad], found, _inverse_on(inverse, grad.device))
-            current.checked_in_place.add(id(param))
-        else:
-            grad.mul_(torch_arrays.power_of_two(inverse, grad.dtype))
-
-
 def _inverse_on(inverse, device):
     """``inverse`` as a one-element float32 tensor on ``device`` (what
     GradScaler's kernel multiplies by), made once."""
@@ -737,8 +757,6 @@ def _inverse_on(inverse, device):
 
 _INVERSES = {}  # (power of two, device) -> it as a one-element tensor
 
-#: Parameters of at least this many elements are unscaled in place.
-IN_PLACE_NUMEL = 2 ** 16
 _IN_PLACE = (torch.float32, torch.float64)
 _LOW = (torch.float16, torch.bfloat16)
 _NORMAL_FLOAT32 = (2.0 ** -126, 2.0 ** 127)

@@ -257,13 +257,14 @@ class PhaseRow(object):
     over the rounds in ms: the forward, `scaler.scale(loss)` (GS: attaching
     the pass), the backward (GS: its hooks run inside it), `scaler.step`
     (GradScaler: `unscale_`, its one fused check and divide; GS: the
-    pass's finiteness check, the gradients already unscaled) and
+    pass's finiteness check of what was not checked as it was divided, the
+    gradients already unscaled: those divided in `.grad` at the backward's
+    end by the same fused kernel, the backward's) and
     `scaler.update`. `GradScaler + no-op hooks` is GradScaler's step with
     a Python hook that does nothing wherever GS's cached pass has one
     (read from GS's plan of the same graph: the root's, each GEMM site's
     and cast site's pre-hook, each branch consumer's post-hook; every
-    parameter's tensor hook, a post-accumulate hook on each parameter GS
-    divides in place), registered as GS registers them (at `scale`, the
+    parameter's tensor hook), registered as GS registers them (at `scale`, the
     graph's structure read first; removed at `step`): its excess over
     GradScaler is what PyTorch's calls into Python cost, and GS's excess
     over it what GS does inside them."""

@@ -27,7 +27,6 @@ import torch
 from gradient_scaling.torch import GradientScaler
 from gradient_scaling.torch import compile_backend
 from gradient_scaling.torch import graph
-from gradient_scaling.torch.hook import IN_PLACE_NUMEL
 from gradient_scaling.torch.simulation import LowPrecisionSimulation
 
 from benchmarking import rows
@@ -205,8 +204,6 @@ class HookedGradScaler(object):
         for param in model.parameters():
             if param.requires_grad:
                 param.register_hook(_nothing)
-                if param.numel() >= IN_PLACE_NUMEL:
-                    param.register_post_accumulate_grad_hook(_nothing)
 
     def _learn(self, roots):
         plan = graph.walk(roots)
