@@ -400,6 +400,44 @@ def test_more_landing_on_a_gradient_checked_in_place_is_checked_again():
         assert torch.equal(p.detach(), b)
 
 
+
+class _Aliased(nn.Module):
+    """Two parameters whose gradients the engine makes views of one
+    tensor (each a ``view`` of the add's gradient, stolen into ``.grad``),
+    and a third that has the add's gradient itself."""
+
+    def __init__(self, third):
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(4, 6))
+        self.b = nn.Parameter(torch.randn(4, 6))
+        self.c = nn.Parameter(torch.randn(24)) if third else None
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x, t):
+        flat = self.a.view(24) + self.b.view(24)
+        if self.c is not None:
+            flat = flat + self.c
+        h = x @ flat.view(4, 6)
+        return F.cross_entropy(self.out(torch.tanh(h)), t) * 2.0 ** -20
+
+
+@pytest.mark.parametrize('third', [False, True])
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
+def test_gradients_sharing_memory_in_grad_are_divided_once(third, dtype):
+    torch.manual_seed(0)
+    plain = _Aliased(third).to(dtype)
+    net = copy.deepcopy(plain)
+    hook = GradientScaling(net, update_interval=1)
+    x = torch.randn(5, 4, dtype=dtype)
+    t = torch.zeros(5, dtype=torch.long)
+    plain(x, t).backward()
+    with hook:
+        net(x, t).backward()
+    assert hook.landed_scales[net.a] >= 2 ** 10
+    for (name, p), q in zip(net.named_parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
 _BARE_DDP = r'''
 import copy, sys, torch, torch.distributed as dist
 import torch.nn.functional as F

@@ -208,8 +208,8 @@ class GradientScaling(ControllerViews):
         if not running:
             return None  # a backward the hook does not scale
         key = id(leaf)
-        if key in self._pending:  # (more lands on it: divided first)
-            self._unscale_pending([self._pending.pop(key)])
+        if key in self._pending:  # (more lands on it: its pass's divided
+            self._unscale_pass(self._pending[key][2])  # first, all at once)
         for current in reversed(running):
             node = current.leaf_nodes.get(key)
             if node is not None:
@@ -268,17 +268,29 @@ class GradientScaling(ControllerViews):
         which checks it in the same read (the pass's final check reads its
         flag instead); otherwise by an exact multiplication, checked at
         the pass's end."""
-        groups = {}
+        groups, storages = {}, set()
         for leaf, inverse, current in pending:
             grad = leaf.grad
             if grad is None:
                 continue
-            if grad.dtype == torch.float32:
-                groups.setdefault((current, grad.device, inverse),
-                                  []).append((leaf, grad))
-            else:
-                grad.mul_(torch_arrays.power_of_two(inverse, grad.dtype))
-        for (current, device, inverse), grads in groups.items():
+            # The engine may make ``.grad`` of two leaves views of one
+            # gradient (``a.view(-1) + b.view(-1)``): such a gradient is
+            # divided in place once, the others into new tensors (read
+            # before it is).
+            storage = grad.data_ptr() - \
+                grad.storage_offset() * grad.element_size()
+            if storage in storages:
+                leaf.grad = torch_arrays.times_power_of_two(grad, inverse)
+                continue
+            storages.add(storage)
+            groups.setdefault((current, grad.device, inverse, grad.dtype),
+                              []).append((leaf, grad))
+        for (current, device, inverse, dtype), grads in groups.items():
+            if dtype != torch.float32:
+                factor = torch_arrays.power_of_two(inverse, dtype)
+                for _, grad in grads:
+                    grad.mul_(factor)
+                continue
             found = current.in_place_flags.get(device)
             if found is None:
                 found = current.in_place_flags[device] = torch.zeros(
