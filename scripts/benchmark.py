@@ -130,6 +130,8 @@ class Results(object):
     simulation: list = dataclasses.field(default_factory=list)
     #: PyTorch's eager targets, phase by phase (:class:`rows.PhaseRow`).
     phases: list = dataclasses.field(default_factory=list)
+    #: GS's cached pass on them, cause by cause (:class:`rows.CauseRow`).
+    causes: list = dataclasses.field(default_factory=list)
     #: The cases that raised (:class:`Failure`).
     failures: list = dataclasses.field(default_factory=list)
 
@@ -228,6 +230,15 @@ def run_eager_targets(args, adapter, device, model, results, log):
     if phases and _on_cpu(device):
         results.phases += rows.phase_rows(
             case_name(adapter, model), shape_text(shape), 'fp32', phases)
+    causes = getattr(adapter, 'cause_samples', None)
+    cached = [v for v in variants if v.label == 'gs-cached']
+    if causes and cached and _on_cpu(device):
+        # After the timed rounds (the timers would slow them): as many
+        # steps of GS's cached variant, timed part by part.
+        by_cause, steps = causes(cached[0], len(samples['gs-cached']))
+        results.causes += rows.cause_rows(
+            case_name(adapter, model), shape_text(shape), 'fp32', by_cause,
+            steps)
 
 
 def run_compiled_targets(args, adapter, device, model, results, log):
@@ -392,6 +403,9 @@ def build_report(argv, machine, results, gpu_times=None, status=None,
     if results.phases:
         out.section('PyTorch\'s step by phase (framework-bound targets, '
                     'eager)', results.phases)
+    if results.causes:
+        out.section('GS\'s cached pass by cause (PyTorch, eager)',
+                    results.causes)
     if results.simulation:
         out.section('Simulation cost', results.simulation)
     return out

@@ -2,6 +2,7 @@
 (their --quick tables, not their timings) and of the harness."""
 
 import collections
+import copy
 import doctest
 import importlib.util
 import math
@@ -706,3 +707,60 @@ def test_the_report_names_the_code_it_measured(report):
                             capture_output=True, text=True).stdout.strip()
     line = next(x for x in report.splitlines() if x.startswith('* code: '))
     assert line.split()[2] == commit, line
+
+
+def test_cause_timers_count_each_callback_and_leave_the_classes_as_they_were():
+    """``GS's cached pass by cause``: on the framework-bound gpt, as many
+    GEMM pre-hooks, landing hooks, branch and multi-output callbacks per
+    step as GS's plan of the graph has, one structure read, plan and
+    registration per step, the times non-negative; after the ``with``
+    every patched function is the library's own again, and the steps'
+    gradients are those of an untimed GS step."""
+    torch = pytest.importorskip('torch')
+    from gradient_scaling.torch import backward_rules
+    from gradient_scaling.torch import graph
+    from gradient_scaling.torch import hook as hook_module
+    from benchmarking import torch_causes
+    from benchmarking import torch_variants
+    from benchmarking import rows
+    patched = [(graph, 'structure'), (graph.PlanCache, 'plan'),
+               (backward_rules.BackwardPass, '_register'),
+               (backward_rules.BackwardPass, '_gemm_in'),
+               (backward_rules.BackwardPass, '_contribute'),
+               (hook_module.GradientScaling, 'land'),
+               (hook_module.GradientScaling, 'finish_pass')]
+    before = [getattr(owner, name) for owner, name in patched]
+    variants = {v.label: v for v in torch_variants.target_variants(
+        'gpt', (1, 8), torch.device('cpu'))}
+    gs = variants['gs-cached']
+    for _ in range(2):
+        gs.prepare()
+        gs.step()
+    gs.prepare()
+    plan = graph.walk([gs.model(*gs.inputs).grad_fn])
+    by_cause, steps = torch_causes.cause_samples(gs, 3)
+    assert [getattr(owner, name) for owner, name in patched] == before
+    assert len(steps) == 3 and all(s > 0 for s in steps)
+    calls = {cause: c for cause, (_, c, _) in by_cause.items()}
+    assert calls['graph structure read'] == 1
+    assert calls['plan reused on it (or walked)'] == 1
+    assert calls['callbacks registered'] == 1
+    assert calls['GEMM pre-hooks (without their cast sites)'] == \
+        len(plan.gemms)
+    assert calls['landing hooks'] == len(list(gs.model.parameters()))
+    assert calls['branch post-hooks'] == sum(
+        len(edges) for edges in plan.branches.values())
+    assert calls['multi-output pre-hooks'] == len(plan.multi_output)
+    assert calls['GEMM post-hooks'] == 0  # (a cached pass has none)
+    assert all(min(s) >= 0 for _, _, s in by_cause.values())
+    table = rows.cause_rows('gpt (torch)', '1x8', 'fp32', by_cause, steps)
+    assert [r.cause for r in table] == [c for c, _ in torch_causes.CAUSES]
+    # Timed or not, the same gradients (same weights, same batch).
+    weights = copy.deepcopy(gs.model.state_dict())
+    torch_causes.cause_samples(gs, 1)
+    timed = {n: p.grad.clone() for n, p in gs.model.named_parameters()}
+    gs.model.load_state_dict(weights)
+    gs.prepare()
+    gs.step()
+    for n, p in gs.model.named_parameters():
+        assert torch.equal(p.grad, timed[n]), n

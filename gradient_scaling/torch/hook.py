@@ -283,9 +283,13 @@ class GradientScaling(ControllerViews):
                 leaf.grad = torch_arrays.times_power_of_two(grad, inverse)
                 continue
             storages.add(storage)
-            groups.setdefault((current, grad.device, inverse, grad.dtype),
-                              []).append((leaf, grad))
-        for (current, device, inverse, dtype), grads in groups.items():
+            key = (current, grad.get_device(), inverse, grad.dtype)
+            group = groups.get(key)
+            if group is None:
+                group = groups[key] = []
+            group.append((leaf, grad))
+        for (current, _, inverse, dtype), grads in groups.items():
+            device = grads[0][1].device
             if dtype != torch.float32:
                 factor = torch_arrays.power_of_two(inverse, dtype)
                 for _, grad in grads:
@@ -626,21 +630,26 @@ class GradientScaling(ControllerViews):
             self.landed_scales  # NOQA: flushed now and then
         flags = []
         if self.check_on_landing:  # what landed here, before any average
-            grads = current.witnesses
-            unread = [g for _, g in grads]
+            unread = [g for _, g in current.witnesses]
         else:
-            grads = [(p, p.grad) for p in current.checked_leaves()
-                     if p.grad is not None]
             # (a gradient divided in place was checked in that read)
-            done = current.checked_in_place
-            unread = [g for p, g in grads if id(p) not in done]
+            done, unread = current.checked_in_place, []
+            for p in current.checked_leaves():
+                if id(p) not in done:
+                    grad = p.grad
+                    if grad is not None:
+                        unread.append(grad)
             flags = list(current.in_place_flags.values())
         # The gradients landed unscaled: one fused read checks them and the
         # losses (GradScaler's check, with nothing left to divide).
         if _all_finite(unread, current.losses, flags):
             result = FINITE
         else:
-            result = self._result(current, grads)
+            result = self._result(current, current.witnesses if
+                                  self.check_on_landing else
+                                  [(p, p.grad) for p in
+                                   current.checked_leaves()
+                                   if p.grad is not None])
         if self.controller.end_pass(result):
             self.controller.conclude([self.controller.payload()])
 
@@ -697,9 +706,15 @@ def _all_finite(tensors, losses, flags=()):
     checked = tensors + [t.reshape(-1).clone() for t in losses]
     if checked:
         try:
-            found = internals.check_and_unscale(checked, 1.0)
-            if flags and flags[0].device == found.device:
-                found = found + flags.pop()
+            if flags and all(t.device == flags[0].device for t in checked):
+                # (into the in-place division's flag: one read for all)
+                found = flags.pop(0)
+                internals.check_and_unscale_into(
+                    checked, found, _inverse_on(1.0, found.device))
+            else:
+                found = internals.check_and_unscale(checked, 1.0)
+                if flags and flags[0].device == found.device:
+                    found = found + flags.pop(0)
             return found.item() == 0 and all(f.item() == 0 for f in flags)
         except (RuntimeError, NotImplementedError):
             pass

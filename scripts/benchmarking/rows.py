@@ -282,6 +282,45 @@ def phase_rows(model, shape, precision, phases):
     return rows
 
 
+@_columns(_case('input (batch x size)'), ('cause', str, 'cause'),
+          ('phase', str, 'phase'),
+          ('calls', float, 'calls per step', '{:.1f}'),
+          ('micros', tuple, 'us per step (min / median)',
+           '{0[0]:.1f} / {0[1]:.1f}'),
+          ('per_call', float, 'us per call (median)', '{:.2f}'),
+          ('share', float, 'share of the median step', '{:.1%}'))
+class CauseRow(object):
+    """Where a GS cached pass spends its host time, by the part of the
+    hook that does it (``benchmarking.torch_causes``): the `gs-cached`
+    variant of the targets, run again after the timed rounds, as many
+    steps, with timers around each part (patched in for those steps
+    only). `scale`: reading the graph's structure, the plan reused on it,
+    the callbacks' registration, the rest of `scale`; the backward: each
+    kind of callback, with the tensor operations it runs (its
+    multiplications; the cast site's `max|g|`, a host read), not
+    PyTorch's call into it (the phase table's `GradScaler + no-op hooks`
+    measures that), and the division of the gradients left in `.grad`
+    at the pass's end (GradScaler's fused kernel, which GradScaler runs in
+    its `step`'s `unscale_`); `step`: the pass's end and its finiteness
+    check. Each includes its timer's own cost (a fraction of a
+    microsecond per call). "share": of the median of the same steps'
+    total CPU time."""
+
+
+def cause_rows(model, shape, precision, causes, steps):
+    """:class:`CauseRow` per cause; ``causes``: cause -> (phase, calls per
+    step, per-step seconds); ``steps``: the steps' CPU seconds."""
+    total = statistics.median(steps)
+    rows = []
+    for cause, (phase, calls, seconds) in causes.items():
+        median = statistics.median(seconds)
+        rows.append(CauseRow(
+            model, shape, precision, 'gs-cached', cause, phase, calls,
+            (min(seconds) * 1e6, median * 1e6),
+            median * 1e6 / calls if calls else 0.0, median / total))
+    return rows
+
+
 @_columns(('operation', str, 'operation'), ('timing', str, 'timed'),
           ('dtype', str, 'dtype'), ('elements', int, 'elements'),
           ('ms', float, 'time (ms)', '{:.3f}'),

@@ -33,6 +33,7 @@ from benchmarking import rows
 from benchmarking.harness import TorchCpuPeak
 from benchmarking.harness import TorchCudaPeak
 from benchmarking.torch_cases import CASES
+from benchmarking.torch_causes import cause_samples
 
 __all__ = ['TorchStep', 'use_device', 'memory_tracker', 'training_variants',
            'backward_nodes', 'time_hooks', 'target_variants',
@@ -41,7 +42,7 @@ __all__ = ['TorchStep', 'use_device', 'memory_tracker', 'training_variants',
            'TARGET_BASELINE_AA', 'MEMORY_TARGET', 'compiled_target_variants',
            'CompileCounter', 'COMPILED', 'COMPILED_TARGETS',
            'COMPILED_BASELINE', 'COMPILED_BASELINE_AA', 'COMPILE_WARM_UP',
-           'HookedGradScaler', 'HOOKS_CONTROL']
+           'HookedGradScaler', 'HOOKS_CONTROL', 'cause_samples']
 
 NEVER = rows.NEVER
 #: Precisions: FP32, the simulations (FP32 compute, values rounded where
