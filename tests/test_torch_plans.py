@@ -482,3 +482,32 @@ def test_under_a_process_group_gradients_are_divided_as_they_land():
         cwd=os.path.dirname(here))
     assert result.returncode == 0 and 'ok' in result.stdout, \
         result.stderr[-3000:]
+
+
+def test_a_second_backward_through_a_spent_pass_raises():
+    """``backward(retain_graph=True)`` twice after one ``scale``: the
+    pass's scales and sums were spent by the first, so the second raises
+    (it landed wrong gradients, silently, before); ``scale`` again before
+    each backward gives the true gradients each time."""
+    from gradient_scaling.torch import GradientScaler
+    torch.manual_seed(0)
+    plain = Wide().double()
+    net = copy.deepcopy(plain)
+    scaler = GradientScaler(net, update_interval=1)
+    x, t = _wide_batch()
+    plain(x, t).backward()
+    loss = net(x, t)
+    scaled = scaler.scale(loss)
+    scaled.backward(retain_graph=True)
+    net.zero_grad(set_to_none=True)
+    with pytest.raises(RuntimeError, match='second backward'):
+        scaled.backward(retain_graph=True)
+    assert all(p.grad is None for p in net.parameters())
+    for _ in range(2):
+        net.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward(retain_graph=True)
+        for p, q in zip(net.parameters(), plain.parameters()):
+            assert torch.equal(p.grad, q.grad)
+    scaler.step(torch.optim.SGD(net.parameters(), lr=0.1))
+    scaler.update()
+    assert scaler.step_taken

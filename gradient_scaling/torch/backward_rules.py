@@ -305,6 +305,15 @@ class BackwardPass(object):
         return self._accumulates
 
     def _started(self, grad_outputs):
+        if self.finished:
+            # Its scales and sums were spent by the backward that ended:
+            # a second one would land wrong gradients.
+            raise RuntimeError(
+                'GradientScaling: a second backward through a graph whose '
+                'scaled pass already ran (retain_graph=True): call '
+                'scaler.scale(loss) again before each backward (or use '
+                'the bare hook, `with hook: loss.backward()`, which '
+                'attaches a pass to each)')
         if not self.started:
             self.started = True
             self.defers = not self.nested and self.hook.defers_landing()
