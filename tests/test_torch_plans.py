@@ -6,6 +6,7 @@ walk's."""
 
 import copy
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -511,3 +512,19 @@ def test_a_second_backward_through_a_spent_pass_raises():
     scaler.step(torch.optim.SGD(net.parameters(), lr=0.1))
     scaler.update()
     assert scaler.step_taken
+
+
+def test_a_tensor_hook_registered_before_gs_is_warned_of():
+    """PyTorch runs a tensor's hooks in the order they were registered: a
+    hook registered before GS's gets the gradient still scaled, which GS
+    cannot change, so it says so once, naming the parameter; GS's own
+    hooks of another GradientScaling on the same model are not such."""
+    torch.manual_seed(0)
+    net = Wide().double()
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        GradientScaling(net)
+        GradientScaling(net)  # (a second hook on the model: no warning)
+    net.wide.weight.register_hook(lambda g: None)
+    with pytest.warns(RuntimeWarning, match=r'1 parameter\(s\) \(wide\.weight\)'):
+        GradientScaling(net)

@@ -44,7 +44,8 @@ import torch
 from gradient_scaling.core import patches
 
 __all__ = ['input_dtype', 'input_shape', 'saved', 'unsharded_names',
-           'post_accumulate_hooks', 'tensor_hooks', 'engine_accumulates',
+           'post_accumulate_hooks', 'tensor_hooks', 'tensor_hook_functions',
+           'engine_accumulates',
            'distributed', 'forward_pre_hooks', 'sparse_values',
            'current_node',
            'queue_end_of_backward', 'install', 'uninstall', 'active_handler',
@@ -106,6 +107,13 @@ def tensor_hooks(tensor):
     """How many hooks ``tensor.register_hook`` gave ``tensor``."""
     hooks = tensor._backward_hooks
     return 0 if hooks is None else len(hooks)
+
+
+def tensor_hook_functions(tensor):
+    """The hooks ``tensor.register_hook`` gave ``tensor``, in the order
+    they run."""
+    hooks = tensor._backward_hooks
+    return [] if hooks is None else list(hooks.values())
 
 
 def engine_accumulates(node):

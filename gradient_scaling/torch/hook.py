@@ -123,6 +123,20 @@ class GradientScaling(ControllerViews):
         # graph's nested backward included); removed when the hook is
         # collected.
         self._landing = {}
+        earlier = [name for param, name in self._names.items()
+                   if param.requires_grad and _foreign_hooks(param)]
+        if earlier:
+            # PyTorch runs a tensor's hooks in the order they were
+            # registered: those run before GS's landing hook.
+            warnings.warn(
+                'GradientScaling: {} parameter(s) ({}) have tensor hooks '
+                'registered before this hook\'s: they receive the gradient '
+                'still scaled (a hook that reads or changes it sees scaled '
+                'values; .grad itself is exact). Register them after '
+                'GradientScaling / GradientScaler is made.'.format(
+                    len(earlier), ', '.join(earlier[:3]) +
+                    (', ...' if len(earlier) > 3 else '')),
+                RuntimeWarning)
         for param in self._names:
             if param.requires_grad:
                 self._landing[param] = param.register_hook(
@@ -787,6 +801,13 @@ _INVERSES = {}  # (power of two, device) -> it as a one-element tensor
 _IN_PLACE = (torch.float32, torch.float64)
 _LOW = (torch.float16, torch.bfloat16)
 _NORMAL_FLOAT32 = (2.0 ** -126, 2.0 ** 127)
+
+
+def _foreign_hooks(param):
+    """How many tensor hooks ``param`` has that are not a GS hook's
+    landing hook (another GS hook's acts only while its own pass runs)."""
+    return sum(1 for f in internals.tensor_hook_functions(param)
+               if getattr(f, 'func', None) is not _land_weakly)
 
 
 def _land_weakly(hook_ref, param, grad):
