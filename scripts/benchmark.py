@@ -267,6 +267,13 @@ def run_compiled_targets(args, adapter, device, model, results, log):
         name, shape_text(shape), 'fp32', samples,
         'cpu' if _on_cpu(device) else 'wall', adapter.COMPILED_BASELINE,
         adapter.COMPILED_TARGETS)
+    causes = getattr(adapter, 'cause_samples', None)
+    cached = [v for v in variants if v.label == prefix + 'gs-cached']
+    if causes and cached and _on_cpu(device):
+        by_cause, steps = causes(cached[0], len(samples[cached[0].label]))
+        results.causes += rows.cause_rows(
+            name, shape_text(shape), 'fp32', by_cause, steps,
+            variant=cached[0].label)
     results.target_notes.append(
         '{} {}, `compiled ...` rows: under `torch.compile` ({}), each '
         'variant its own copy, against `{}`; GS with `compile_backend`. '
@@ -404,7 +411,7 @@ def build_report(argv, machine, results, gpu_times=None, status=None,
         out.section('PyTorch\'s step by phase (framework-bound targets, '
                     'eager)', results.phases)
     if results.causes:
-        out.section('GS\'s cached pass by cause (PyTorch, eager)',
+        out.section('GS\'s cached pass by cause (PyTorch)',
                     results.causes)
     if results.simulation:
         out.section('Simulation cost', results.simulation)

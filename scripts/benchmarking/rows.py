@@ -304,10 +304,14 @@ class CauseRow(object):
     its `step`'s `unscale_`); `step`: the pass's end and its finiteness
     check. Each includes its timer's own cost (a fraction of a
     microsecond per call). "share": of the median of the same steps'
-    total CPU time."""
+    total CPU time. `compiled gs-cached` (with `--compiled`): the same
+    for the compiled variant, whose scaling runs inside the compiled
+    backward (in the phase table's backward, not here); its parameters'
+    gradients leave the graph at scale 1 and land without a timed call."""
 
 
-def cause_rows(model, shape, precision, causes, steps):
+def cause_rows(model, shape, precision, causes, steps,
+               variant='gs-cached'):
     """:class:`CauseRow` per cause; ``causes``: cause -> (phase, calls per
     step, per-step seconds); ``steps``: the steps' CPU seconds."""
     total = statistics.median(steps)
@@ -315,7 +319,7 @@ def cause_rows(model, shape, precision, causes, steps):
     for cause, (phase, calls, seconds) in causes.items():
         median = statistics.median(seconds)
         rows.append(CauseRow(
-            model, shape, precision, 'gs-cached', cause, phase, calls,
+            model, shape, precision, variant, cause, phase, calls,
             (min(seconds) * 1e6, median * 1e6),
             median * 1e6 / calls if calls else 0.0, median / total))
     return rows

@@ -12,7 +12,12 @@ callback's time includes the tensor operations it runs (its
 multiplications, a cast's ``max|g|``), not PyTorch's call into it (the
 ``GradScaler + no-op hooks`` control measures that), and the timer's own
 cost (two ``perf_counter`` reads and a call, a fraction of a
-microsecond). :func:`cause_samples` runs steps of a variant under the
+microsecond). Under ``torch.compile`` the scaling runs inside the
+compiled backward (not timed here: the phase table has it), the hook
+meets each region as it is entered and left, and a gradient that leaves
+the graph at scale 1 lands without calling
+:meth:`~gradient_scaling.torch.hook.GradientScaling.land` (those calls
+are not timed: the no-op control measures what a call costs). :func:`cause_samples` runs steps of a variant under the
 timers; ``rows.cause_rows`` makes the table.
 """
 
@@ -38,6 +43,7 @@ CAUSES = (
     ('multi-output pre-hooks', 'backward'),
     ('GEMM post-hooks', 'backward'),
     ('landing hooks', 'backward'),
+    ('compiled regions entered and left', 'backward'),
     ('division in .grad at the pass\'s end', 'backward'),
     ('pass end and finiteness check', 'step'),
 )
@@ -103,7 +109,7 @@ class CauseTimers(object):
 
     def __enter__(self):
         (structure, plan, register, scale, gemm, cast, branch, multi, post,
-         land, divide, end) = [c for c, _ in CAUSES]
+         land, region, divide, end) = [c for c, _ in CAUSES]
         rules = backward_rules.BackwardPass
         self._method(graph, 'structure', structure)
         self._method(graph.PlanCache, 'plan', plan, [structure])
@@ -117,6 +123,8 @@ class CauseTimers(object):
         self._factory(rules, '_unify_outputs', multi)
         self._factory(rules, '_gemm_out', post)
         self._method(hook_module.GradientScaling, 'land', land)
+        self._method(hook_module.GradientScaling, 'region_entered', region)
+        self._method(hook_module.GradientScaling, 'region_left', region)
         self._method(hook_module.GradientScaling, '_unscale_pass', divide)
         self._method(hook_module.GradientScaling, 'finish_pass', end,
                      [divide])
