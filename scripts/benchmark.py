@@ -230,15 +230,20 @@ def run_eager_targets(args, adapter, device, model, results, log):
     if phases and _on_cpu(device):
         results.phases += rows.phase_rows(
             case_name(adapter, model), shape_text(shape), 'fp32', phases)
+    run_causes(adapter, device, variants, samples, 'gs-cached',
+               case_name(adapter, model), shape, results)
+
+
+def run_causes(adapter, device, variants, samples, label, name, shape,
+               results):
+    """After the timed rounds (the timers would slow them): as many steps
+    of the variant ``label`` (GS's cached one), timed part by part."""
     causes = getattr(adapter, 'cause_samples', None)
-    cached = [v for v in variants if v.label == 'gs-cached']
+    cached = [v for v in variants if v.label == label]
     if causes and cached and _on_cpu(device):
-        # After the timed rounds (the timers would slow them): as many
-        # steps of GS's cached variant, timed part by part.
-        by_cause, steps = causes(cached[0], len(samples['gs-cached']))
+        by_cause, steps = causes(cached[0], len(samples[label]))
         results.causes += rows.cause_rows(
-            case_name(adapter, model), shape_text(shape), 'fp32', by_cause,
-            steps)
+            name, shape_text(shape), 'fp32', by_cause, steps, variant=label)
 
 
 def run_compiled_targets(args, adapter, device, model, results, log):
@@ -267,13 +272,8 @@ def run_compiled_targets(args, adapter, device, model, results, log):
         name, shape_text(shape), 'fp32', samples,
         'cpu' if _on_cpu(device) else 'wall', adapter.COMPILED_BASELINE,
         adapter.COMPILED_TARGETS)
-    causes = getattr(adapter, 'cause_samples', None)
-    cached = [v for v in variants if v.label == prefix + 'gs-cached']
-    if causes and cached and _on_cpu(device):
-        by_cause, steps = causes(cached[0], len(samples[cached[0].label]))
-        results.causes += rows.cause_rows(
-            name, shape_text(shape), 'fp32', by_cause, steps,
-            variant=cached[0].label)
+    run_causes(adapter, device, variants, samples, prefix + 'gs-cached',
+               name, shape, results)
     results.target_notes.append(
         '{} {}, `compiled ...` rows: under `torch.compile` ({}), each '
         'variant its own copy, against `{}`; GS with `compile_backend`. '

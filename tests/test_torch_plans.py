@@ -528,3 +528,29 @@ def test_a_tensor_hook_registered_before_gs_is_warned_of():
     net.wide.weight.register_hook(lambda g: None)
     with pytest.warns(RuntimeWarning, match=r'1 parameter\(s\) \(wide\.weight\)'):
         GradientScaling(net)
+
+
+def test_python_in_the_backward_reads_grad_divided():
+    """A module's full backward hook (Python code in the backward, which
+    may read ``.grad`` of parameters already accumulated) sees the true
+    gradient: no gradient is left to the pass's end where the graph runs
+    Python backward code (module hooks, custom Functions, checkpoints)."""
+    torch.manual_seed(0)
+    plain = Wide().double()
+    net = copy.deepcopy(plain)
+    hook = GradientScaling(net)
+    seen = {}
+
+    def reader(name):
+        def read(module, grad_input, grad_output):
+            seen[name] = net.out.weight.grad.clone()
+        return read
+    net.wide.register_full_backward_hook(reader('gs'))
+    x, t = _wide_batch()
+    plain(x, t).backward()
+    with hook:
+        net(x, t).backward()
+    assert hook.landed_scales[net.out.weight] >= 2 ** 10
+    assert torch.equal(seen['gs'], plain.out.weight.grad)
+    for p, q in zip(net.parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad)

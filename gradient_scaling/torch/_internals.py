@@ -44,8 +44,7 @@ import torch
 from gradient_scaling.core import patches
 
 __all__ = ['input_dtype', 'input_shape', 'saved', 'unsharded_names',
-           'post_accumulate_hooks', 'tensor_hooks', 'tensor_hook_functions',
-           'engine_accumulates',
+           'post_accumulate_hooks', 'tensor_hooks', 'engine_accumulates',
            'distributed', 'forward_pre_hooks', 'sparse_values',
            'current_node',
            'queue_end_of_backward', 'install', 'uninstall', 'active_handler',
@@ -104,16 +103,10 @@ def post_accumulate_hooks(tensor):
 
 
 def tensor_hooks(tensor):
-    """How many hooks ``tensor.register_hook`` gave ``tensor``."""
-    hooks = tensor._backward_hooks
-    return 0 if hooks is None else len(hooks)
-
-
-def tensor_hook_functions(tensor):
     """The hooks ``tensor.register_hook`` gave ``tensor``, in the order
-    they run."""
+    they run (a view: ``len`` copies nothing)."""
     hooks = tensor._backward_hooks
-    return [] if hooks is None else list(hooks.values())
+    return () if hooks is None else hooks.values()
 
 
 def engine_accumulates(node):

@@ -316,7 +316,8 @@ class BackwardPass(object):
                 'attaches a pass to each)')
         if not self.started:
             self.started = True
-            self.defers = not self.nested and self.hook.defers_landing()
+            self.defers = not self.nested and not self.plan.runs_python \
+                and self.hook.defers_landing()
             self.hook.pass_started(self)
             self.hook.queue_end(self._finished)
 
@@ -377,14 +378,10 @@ class BackwardPass(object):
         beta, key, incoming_finite = 1.0, None, None
         if site.data is not None or shares:
             key = step.gemm_key(self.hook.site_name(site.weight, site.part))
-            cached = step.cached(key, alpha)  # (a cached pass: only this)
-            if cached is not None:
-                beta = cached
-            else:
-                beta, incoming_finite = step.gemm(
-                    key, g, site.weight_values,
-                    lambda: site.accumulation_length, alpha,
-                    lambda: site.data_gradient(g))
+            beta, incoming_finite = step.gemm(
+                key, g, site.weight_values,
+                lambda: site.accumulation_length, alpha,
+                lambda: site.data_gradient(g))
         # A PyTorch GEMM computes its weight gradients from the scaled
         # input: they keep its scale (exact, unscaled by the scaler), a
         # backoff below it where their path overflowed. The simulation's

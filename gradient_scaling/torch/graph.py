@@ -230,6 +230,9 @@ class Plan(object):
         self.compiled = []
         self.softmax_gradients = set()
         self.template, self.order, self.index = template, order, index
+        #: Whether the backward runs Python code of its own that may read
+        #: a ``.grad`` (set by :class:`PlanCache`; True where unknown).
+        self.runs_python = True
         #: On a plan of :meth:`PlanCache.plan`'s quick path: a dict shared
         #: by every plan of that graph's structure, where a pass keeps what
         #: it derives from the structure alone (None elsewhere).
@@ -736,6 +739,7 @@ class PlanCache(object):
             self._templates.move_to_end(key)
             while len(self._templates) > self.size:
                 self._templates.popitem(last=False)
+        plan.runs_python = template.runs_python
         if len(roots) == 1 and _role(order[0]) == _COMPILED:
             # (an eager graph's root is no compiled region: not asked)
             quick = _Quick.of(template, plan, order, index, edges)
@@ -834,6 +838,7 @@ class _Quick(object):
         plan.compiled = [root]
         plan.softmax_gradients = {root} if self.root_softmax else set()
         plan.shared = self.shared
+        plan.runs_python = self.template.runs_python
         plan.leaf_edges = self.leaf_edges
         return plan
 
@@ -926,6 +931,10 @@ class _Template(object):
         # backward may run a nested one: a reentrant checkpoint).
         python = [i for i, n in enumerate(order)
                   if isinstance(n, torch.autograd.function.BackwardCFunction)]
+        #: Whether the graph's backward runs Python code of its own (a
+        #: custom Function's, a module's backward hook, a checkpoint's):
+        #: code that may read a ``.grad`` while the pass runs.
+        self.runs_python = bool(python)
         self.edge_setters = frozenset(
             [site[0] for site in self.gemms] + self.extra +
             self.compiled + python)

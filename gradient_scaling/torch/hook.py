@@ -256,14 +256,14 @@ class GradientScaling(ControllerViews):
                 _NORMAL_FLOAT32[0] <= 1.0 / scale <= _NORMAL_FLOAT32[1] \
                 and not self._capturing and not torch.is_grad_enabled() \
                 and internals.post_accumulate_hooks(leaf) == 0 and \
-                internals.tensor_hooks(leaf) == 1:
+                len(internals.tensor_hooks(leaf)) == 1:
             # Accumulated as it is, divided in ``.grad`` when the pass
             # ends (:meth:`pass_ended`), all such gradients at once, by
             # GradScaler's fused kernel, which checks them in the same
             # read: the engine makes ``.grad`` this tensor or a copy, its
             # own either way, and nothing reads it before then (no other
             # hook on the leaf, no post-accumulate hook, no process group:
-            # no reducer; the next backward pass of these leaves finds
+            # no reducer; no Python code in the backward; the next backward pass of these leaves finds
             # them divided, and a gradient that lands on one again first
             # divides it). Not where the gradient is returned, not
             # accumulated (torch.autograd.grad, however it was called).
@@ -806,7 +806,7 @@ _NORMAL_FLOAT32 = (2.0 ** -126, 2.0 ** 127)
 def _foreign_hooks(param):
     """How many tensor hooks ``param`` has that are not a GS hook's
     landing hook (another GS hook's acts only while its own pass runs)."""
-    return sum(1 for f in internals.tensor_hook_functions(param)
+    return sum(1 for f in internals.tensor_hooks(param)
                if getattr(f, 'func', None) is not _land_weakly)
 
 
