@@ -37,7 +37,9 @@ extras_require = {
     'mpi': ['mpi4py>=3.1'],
     'gpu': ['cupy-cuda13x>=13'],
     # gradient_scaling.torch (imports without Chainer)
-    'torch': ['torch>=2.4'],
+    # (ninja builds the adapter's native callbacks, gradient_scaling/torch/
+    # native.cpp, on first use; without it the Python ones serve)
+    'torch': ['torch>=2.4', 'ninja'],
     # The frameworks GradientScaler's drop-in tests run in
     # (tests/test_torch_frameworks.py); the Makefile's TORCH_FRAMEWORKS
     # installs these pins beside torch==2.13.0, which none of them replaces.
@@ -60,6 +62,8 @@ setup(
                                     'example_data', 'example_data.*',
                                     'example_common', 'example_common.*',
                                     'torch_models', 'torch_models.*']),
+    # (the native callbacks' source, compiled on first use)
+    package_data={'gradient_scaling.torch': ['native.cpp']},
     install_requires=install_requires,
     extras_require=extras_require,
 )

@@ -586,7 +586,7 @@ def test_no_op_hooks_control_hooks_where_gs_does_and_changes_nothing(
         gs.step()
     gs.prepare()
     scaled = gs.scaler.scale(gs.model(*gs.inputs))
-    expected = len(gs.scaler.hook._pass.handles)
+    expected = len(gs.scaler.hook._pass.hooks)
     scaled.backward()  # (GS's pass ends: it routes no other backward)
     gs.scaler.step(gs.optimizer)
     gs.scaler.update()
@@ -594,7 +594,7 @@ def test_no_op_hooks_control_hooks_where_gs_does_and_changes_nothing(
     assert len(graph.walk([loss.grad_fn]).gemms) >= 8
     scaler = hooked.scaler
     scaled = scaler.scale(loss)
-    assert len(scaler._handles) == expected
+    assert len(scaler._hooks) == expected
     del calls[:]
     scaled.backward()
     # each hook once: the nodes', every parameter's
@@ -602,7 +602,7 @@ def test_no_op_hooks_control_hooks_where_gs_does_and_changes_nothing(
     assert len(calls) == expected + len(params)
     scaler.step(hooked.optimizer)
     scaler.update()
-    assert scaler._handles == []
+    assert len(scaler._hooks) == 0
     plain.step()  # (the same step, GradScaler's own)
     # Same steps from the same weights: the same gradients, bit for bit.
     for v in (plain, hooked):

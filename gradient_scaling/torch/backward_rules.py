@@ -46,6 +46,7 @@ import functools
 
 from gradient_scaling.core import arrays
 from gradient_scaling.torch import _internals as internals
+from gradient_scaling.torch import native
 from gradient_scaling.torch.arrays import times_power_of_two
 
 __all__ = ['BackwardPass']
@@ -132,7 +133,8 @@ class BackwardPass(object):
         #: Compiled regions that scaled their inside themselves
         #: (:func:`~gradient_scaling.torch.compile_backend.compile_backend`).
         self.self_scaled = set()
-        self.handles = []
+        self.hooks = native.Hooks()  # the callbacks on the graph's nodes
+        self.handles = []  # the hooks on leaves not the model's
         self._register()
 
     # -- scales ------------------------------------------------------------
@@ -218,27 +220,27 @@ class BackwardPass(object):
     # -- registration -------------------------------------------------------
 
     def _register(self):
-        plan, on = self.plan, self.handles.append
+        plan, pre, post = self.plan, self.hooks.add_pre, self.hooks.add_post
         for root in plan.roots:
-            on(root.register_prehook(self._started))
+            pre(root, self._started)
         for node in plan.casts:
-            on(node.register_prehook(self._cast(node)))
+            pre(node, self._cast(node))
         backoff = self.hook.controller.backoff.scales
         for node, site in plan.gemms.items():
-            on(node.register_prehook(self._gemm_in(node, site)))
+            pre(node, self._gemm_in(node, site))
             if self.step.refresh or backoff and any(
                     self.hook.parameter_name(p) in backoff
                     for p in site.parameters.values()):
                 self.posts.add(node)
-                on(node.register_hook(self._gemm_out(node, site)))
+                post(node, self._gemm_out(node, site))
         for node in plan.multi_output:
-            on(node.register_prehook(self._unify_outputs(node)))
+            pre(node, self._unify_outputs(node))
         consumers = collections.defaultdict(list)
         for slot, edges in plan.branches.items():
             for node, i in edges:
                 consumers[node].append((i, slot))
         for node, edges in consumers.items():
-            on(node.register_hook(self._contribute(node, edges)))
+            post(node, self._contribute(node, edges))
         lands, itself = self.hook.land, self.hook.landing_ids
         shared = plan.shared
         foreign = None if shared is None else shared.get('foreign')
@@ -248,9 +250,11 @@ class BackwardPass(object):
             if shared is not None:
                 shared['foreign'] = foreign
         for leaf in foreign:
-            on(leaf.register_hook(functools.partial(lands, leaf)))
+            self.handles.append(leaf.register_hook(
+                functools.partial(lands, leaf)))
 
     def remove(self):
+        self.hooks.clear()
         for handle in self.handles:
             handle.remove()
         self.handles = []
@@ -278,9 +282,8 @@ class BackwardPass(object):
                                for i, accumulator in plan.leaf_edges
                                if i in scales}
                 accumulators = plan.accumulators
-                unit = {id(accumulators[a]): None
-                        for a, scale in leaf_scales.items()
-                        if scale == 1.0}
+                unit = [accumulators[a] for a, scale in leaf_scales.items()
+                        if scale == 1.0]
                 leaves = {i for i, _ in plan.leaf_edges}
                 rest = [(i, s) for i, s in scales.items() if i not in leaves]
                 known = plan.shared['scales'] = (scales, leaf_scales, unit,

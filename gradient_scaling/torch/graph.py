@@ -33,6 +33,7 @@ import math
 import torch
 
 from gradient_scaling.torch import _internals as internals
+from gradient_scaling.torch import native
 
 __all__ = ['GemmSite', 'Plan', 'PlanCache', 'Reads', 'walk',
            'register_gemm_kind', 'GEMM_NODES',
@@ -847,6 +848,14 @@ _IS_ACCUMULATE = {}  # node class -> whether it is AccumulateGrad
 
 
 def structure(roots):
+    """``(nodes, index, signature)`` of the graph below ``roots``
+    (:func:`python_structure`), read natively where
+    :mod:`~gradient_scaling.torch.native` is built."""
+    read = native.structure(roots)
+    return python_structure(roots) if read is None else read
+
+
+def python_structure(roots):
     """``(nodes, index, signature)`` of the graph below ``roots``: its
     nodes in the order first met (breadth first), node -> its position,
     and a hashable description that two graphs share exactly when their

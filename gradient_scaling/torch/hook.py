@@ -24,6 +24,7 @@ from gradient_scaling.core.scaler import FINITE
 from gradient_scaling.torch import _internals as internals
 from gradient_scaling.torch import arrays as torch_arrays
 from gradient_scaling.torch import graph
+from gradient_scaling.torch import native
 from gradient_scaling.torch import unscaling
 from gradient_scaling.torch.backward_rules import BackwardPass
 
@@ -113,9 +114,11 @@ class GradientScaling(ControllerViews):
         self.plans = graph.PlanCache()
         self._pass = None
         self._running = []  # passes whose backward runs now, innermost last
-        #: ``(pass, {id(leaf): None})``: leaves whose gradients reach them
-        #: at scale 1 in the innermost running pass (:meth:`unit_landing`).
-        self._unit = None
+        #: What the landing hooks know without asking the hook: whether a
+        #: pass runs, the leaves whose gradients reach them at scale 1 in
+        #: the innermost running pass (:meth:`unit_landing`)
+        #: (:func:`~gradient_scaling.torch.native.Landing`).
+        self._landing_state = native.Landing()
         self._bare = False  # active as ``with hook:``
         self._patched = False  # torch.autograd.backward routed here
         # A tensor hook on every parameter of the model, for the hook's
@@ -137,10 +140,12 @@ class GradientScaling(ControllerViews):
                     len(earlier), ', '.join(earlier[:3]) +
                     (', ...' if len(earlier) > 3 else '')),
                 RuntimeWarning)
+        this = weakref.ref(self)
         for param in self._names:
             if param.requires_grad:
                 self._landing[param] = param.register_hook(
-                    functools.partial(_land_weakly, weakref.ref(self), param))
+                    self._landing_state.hook(param, functools.partial(
+                        _land_weakly, this, param)))
         #: ``id(leaf)`` -> ``(leaf, inverse, pass)``: gradients accumulated
         #: into ``.grad`` still scaled, divided there when their pass ends
         #: (:meth:`land`).
@@ -354,12 +359,18 @@ class GradientScaling(ControllerViews):
 
     def unit_landing(self, current, leaves):
         """The innermost running pass ``current`` knows now that the
-        gradients of ``leaves`` (``{id(leaf): None}``) reach them at scale
-        1: each then lands as it comes, recorded, with no lookup (until
-        another pass starts or this one ends). Not while gradients are
-        checked on landing (each needs its witness)."""
+        gradients of ``leaves`` (a list) reach them at scale 1: each then
+        lands as it comes, recorded, with no lookup (until another pass
+        starts or this one ends). Not while gradients are checked on
+        landing (each needs its witness)."""
         if not self.check_on_landing:
-            self._unit = (current, leaves)
+            self._landing_state.set_unit(leaves, current.landed)
+
+    def _set_running(self, running):
+        """The passes whose backward runs now (the landing hooks told)."""
+        self._running = running
+        self._landing_state.set_unit(None, None)
+        self._landing_state.set_running(bool(running))
 
     def defers_landing(self):
         """Whether a pass starting now may leave its gradients scaled in
@@ -369,14 +380,12 @@ class GradientScaling(ControllerViews):
         return not self.check_on_landing and not internals.distributed()
 
     def pass_started(self, current):
-        self._unit = None
-        self._running.append(current)
+        self._set_running(self._running + [current])
 
     def pass_ended(self, current):
-        self._unit = None
+        self._landing_state.set_unit(None, None)
         self._unscale_pass(current)
-        if current in self._running:
-            self._running.remove(current)
+        self._set_running([p for p in self._running if p is not current])
         if not self._running and not self._bare:
             self._unpatch()
 
@@ -526,7 +535,8 @@ class GradientScaling(ControllerViews):
         finally:
             inner.remove()
             if inner in self._running:  # it raised before its end
-                self._running.remove(inner)
+                self._set_running([p for p in self._running
+                                   if p is not inner])
         outer.absorb(inner)
         handed = [(leaf, inner.landing_scale(leaf))
                   for leaf in inner.leaves
@@ -607,8 +617,7 @@ class GradientScaling(ControllerViews):
 
     def abort(self):
         """The backward pass raised: forget its step."""
-        self._running = []
-        self._unit = None
+        self._set_running([])
         # (what landed is left divided, as the landing promises)
         pending, self._pending = list(self._pending.values()), {}
         self._unscale_pending(pending)
@@ -628,10 +637,11 @@ class GradientScaling(ControllerViews):
         if current is None:
             return
         current.remove()
-        self._unit = None
+        self._landing_state.set_unit(None, None)
         self._unscale_pass(current)
         if current in self._running:  # its backward did not end
-            self._running.remove(current)
+            self._set_running([p for p in self._running
+                               if p is not current])
         if not self._running and not self._bare:
             self._unpatch()
         if not current.finished:
@@ -807,17 +817,12 @@ def _foreign_hooks(param):
     """How many tensor hooks ``param`` has that are not a GS hook's
     landing hook (another GS hook's acts only while its own pass runs)."""
     return sum(1 for f in internals.tensor_hooks(param)
-               if getattr(f, 'func', None) is not _land_weakly)
+               if not native.is_landing_hook(f))
 
 
 def _land_weakly(hook_ref, param, grad):
     hook = hook_ref()
     if hook is None:
-        return None
-    unit = hook._unit
-    if unit is not None and id(param) in unit[1]:
-        # (what land() does at scale 1: record it, nothing to divide)
-        unit[0].landed.append((param, 1.0))
         return None
     return hook.land(param, grad)
 

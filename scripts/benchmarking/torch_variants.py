@@ -27,6 +27,7 @@ import torch
 from gradient_scaling.torch import GradientScaler
 from gradient_scaling.torch import compile_backend
 from gradient_scaling.torch import graph
+from gradient_scaling.torch import native
 from gradient_scaling.torch.simulation import LowPrecisionSimulation
 
 from benchmarking import rows
@@ -192,7 +193,9 @@ class HookedGradScaler(object):
     scaling.torch.graph.walk`) gives the nodes, by their place in the
     graph's structure; each ``scale`` reads the new graph's structure, as
     GS's cached pass does, and registers the node hooks there, ``step``
-    removes them; the parameters' hooks stay, as GS's do.
+    removes them; the parameters' hooks stay, as GS's do. Hooks are
+    registered, called and removed as GS's are
+    (:mod:`gradient_scaling.torch.native`, natively where it is built).
 
     Raises:
         RuntimeError: When a graph's structure is not the first one's.
@@ -201,10 +204,12 @@ class HookedGradScaler(object):
 
     def __init__(self, scaler, model):
         self.scaler = scaler
-        self._handles, self._signature = [], None
+        self._hooks, self._signature = native.Hooks(), None
+        landing = native.Landing()
+        landing.set_running(True)  # (each calls Python, as GS's in a pass)
         for param in model.parameters():
             if param.requires_grad:
-                param.register_hook(_nothing)
+                param.register_hook(landing.hook(param, _nothing))
 
     def _learn(self, roots):
         plan = graph.walk(roots)
@@ -223,17 +228,14 @@ class HookedGradScaler(object):
         order, _, signature = graph.structure(roots)
         if signature != self._signature:
             raise RuntimeError('HookedGradScaler: the graph changed')
-        on = self._handles.append
         for i in self._pre:
-            on(order[i].register_prehook(_nothing))
+            self._hooks.add_pre(order[i], _nothing)
         for i in self._post:
-            on(order[i].register_hook(_nothing))
+            self._hooks.add_post(order[i], _nothing)
         return self.scaler.scale(loss)
 
     def step(self, optimizer):
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        self._hooks.clear()
         return self.scaler.step(optimizer)
 
     def update(self):

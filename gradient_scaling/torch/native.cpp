@@ -1,0 +1,458 @@
+// The per-pass work of GradientScaling's PyTorch adapter that is PyTorch's
+// own machinery rather than the method: reading a graph's structure, putting
+// callbacks on its nodes and taking them off, and the landing hook every
+// parameter carries for the hook's life. Python does these one Python call
+// at a time (a RemovableHandle per callback, a tuple per next_functions, a
+// Python call per gradient landed even when nothing is to be done); here
+// they are one call each. What the callbacks do stays in Python
+// (gradient_scaling/torch/backward_rules.py); gradient_scaling/torch/
+// native.py builds this file once per PyTorch version and falls back to
+// the Python implementation where it cannot.
+
+#include <torch/extension.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/python_cpp_function.h>
+#include <torch/csrc/autograd/python_function.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <memory>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+namespace py = pybind11;
+using torch::autograd::Node;
+using torch::autograd::variable_list;
+
+namespace {
+
+// A strong reference to a Python object that may be dropped on a thread
+// without the GIL (the engine frees a graph's nodes, and their hooks, where
+// it runs); leaked when the interpreter is already gone, as PyTorch's own
+// Python hooks do.
+struct PyRef {
+  PyObject* obj;
+  explicit PyRef(PyObject* o) : obj(o) { Py_XINCREF(obj); }
+  PyRef(const PyRef&) = delete;
+  PyRef& operator=(const PyRef&) = delete;
+  ~PyRef() {
+    if (obj != nullptr && Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      Py_DECREF(obj);
+    }
+  }
+};
+
+c10::intrusive_ptr<Node> node_of(PyObject* obj) {
+  if (torch::autograd::THPCppFunction_Check(obj)) {
+    return reinterpret_cast<torch::autograd::THPCppFunction*>(obj)->cdata;
+  }
+  if (THPFunction_Check(obj)) {
+    return reinterpret_cast<THPFunction*>(obj)->cdata;
+  }
+  throw py::type_error("gradient_scaling native: not a backward node: " +
+                       std::string(Py_TYPE(obj)->tp_name));
+}
+
+// A tuple of the gradients (None where undefined), as Python hooks get it.
+PyObject* wrap(const variable_list& values) {
+  PyObject* tuple = PyTuple_New(static_cast<Py_ssize_t>(values.size()));
+  if (tuple == nullptr) throw python_error();
+  for (size_t i = 0; i < values.size(); ++i) {
+    PyObject* v;
+    if (values[i].defined()) {
+      v = THPVariable_Wrap(values[i]);
+      if (v == nullptr) {
+        Py_DECREF(tuple);
+        throw python_error();
+      }
+    } else {
+      Py_INCREF(Py_None);
+      v = Py_None;
+    }
+    PyTuple_SET_ITEM(tuple, static_cast<Py_ssize_t>(i), v);
+  }
+  return tuple;
+}
+
+// A hook's result: None keeps ``values``; otherwise a tuple or list of as
+// many tensors or Nones.
+variable_list unwrap(PyObject* result, const variable_list& values,
+                     const char* what) {
+  if (result == Py_None) return values;
+  if (!PyTuple_Check(result) && !PyList_Check(result)) {
+    PyErr_Format(PyExc_TypeError,
+                 "gradient_scaling native: a %s returned %s, not a tuple",
+                 what, Py_TYPE(result)->tp_name);
+    throw python_error();
+  }
+  PyObject* seq = PySequence_Fast(result, "");
+  if (seq == nullptr) throw python_error();
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  if (static_cast<size_t>(n) != values.size()) {
+    Py_DECREF(seq);
+    PyErr_Format(PyExc_RuntimeError,
+                 "gradient_scaling native: a %s returned %zd values, "
+                 "expected %zu", what, n, values.size());
+    throw python_error();
+  }
+  variable_list out(values.size());
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* v = PySequence_Fast_GET_ITEM(seq, i);
+    if (v == Py_None) continue;
+    if (!THPVariable_Check(v)) {
+      Py_DECREF(seq);
+      PyErr_Format(PyExc_TypeError,
+                   "gradient_scaling native: a %s returned a %s, not a "
+                   "tensor", what, Py_TYPE(v)->tp_name);
+      throw python_error();
+    }
+    out[i] = THPVariable_Unpack(v);
+  }
+  Py_DECREF(seq);
+  return out;
+}
+
+PyObject* call(PyObject* fn, PyObject* a, PyObject* b = nullptr) {
+  PyObject* result = b == nullptr ? PyObject_CallOneArg(fn, a)
+                                  : PyObject_CallFunctionObjArgs(fn, a, b,
+                                                                 nullptr);
+  if (result == nullptr) throw python_error();
+  return result;
+}
+
+// fn(grad_outputs) -> None or new grad_outputs (Node.register_prehook's).
+struct PreHook : torch::autograd::FunctionPreHook {
+  std::shared_ptr<PyRef> fn;
+  explicit PreHook(std::shared_ptr<PyRef> f) : fn(std::move(f)) {}
+  variable_list operator()(const variable_list& grads) override {
+    py::gil_scoped_acquire gil;
+    PyObject* args = wrap(grads);
+    PyObject* result = nullptr;
+    try {
+      result = call(fn->obj, args);
+    } catch (...) {
+      Py_DECREF(args);
+      throw;
+    }
+    Py_DECREF(args);
+    try {
+      variable_list out = unwrap(result, grads, "backward pre-hook");
+      Py_DECREF(result);
+      return out;
+    } catch (...) {
+      Py_DECREF(result);
+      throw;
+    }
+  }
+};
+
+// fn(grad_inputs, grad_outputs) -> None or new grad_inputs
+// (Node.register_hook's).
+struct PostHook : torch::autograd::FunctionPostHook {
+  std::shared_ptr<PyRef> fn;
+  explicit PostHook(std::shared_ptr<PyRef> f) : fn(std::move(f)) {}
+  variable_list operator()(const variable_list& outputs,
+                           const variable_list& inputs) override {
+    py::gil_scoped_acquire gil;
+    PyObject* a = wrap(outputs);
+    PyObject* b = nullptr;
+    PyObject* result = nullptr;
+    try {
+      b = wrap(inputs);
+      result = call(fn->obj, a, b);
+    } catch (...) {
+      Py_DECREF(a);
+      Py_XDECREF(b);
+      throw;
+    }
+    Py_DECREF(a);
+    Py_DECREF(b);
+    try {
+      variable_list out = unwrap(result, outputs, "backward hook");
+      Py_DECREF(result);
+      return out;
+    } catch (...) {
+      Py_DECREF(result);
+      throw;
+    }
+  }
+};
+
+// The callbacks of one backward pass, taken off all at once.
+class HookSet {
+ public:
+  ~HookSet() { clear(); }
+
+  void add_pre(py::handle node, py::handle fn) {
+    auto n = node_of(node.ptr());
+    auto hook = std::make_unique<PreHook>(std::make_shared<PyRef>(fn.ptr()));
+    void* key = hook.get();
+    n->add_pre_hook(std::move(hook));
+    entries_.push_back({c10::weak_intrusive_ptr<Node>(n), key, true});
+  }
+
+  void add_post(py::handle node, py::handle fn) {
+    auto n = node_of(node.ptr());
+    auto hook =
+        std::make_unique<PostHook>(std::make_shared<PyRef>(fn.ptr()));
+    void* key = hook.get();
+    n->add_post_hook(std::move(hook));
+    entries_.push_back({c10::weak_intrusive_ptr<Node>(n), key, false});
+  }
+
+  // Takes every callback off the nodes still alive (never while the
+  // engine runs one of those nodes: the adapter removes a pass's callbacks
+  // before or after its backward, as PyTorch's handles require too).
+  void clear() {
+    for (auto& entry : entries_) {
+      auto n = entry.node.lock();
+      if (!n) continue;
+      if (entry.pre) {
+        auto& hooks = n->pre_hooks();
+        for (auto it = hooks.begin(); it != hooks.end(); ++it) {
+          if (it->get() == entry.key) {
+            hooks.erase(it);
+            break;
+          }
+        }
+      } else {
+        n->del_post_hook(reinterpret_cast<uintptr_t>(entry.key));
+      }
+    }
+    entries_.clear();
+  }
+
+  size_t size() const { return entries_.size(); }
+
+ private:
+  struct Entry {
+    c10::weak_intrusive_ptr<Node> node;
+    void* key;
+    bool pre;
+  };
+  std::vector<Entry> entries_;
+};
+
+// What a parameter's landing hook needs to know without Python: whether a
+// pass of its GradientScaling runs, and the parameters whose gradients
+// reach them at scale 1 in it (each then only recorded).
+struct LandingState {
+  bool running = false;
+  std::unordered_set<const c10::TensorImpl*> unit;
+  PyObject* record = nullptr;  // a list: (param, 1.0) appended
+  ~LandingState() {
+    if (Py_IsInitialized()) Py_XDECREF(record);
+  }
+};
+
+// The state of a GradientScaling's landing hooks, set by the adapter as
+// its passes start and end.
+class Landing {
+ public:
+  Landing() : state(std::make_shared<LandingState>()) {}
+
+  void set_running(bool running) { state->running = running; }
+
+  // The parameters of ``params`` then land at scale 1, each recorded in
+  // ``record`` (a list) as ``(param, 1.0)``; None: none does.
+  void set_unit(py::handle params, py::handle record) {
+    state->unit.clear();
+    Py_XDECREF(state->record);
+    state->record = nullptr;
+    if (params.is_none()) return;
+    for (auto item : params) {
+      if (!THPVariable_Check(item.ptr())) {
+        throw py::type_error("gradient_scaling native: not a tensor");
+      }
+      state->unit.insert(
+          THPVariable_Unpack(item.ptr()).unsafeGetTensorImpl());
+    }
+    Py_INCREF(record.ptr());
+    state->record = record.ptr();
+  }
+
+  std::shared_ptr<LandingState> state;
+};
+
+// A parameter's landing hook (``param.register_hook(hook)``, in its
+// Python hooks, where they run in order): a callable object in C, so that
+// a gradient landing while no pass runs, or at scale 1, costs no Python
+// frame; otherwise ``fn(grad)`` (the adapter's Python landing: None or the
+// gradient divided).
+struct LandingHook {
+  PyObject_HEAD
+  std::shared_ptr<LandingState>* state;
+  const c10::TensorImpl* impl;
+  PyObject* fn;
+  PyObject* record;  // (param, 1.0)
+};
+
+int landing_traverse(PyObject* self, visitproc visit, void* arg) {
+  auto* hook = reinterpret_cast<LandingHook*>(self);
+  Py_VISIT(hook->fn);
+  Py_VISIT(hook->record);
+  return 0;
+}
+
+int landing_clear(PyObject* self) {
+  auto* hook = reinterpret_cast<LandingHook*>(self);
+  Py_CLEAR(hook->fn);
+  Py_CLEAR(hook->record);
+  return 0;
+}
+
+void landing_dealloc(PyObject* self) {
+  PyObject_GC_UnTrack(self);
+  landing_clear(self);
+  auto* hook = reinterpret_cast<LandingHook*>(self);
+  delete hook->state;
+  hook->state = nullptr;
+  Py_TYPE(self)->tp_free(self);
+}
+
+PyObject* landing_call(PyObject* self, PyObject* args, PyObject* kwargs) {
+  auto* hook = reinterpret_cast<LandingHook*>(self);
+  LandingState& state = **hook->state;
+  if (!state.running) Py_RETURN_NONE;
+  if (state.record != nullptr && hook->record != nullptr &&
+      state.unit.count(hook->impl) != 0) {
+    if (PyList_Append(state.record, hook->record) != 0) return nullptr;
+    Py_RETURN_NONE;
+  }
+  if (hook->fn == nullptr) Py_RETURN_NONE;
+  return PyObject_Call(hook->fn, args, kwargs);
+}
+
+PyTypeObject LandingHookType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+py::object landing_hook(Landing& landing, py::handle param, py::handle fn) {
+  if (!THPVariable_Check(param.ptr())) {
+    throw py::type_error("gradient_scaling native: not a tensor");
+  }
+  PyObject* record = Py_BuildValue("(Od)", param.ptr(), 1.0);
+  if (record == nullptr) throw python_error();
+  auto* hook = PyObject_GC_New(LandingHook, &LandingHookType);
+  if (hook == nullptr) {
+    Py_DECREF(record);
+    throw python_error();
+  }
+  hook->state = new std::shared_ptr<LandingState>(landing.state);
+  hook->impl = THPVariable_Unpack(param.ptr()).unsafeGetTensorImpl();
+  Py_INCREF(fn.ptr());
+  hook->fn = fn.ptr();
+  hook->record = record;
+  PyObject_GC_Track(reinterpret_cast<PyObject*>(hook));
+  return py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(hook));
+}
+
+// graph.structure(roots), read in one call: (nodes in the order first met,
+// breadth first; node -> position; the signature tuple), equal to what the
+// Python function returns for the same graph.
+py::tuple structure(py::sequence roots) {
+  std::unordered_map<const Node*, Py_ssize_t> index;
+  py::list order;
+  py::dict positions;
+  py::list signature;
+  std::vector<c10::intrusive_ptr<Node>> nodes;
+
+  auto visit = [&](const c10::intrusive_ptr<Node>& producer,
+                   PyObject* known, uint32_t k) {
+    if (!producer) {
+      signature.append(py::none());
+      return;
+    }
+    auto found = index.find(producer.get());
+    Py_ssize_t i;
+    if (found == index.end()) {
+      i = static_cast<Py_ssize_t>(nodes.size());
+      index.emplace(producer.get(), i);
+      nodes.push_back(producer);
+      py::object obj = known != nullptr
+          ? py::reinterpret_borrow<py::object>(known)
+          : py::reinterpret_steal<py::object>(
+                torch::autograd::functionToPyObject(producer));
+      if (!obj) throw python_error();
+      order.append(obj);
+      positions[obj] = py::int_(i);
+    } else {
+      i = found->second;
+    }
+    signature.append(py::int_(i));
+    signature.append(py::int_(k));
+  };
+
+  for (auto root : roots) {
+    if (root.is_none()) {
+      signature.append(py::none());
+      continue;
+    }
+    visit(node_of(root.ptr()), root.ptr(), 0);
+    // (a root's slot is None in the Python signature)
+    signature[py::len(signature) - 1] = py::none();
+  }
+  size_t following = 0;
+  while (following < nodes.size()) {
+    auto node = nodes[following];
+    PyObject* obj = PyList_GET_ITEM(order.ptr(),
+                                    static_cast<Py_ssize_t>(following));
+    ++following;
+    signature.append(py::reinterpret_borrow<py::object>(
+        reinterpret_cast<PyObject*>(Py_TYPE(obj))));
+    const auto& edges = node->next_edges();
+    if (edges.empty()) {
+      auto* accumulate =
+          dynamic_cast<torch::autograd::AccumulateGrad*>(node.get());
+      if (accumulate != nullptr) {
+        PyObject* variable = THPVariable_Wrap(accumulate->variable);
+        if (variable == nullptr) throw python_error();
+        signature.append(py::int_(reinterpret_cast<uintptr_t>(variable)));
+        signature.append(py::reinterpret_borrow<py::object>(
+            reinterpret_cast<PyObject*>(Py_TYPE(variable))));
+        Py_DECREF(variable);
+        continue;
+      }
+    }
+    signature.append(py::int_(edges.size()));
+    for (const auto& edge : edges) {
+      if (!edge.is_valid()) {
+        signature.append(py::none());
+        continue;
+      }
+      visit(edge.function, nullptr, edge.input_nr);
+    }
+  }
+  return py::make_tuple(order, positions, py::tuple(signature));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "gradient_scaling's native callbacks (see native.py)";
+  py::class_<HookSet>(m, "HookSet")
+      .def(py::init<>())
+      .def("add_pre", &HookSet::add_pre)
+      .def("add_post", &HookSet::add_post)
+      .def("clear", &HookSet::clear)
+      .def("__len__", &HookSet::size);
+  py::class_<Landing>(m, "Landing")
+      .def(py::init<>())
+      .def("set_running", &Landing::set_running)
+      .def("set_unit", &Landing::set_unit)
+      .def("hook", &landing_hook);
+  LandingHookType.tp_name = "gradient_scaling_native.LandingHook";
+  LandingHookType.tp_basicsize = sizeof(LandingHook);
+  LandingHookType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;
+  LandingHookType.tp_traverse = landing_traverse;
+  LandingHookType.tp_clear = landing_clear;
+  LandingHookType.tp_dealloc = landing_dealloc;
+  LandingHookType.tp_call = landing_call;
+  LandingHookType.tp_doc = "A parameter's landing hook (see Landing)";
+  if (PyType_Ready(&LandingHookType) < 0) throw python_error();
+  Py_INCREF(&LandingHookType);
+  m.attr("LandingHook") = py::handle(
+      reinterpret_cast<PyObject*>(&LandingHookType));
+  m.def("structure", &structure);
+}

@@ -1,0 +1,223 @@
+"""The adapter's native callbacks: ``native.cpp``, built once per PyTorch.
+
+What a pass of the PyTorch adapter spends on PyTorch's own machinery in
+Python, one Python call at a time, ``native.cpp`` does in one call each:
+reading a graph's structure (:func:`structure`, equal to
+:func:`gradient_scaling.torch.graph.structure`), putting a pass's callbacks
+on its nodes and taking them off (:class:`Hooks`: no ``RemovableHandle``
+per callback), and the landing hook every parameter carries for the
+hook's life (:class:`Landing`: no Python call for a gradient that lands
+while no pass runs, or at scale 1). What the callbacks do is the same
+Python code either way; gradients and scales are the same bit for bit
+(``tests/test_torch_native.py``).
+
+It is compiled with ``torch.utils.cpp_extension`` (a C++ compiler and
+``ninja``) the first time a :class:`~gradient_scaling.torch.GradientScaling`
+is made, into ``$GRADIENT_SCALING_CACHE`` (default
+``~/.cache/gradient_scaling``), under a name that changes with the source,
+the PyTorch version and the Python version; then loaded from there. Where
+it cannot be built (no compiler, a PyTorch whose internals differ) the
+adapter says so once (a ``RuntimeWarning``) and uses the Python
+implementation below, which does the same. ``GRADIENT_SCALING_NATIVE=0``
+chooses the Python implementation without trying.
+"""
+
+import functools
+import hashlib
+import os
+import shutil
+import sys
+import threading
+import warnings
+
+import torch
+
+__all__ = ['module', 'reason', 'Hooks', 'Landing', 'is_landing_hook',
+           'structure']
+
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                       'native.cpp')
+_lock = threading.Lock()
+_loaded = []  # [module or None] once tried
+_reason = []  # why the Python implementation is used
+
+
+def _build_directory(name):
+    root = os.environ.get('GRADIENT_SCALING_CACHE') or os.path.join(
+        os.path.expanduser('~'), '.cache', 'gradient_scaling')
+    return os.path.join(root, name)
+
+
+def _name():
+    with open(_SOURCE, 'rb') as f:
+        digest = hashlib.sha256(f.read())
+    digest.update('{} {}.{} {}'.format(
+        torch.__version__, sys.version_info[0], sys.version_info[1],
+        sys.implementation.cache_tag).encode())
+    return 'gradient_scaling_native_' + digest.hexdigest()[:12]
+
+
+def _find_ninja():
+    """Puts the ninja of the ``ninja`` package (in a venv's ``bin``, not
+    on ``PATH`` unless the venv is activated) on ``PATH`` where none is,
+    for ``torch.utils.cpp_extension``; returns ninja's path or None."""
+    found = shutil.which('ninja')
+    if found is None:
+        try:
+            import ninja
+            directory = ninja.BIN_DIR
+        except (ImportError, AttributeError):
+            directory = os.path.dirname(sys.executable)
+        if os.path.exists(os.path.join(directory, 'ninja')):
+            os.environ['PATH'] = directory + os.pathsep + \
+                os.environ.get('PATH', '')
+            found = shutil.which('ninja')
+    return found
+
+
+def module():
+    """The compiled module, or None where the Python implementation is
+    used (:func:`reason` says why). Built on the first call."""
+    if _loaded:
+        return _loaded[0]
+    with _lock:
+        if not _loaded:
+            _loaded.append(_load())
+    return _loaded[0]
+
+
+def reason():
+    """Why the Python implementation is used ('' when it is not)."""
+    module()
+    return _reason[0] if _reason else ''
+
+
+def _load():
+    if os.environ.get('GRADIENT_SCALING_NATIVE', '1') == '0':
+        _reason.append('GRADIENT_SCALING_NATIVE=0')
+        return None
+    name = _name()
+    directory = _build_directory(name)
+    try:
+        _find_ninja()
+        from torch.utils import cpp_extension
+        os.makedirs(directory, exist_ok=True)
+        built = any(f.endswith('.so') for f in os.listdir(directory))
+        if not built:
+            sys.stderr.write(
+                'gradient_scaling: building the native PyTorch callbacks '
+                '(once per PyTorch version, about 30 s) in {}\n'.format(
+                    directory))
+        return cpp_extension.load(
+            name, [_SOURCE], build_directory=directory,
+            extra_cflags=['-O2'], verbose=False)
+    except Exception as error:  # NOQA: any failure means: Python instead
+        # (a build's error: the compiler's first error lines, not the
+        # command line that precedes them)
+        lines = [line.strip() for line in str(error).splitlines()]
+        errors = [line for line in lines if 'error' in line.lower()]
+        text = ' | '.join((errors or lines)[:3])
+        _reason.append('{}: {}'.format(type(error).__name__, text[:600]))
+        warnings.warn(
+            'gradient_scaling: the native PyTorch callbacks could not be '
+            'built or loaded ({}); using the Python implementation (the '
+            'same gradients, more time per step). It needs a C++ compiler '
+            'and ninja (pip install ninja); GRADIENT_SCALING_NATIVE=0 '
+            'silences this.'.format(_reason[0]), RuntimeWarning)
+        return None
+
+
+# -- the Python implementation (the same behaviour) ----------------------
+
+
+class PythonHooks(object):
+
+    """A pass's callbacks on its nodes, taken off all at once."""
+
+    def __init__(self):
+        self._handles = []
+
+    def add_pre(self, node, fn):
+        self._handles.append(node.register_prehook(fn))
+
+    def add_post(self, node, fn):
+        self._handles.append(node.register_hook(fn))
+
+    def clear(self):
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def __len__(self):
+        return len(self._handles)
+
+
+def Hooks():
+    """An empty set of callbacks for one pass: ``add_pre(node, fn)``
+    (``node.register_prehook``), ``add_post(node, fn)``
+    (``node.register_hook``), ``clear()``."""
+    native = module()
+    return PythonHooks() if native is None else native.HookSet()
+
+
+class PythonLanding(object):
+
+    """The state of a hook's landing hooks, as :class:`Landing` keeps it
+    natively: whether a pass runs (:meth:`set_running`), which parameters'
+    gradients reach them at scale 1 in it (:meth:`set_unit`); the hook
+    for a parameter (:meth:`hook`)."""
+
+    def __init__(self):
+        self.running = False
+        self.unit = None  # ids of the parameters landing at scale 1
+        self.record = None  # where (param, 1.0) is appended for them
+
+    def set_running(self, running):
+        self.running = running
+
+    def set_unit(self, params, record):
+        if params is None:
+            self.unit = self.record = None
+        else:
+            self.unit, self.record = {id(p) for p in params}, record
+
+    def hook(self, param, fn):
+        return functools.partial(_python_landing, self, id(param),
+                                 (param, 1.0), fn)
+
+
+def _python_landing(state, key, record, fn, grad):
+    if not state.running:
+        return None
+    unit = state.unit
+    if unit is not None and key in unit:
+        state.record.append(record)
+        return None
+    return fn(grad)
+
+
+def Landing():
+    """The state of a hook's landing hooks: ``set_running(bool)``,
+    ``set_unit(params or None, record)`` (those parameters' gradients
+    land at scale 1 in the running pass: each is only recorded, as
+    ``(param, 1.0)`` appended to the list ``record``), and
+    ``hook(param, fn)``: the hook to register on ``param``, which returns
+    None while no pass runs, records a gradient at scale 1, else returns
+    ``fn(grad)``."""
+    native = module()
+    return PythonLanding() if native is None else native.Landing()
+
+
+def is_landing_hook(fn):
+    """Whether ``fn`` is a hook :func:`Landing` made."""
+    if getattr(fn, 'func', None) is _python_landing:
+        return True
+    native = module()
+    return native is not None and type(fn) is native.LandingHook
+
+
+def structure(roots):
+    """:func:`gradient_scaling.torch.graph.structure`, natively where it
+    is built (None where not: the caller reads it in Python)."""
+    native = module()
+    return None if native is None else native.structure(roots)

@@ -1,0 +1,282 @@
+"""The native callbacks (gradient_scaling/torch/native.cpp) against the
+Python implementation they stand in for.
+
+Built here where a C++ compiler and ninja are (``make test`` installs
+ninja); the structure read natively equals ``graph.python_structure`` on
+graphs with every construct (nodes by identity, the signature value by
+value); node callbacks registered natively run, replace gradients, raise
+and come off as PyTorch's own; a landing hook costs no Python while no
+pass runs, records a scale-1 gradient and otherwise calls the adapter, in
+the parameter's hook order; and GS gives the same gradients bit for bit,
+the same scales and the same landed scales either way (eager, and a whole
+model compiled with GS's backend: the scale-1 landing).
+"""
+
+import gc
+import shutil
+import weakref
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip('torch')
+
+import torch.nn as nn  # NOQA: after the skip
+import torch.nn.functional as F  # NOQA
+
+from gradient_scaling.torch import GradientScaling  # NOQA
+from gradient_scaling.torch import graph  # NOQA
+from gradient_scaling.torch import native  # NOQA
+
+from test_torch_compile_backend import NETS  # NOQA
+from test_torch_compile_quick import _run  # NOQA
+from torch_nets import EveryConstructNet  # NOQA
+from torch_nets import every_construct_batch  # NOQA
+
+
+def _buildable():
+    return (shutil.which('c++') or shutil.which('g++')) and \
+        native._find_ninja()
+
+
+@pytest.fixture
+def built():
+    """The native module; skipped where it cannot be built here."""
+    module = native.module()
+    if module is None:
+        if _buildable() and native.reason() != 'GRADIENT_SCALING_NATIVE=0':
+            pytest.fail('a compiler and ninja are here, yet the native '
+                        'module did not build: ' + native.reason())
+        pytest.skip('native module not built: ' + native.reason())
+    return module
+
+
+@pytest.fixture
+def python_only(monkeypatch):
+    """The Python implementation, as where the module cannot be built."""
+    monkeypatch.setattr(native, '_loaded', [None])
+
+
+def test_built_where_a_compiler_and_ninja_are(built):
+    assert native.reason() == ''
+    assert native.Hooks().__class__ is built.HookSet
+
+
+class _Custom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+def _graphs():
+    torch.manual_seed(0)
+    net = EveryConstructNet().double()
+    _, _, x, t = every_construct_batch(np.random.default_rng(0))
+    yield 'every construct', [net(x, t).grad_fn]
+    make, batch = NETS['transformer']
+    model = make().double()
+    yield 'transformer', [model(*batch(0)).grad_fn]
+    # an input that requires its gradient, a custom Function, an unused
+    # output (None edges), two roots sharing a node
+    lin = nn.Linear(3, 3).double()
+    a = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    h = _Custom.apply(lin(a))
+    first, _ = torch.split(h, 2, 1)
+    yield 'custom and two roots', [first.sum().grad_fn,
+                                   (h * h).mean().grad_fn]
+    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    yield 'a leaf input only', [(w * 3).sum().grad_fn]
+
+
+@pytest.mark.parametrize('case', range(4))
+def test_the_structure_read_natively_is_the_python_one(built, case):
+    name, roots = list(_graphs())[case]
+    order, index, signature = graph.python_structure(roots)
+    n_order, n_index, n_signature = built.structure(roots)
+    assert len(n_order) == len(order), name
+    assert all(p is q for p, q in zip(n_order, order)), name
+    assert n_index == index and signature == n_signature, name
+    assert type(n_signature) is tuple and type(n_index) is dict
+    assert graph.structure(roots)[2] == signature
+
+
+def _twice(hooks):
+    """A graph x -> y = x * 3 -> loss; ``hooks`` on y's node: a pre-hook
+    doubling its incoming gradient and a post-hook recording."""
+    x = torch.ones(2, requires_grad=True)
+    loss = (x * 3).sum()
+    node = loss.grad_fn.next_functions[0][0]
+    calls = []
+
+    def pre(grad_outputs):
+        calls.append(('pre', len(grad_outputs)))
+        return (grad_outputs[0] * 2,)
+
+    def post(grad_inputs, grad_outputs):
+        calls.append(('post', len(grad_inputs), len(grad_outputs)))
+        return (grad_inputs[0] + 1, None)[:len(grad_inputs)]
+    hooks.add_pre(node, pre)
+    hooks.add_post(node, post)
+    return x, loss, calls
+
+
+@pytest.mark.parametrize('kind', ['native', 'python'])
+def test_node_callbacks_run_replace_and_come_off(built, kind):
+    hooks = built.HookSet() if kind == 'native' else native.PythonHooks()
+    x, loss, calls = _twice(hooks)
+    assert len(hooks) == 2
+    loss.backward(retain_graph=True)
+    assert calls == [('pre', 1), ('post', 2, 1)]  # (x and the 3)
+    assert torch.equal(x.grad, torch.full((2,), 7.0))
+    hooks.clear()
+    assert len(hooks) == 0
+    x.grad = None
+    loss.backward()
+    assert torch.equal(x.grad, torch.full((2,), 3.0))
+    assert len(calls) == 2
+
+
+def test_native_callbacks_raise_as_python_ones(built):
+    for make in (built.HookSet, native.PythonHooks):
+        hooks = make()
+        x = torch.ones(2, requires_grad=True)
+        loss = (x * 3).sum()
+
+        def boom(grad_outputs):
+            raise RuntimeError('boom in a callback')
+        hooks.add_pre(loss.grad_fn, boom)
+        with pytest.raises(RuntimeError, match='boom in a callback'):
+            loss.backward()
+        hooks.clear()
+
+
+def test_native_callbacks_refuse_a_wrong_result(built):
+    hooks = built.HookSet()
+    x = torch.ones(2, requires_grad=True)
+    loss = (x * 3).sum()
+    hooks.add_pre(loss.grad_fn, lambda g: (g[0], g[0]))
+    with pytest.raises(RuntimeError, match='2 values, expected 1'):
+        loss.backward(retain_graph=True)
+    hooks.clear()
+    hooks.add_pre(loss.grad_fn, lambda g: 3)
+    with pytest.raises(TypeError, match='not a tuple'):
+        loss.backward()
+
+
+def test_callbacks_of_a_freed_graph_come_off_quietly(built):
+    hooks = built.HookSet()
+    x = torch.ones(2, requires_grad=True)
+    loss = (x * 3).sum()
+    hooks.add_pre(loss.grad_fn, lambda g: None)
+    loss.backward()  # (the graph is freed)
+    del loss
+    gc.collect()
+    hooks.clear()
+    assert len(hooks) == 0
+
+
+@pytest.mark.parametrize('kind', ['native', 'python'])
+def test_landing_hooks(built, kind):
+    """None while no pass runs (``fn`` not called); a parameter of the
+    unit set recorded as (param, 1.0); any other: ``fn(grad)``, whose
+    result lands; a user's hook registered after sees what GS returned."""
+    state = built.Landing() if kind == 'native' else native.PythonLanding()
+    lin = nn.Linear(3, 2)
+    w, b = lin.weight, lin.bias
+    called, seen = [], []
+
+    def fn(grad):
+        called.append(grad.shape)
+        return grad * 0.5
+    for p in (w, b):
+        p.register_hook(state.hook(p, fn))
+    w.register_hook(lambda g: seen.append(g.clone()))
+    assert native.is_landing_hook(list(w._backward_hooks.values())[0])
+    assert not native.is_landing_hook(list(w._backward_hooks.values())[1])
+    x = torch.randn(4, 3)
+
+    def grads():
+        lin.zero_grad(set_to_none=True)
+        lin(x).sum().backward()
+        return w.grad.clone(), b.grad.clone()
+    true_w, true_b = grads()
+    assert called == [] and torch.equal(seen[-1], true_w)
+    state.set_running(True)
+    got_w, got_b = grads()
+    assert torch.equal(got_w, true_w * 0.5) and \
+        torch.equal(got_b, true_b * 0.5)
+    assert torch.equal(seen[-1], true_w * 0.5) and len(called) == 2
+    record = []
+    state.set_unit([w], record)
+    got_w, got_b = grads()
+    assert torch.equal(got_w, true_w) and torch.equal(got_b, true_b * 0.5)
+    assert len(record) == 1 and record[0][0] is w and record[0][1] == 1.0
+    assert len(called) == 3
+    state.set_unit(None, None)
+    state.set_running(False)
+    grads()
+    assert len(called) == 3 and len(record) == 1
+
+
+def test_a_landing_hook_dies_with_its_parameter(built):
+    state = built.Landing()
+    p = nn.Parameter(torch.ones(2))
+    alive = weakref.ref(p)
+    p.register_hook(state.hook(p, lambda g: None))  # (a cycle: p -> p)
+    del p
+    gc.collect()
+    assert alive() is None
+
+
+def _gs_history(steps=7, interval=3):
+    """Gradients, landed scales and report of GS on EveryConstructNet
+    (float64, eager), a refresh every ``interval`` steps."""
+    torch.manual_seed(0)
+    net = EveryConstructNet().double()
+    hook = GradientScaling(net, update_interval=interval)
+    rng = np.random.default_rng(0)
+    history = []
+    for step in range(steps):
+        _, _, x, t = every_construct_batch(rng)
+        net.zero_grad(set_to_none=True)
+        with hook:
+            net(x, t).backward()
+        grads = {n: p.grad.clone() for n, p in net.named_parameters()}
+        landed = {n: hook.landed_scales[p]
+                  for n, p in net.named_parameters()}
+        report = [(r.name, r.kind, r.local_scale, r.output_scale)
+                  for r in hook.report()]
+        history.append((grads, landed, report, hook.last_result.finite))
+    return history
+
+
+def test_gs_eager_is_the_same_natively_and_in_python(built, monkeypatch):
+    native_run = _gs_history()
+    monkeypatch.setattr(native, '_loaded', [None])
+    python_run = _gs_history()
+    for step, (a, b) in enumerate(zip(native_run, python_run)):
+        assert a[0].keys() == b[0].keys()
+        for name in a[0]:
+            assert torch.equal(a[0][name], b[0][name]), (step, name)
+        assert a[1:] == b[1:], step
+    assert any(s != 1.0 for s in native_run[-1][1].values())
+
+
+def test_gs_compiled_is_the_same_natively_and_in_python(built, monkeypatch):
+    """A whole model compiled with GS's backend: its parameters' gradients
+    leave the region at scale 1 and land recorded by the native hook
+    (the quick pass): the same history as the Python hooks'."""
+    make, batch = NETS['transformer']
+    native_run = _run(make, batch, 'gs')
+    monkeypatch.setattr(native, '_loaded', [None])
+    python_run = _run(make, batch, 'gs')
+    for step, (a, b) in enumerate(zip(native_run, python_run)):
+        for name in a[0]:
+            assert torch.equal(a[0][name], b[0][name]), (step, name)
+        assert a[1:] == b[1:], step
+    assert native_run[-1][4] and \
+        all(s == 1.0 for s in native_run[-1][4].values())
