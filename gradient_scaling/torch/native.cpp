@@ -115,6 +115,19 @@ variable_list unwrap(PyObject* result, const variable_list& values,
   return out;
 }
 
+// unwrap(result, ...), the reference to ``result`` dropped either way.
+variable_list taken(PyObject* result, const variable_list& values,
+                    const char* what) {
+  try {
+    variable_list out = unwrap(result, values, what);
+    Py_DECREF(result);
+    return out;
+  } catch (...) {
+    Py_DECREF(result);
+    throw;
+  }
+}
+
 PyObject* call(PyObject* fn, PyObject* a, PyObject* b = nullptr) {
   PyObject* result = b == nullptr ? PyObject_CallOneArg(fn, a)
                                   : PyObject_CallFunctionObjArgs(fn, a, b,
@@ -138,14 +151,7 @@ struct PreHook : torch::autograd::FunctionPreHook {
       throw;
     }
     Py_DECREF(args);
-    try {
-      variable_list out = unwrap(result, grads, "backward pre-hook");
-      Py_DECREF(result);
-      return out;
-    } catch (...) {
-      Py_DECREF(result);
-      throw;
-    }
+    return taken(result, grads, "backward pre-hook");
   }
 };
 
@@ -170,14 +176,7 @@ struct PostHook : torch::autograd::FunctionPostHook {
     }
     Py_DECREF(a);
     Py_DECREF(b);
-    try {
-      variable_list out = unwrap(result, outputs, "backward hook");
-      Py_DECREF(result);
-      return out;
-    } catch (...) {
-      Py_DECREF(result);
-      throw;
-    }
+    return taken(result, outputs, "backward hook");
   }
 };
 
