@@ -211,7 +211,8 @@ def test_landing_hooks(built, kind):
         torch.equal(got_b, true_b * 0.5)
     assert torch.equal(seen[-1], true_w * 0.5) and len(called) == 2
     record = []
-    state.set_unit([w], record)
+    state.set_unit(built.unit_set([w]) if kind == 'native' else
+                   frozenset([id(w)]), record)
     got_w, got_b = grads()
     assert torch.equal(got_w, true_w) and torch.equal(got_b, true_b * 0.5)
     assert len(record) == 1 and record[0][0] is w and record[0][1] == 1.0

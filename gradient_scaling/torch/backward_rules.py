@@ -282,8 +282,9 @@ class BackwardPass(object):
                                for i, accumulator in plan.leaf_edges
                                if i in scales}
                 accumulators = plan.accumulators
-                unit = [accumulators[a] for a, scale in leaf_scales.items()
-                        if scale == 1.0]
+                unit = native.unit_set(
+                    [accumulators[a] for a, scale in leaf_scales.items()
+                     if scale == 1.0])
                 leaves = {i for i, _ in plan.leaf_edges}
                 rest = [(i, s) for i, s in scales.items() if i not in leaves]
                 known = plan.shared['scales'] = (scales, leaf_scales, unit,

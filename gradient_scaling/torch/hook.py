@@ -119,6 +119,8 @@ class GradientScaling(ControllerViews):
         #: the innermost running pass (:meth:`unit_landing`)
         #: (:func:`~gradient_scaling.torch.native.Landing`).
         self._landing_state = native.Landing()
+        self._unit_on = False  # a unit set given to it
+        self._running_told = False  # what it was told of running passes
         self._bare = False  # active as ``with hook:``
         self._patched = False  # torch.autograd.backward routed here
         # A tensor hook on every parameter of the model, for the hook's
@@ -359,18 +361,27 @@ class GradientScaling(ControllerViews):
 
     def unit_landing(self, current, leaves):
         """The innermost running pass ``current`` knows now that the
-        gradients of ``leaves`` (a list) reach them at scale 1: each then
+        gradients of ``leaves`` (a :func:`~gradient_scaling.torch.native.
+        unit_set`) reach them at scale 1: each then
         lands as it comes, recorded, with no lookup (until another pass
         starts or this one ends). Not while gradients are checked on
         landing (each needs its witness)."""
         if not self.check_on_landing:
             self._landing_state.set_unit(leaves, current.landed)
+            self._unit_on = True
+
+    def _unit_off(self):
+        if self._unit_on:
+            self._landing_state.set_unit(None, None)
+            self._unit_on = False
 
     def _set_running(self, running):
         """The passes whose backward runs now (the landing hooks told)."""
         self._running = running
-        self._landing_state.set_unit(None, None)
-        self._landing_state.set_running(bool(running))
+        self._unit_off()
+        if bool(running) != self._running_told:
+            self._running_told = bool(running)
+            self._landing_state.set_running(self._running_told)
 
     def defers_landing(self):
         """Whether a pass starting now may leave its gradients scaled in
@@ -383,7 +394,7 @@ class GradientScaling(ControllerViews):
         self._set_running(self._running + [current])
 
     def pass_ended(self, current):
-        self._landing_state.set_unit(None, None)
+        self._unit_off()
         self._unscale_pass(current)
         self._set_running([p for p in self._running if p is not current])
         if not self._running and not self._bare:
@@ -637,7 +648,7 @@ class GradientScaling(ControllerViews):
         if current is None:
             return
         current.remove()
-        self._landing_state.set_unit(None, None)
+        self._unit_off()
         self._unscale_pass(current)
         if current in self._running:  # its backward did not end
             self._set_running([p for p in self._running

@@ -238,9 +238,27 @@ class HookSet {
 // What a parameter's landing hook needs to know without Python: whether a
 // pass of its GradientScaling runs, and the parameters whose gradients
 // reach them at scale 1 in it (each then only recorded).
+using UnitSet = std::unordered_set<const c10::TensorImpl*>;
+
+// A set of parameters (made once per plan: set_unit swaps a pointer).
+struct Unit {
+  std::shared_ptr<const UnitSet> set;
+};
+
+Unit unit_set(py::iterable params) {
+  auto set = std::make_shared<UnitSet>();
+  for (auto item : params) {
+    if (!THPVariable_Check(item.ptr())) {
+      throw py::type_error("gradient_scaling native: not a tensor");
+    }
+    set->insert(THPVariable_Unpack(item.ptr()).unsafeGetTensorImpl());
+  }
+  return Unit{std::move(set)};
+}
+
 struct LandingState {
   bool running = false;
-  std::unordered_set<const c10::TensorImpl*> unit;
+  std::shared_ptr<const UnitSet> unit;
   PyObject* record = nullptr;  // a list: (param, 1.0) appended
   ~LandingState() {
     if (Py_IsInitialized()) Py_XDECREF(record);
@@ -255,20 +273,14 @@ class Landing {
 
   void set_running(bool running) { state->running = running; }
 
-  // The parameters of ``params`` then land at scale 1, each recorded in
-  // ``record`` (a list) as ``(param, 1.0)``; None: none does.
-  void set_unit(py::handle params, py::handle record) {
-    state->unit.clear();
+  // The parameters of ``unit`` (a unit_set) then land at scale 1, each
+  // recorded in ``record`` (a list) as ``(param, 1.0)``; None: none does.
+  void set_unit(py::handle unit, py::handle record) {
     Py_XDECREF(state->record);
     state->record = nullptr;
-    if (params.is_none()) return;
-    for (auto item : params) {
-      if (!THPVariable_Check(item.ptr())) {
-        throw py::type_error("gradient_scaling native: not a tensor");
-      }
-      state->unit.insert(
-          THPVariable_Unpack(item.ptr()).unsafeGetTensorImpl());
-    }
+    state->unit.reset();
+    if (unit.is_none()) return;
+    state->unit = unit.cast<const Unit&>().set;
     Py_INCREF(record.ptr());
     state->record = record.ptr();
   }
@@ -316,8 +328,8 @@ PyObject* landing_call(PyObject* self, PyObject* args, PyObject* kwargs) {
   auto* hook = reinterpret_cast<LandingHook*>(self);
   LandingState& state = **hook->state;
   if (!state.running) Py_RETURN_NONE;
-  if (state.record != nullptr && hook->record != nullptr &&
-      state.unit.count(hook->impl) != 0) {
+  if (state.unit && state.record != nullptr && hook->record != nullptr &&
+      state.unit->count(hook->impl) != 0) {
     if (PyList_Append(state.record, hook->record) != 0) return nullptr;
     Py_RETURN_NONE;
   }
@@ -436,6 +448,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_post", &HookSet::add_post)
       .def("clear", &HookSet::clear)
       .def("__len__", &HookSet::size);
+  py::class_<Unit>(m, "UnitSet");
+  m.def("unit_set", &unit_set);
   py::class_<Landing>(m, "Landing")
       .def(py::init<>())
       .def("set_running", &Landing::set_running)

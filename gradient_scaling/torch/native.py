@@ -33,7 +33,7 @@ import warnings
 import torch
 
 __all__ = ['module', 'reason', 'Hooks', 'Landing', 'is_landing_hook',
-           'structure']
+           'structure', 'unit_set']
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                        'native.cpp')
@@ -175,11 +175,11 @@ class PythonLanding(object):
     def set_running(self, running):
         self.running = running
 
-    def set_unit(self, params, record):
-        if params is None:
+    def set_unit(self, unit, record):
+        if unit is None:
             self.unit = self.record = None
         else:
-            self.unit, self.record = {id(p) for p in params}, record
+            self.unit, self.record = unit, record
 
     def hook(self, param, fn):
         return functools.partial(_python_landing, self, id(param),
@@ -198,14 +198,23 @@ def _python_landing(state, key, record, fn, grad):
 
 def Landing():
     """The state of a hook's landing hooks: ``set_running(bool)``,
-    ``set_unit(params or None, record)`` (those parameters' gradients
-    land at scale 1 in the running pass: each is only recorded, as
-    ``(param, 1.0)`` appended to the list ``record``), and
+    ``set_unit(unit or None, record)`` (the parameters of ``unit``, a
+    :func:`unit_set`, have their gradients land at scale 1 in the running
+    pass: each is only recorded, as ``(param, 1.0)`` appended to the list
+    ``record``), and
     ``hook(param, fn)``: the hook to register on ``param``, which returns
     None while no pass runs, records a gradient at scale 1, else returns
     ``fn(grad)``."""
     native = module()
     return PythonLanding() if native is None else native.Landing()
+
+
+def unit_set(params):
+    """``params`` as :func:`Landing`'s ``set_unit`` takes them (made once
+    for a plan)."""
+    native = module()
+    return frozenset(id(p) for p in params) if native is None else \
+        native.unit_set(params)
 
 
 def is_landing_hook(fn):
