@@ -55,7 +55,7 @@ $(TEST_STAMP): $(STAMP)
 		'mpi4py not installed (it needs an MPI library, e.g. Debian: openmpi-bin libopenmpi-dev): the MPI tests will be skipped'; \
 	if $(PY) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' \
 		>>'$(SETUP_LOG)' 2>&1; then \
-		stage 'PyTorch ($(TORCH), CPU, and ninja: its native callbacks)' "$(PY) -m pip install '$(TORCH)' ninja"; \
+		stage 'PyTorch ($(TORCH), CPU)' "$(PY) -m pip install '$(TORCH)' ninja"; \
 		optional 'Lightning, Accelerate, transformers ($(TORCH_FRAMEWORKS))' \
 			"$(PY) -m pip install '$(TORCH)' $(TORCH_FRAMEWORKS)" \
 			'the frameworks not installed: tests/test_torch_frameworks.py skips its Lightning, Accelerate and transformers tests'; \

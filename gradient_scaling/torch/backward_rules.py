@@ -133,7 +133,7 @@ class BackwardPass(object):
         #: Compiled regions that scaled their inside themselves
         #: (:func:`~gradient_scaling.torch.compile_backend.compile_backend`).
         self.self_scaled = set()
-        self.hooks = native.Hooks()  # the callbacks on the graph's nodes
+        self.hooks = hook.hook_set()  # the callbacks on the graph's nodes
         self.handles = []  # the hooks on leaves not the model's
         self._register()
 

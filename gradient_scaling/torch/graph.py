@@ -701,6 +701,8 @@ class PlanCache(object):
         self._quick = collections.OrderedDict()
         #: Plans reused and graphs walked so far.
         self.reused = self.walked = 0
+        # (the structure read natively where it is built: asked once)
+        self._structure = native.structure_function() or python_structure
 
     def plan(self, roots, cast_rule='softmax'):
         """The :class:`Plan` of the graph below ``roots``, as
@@ -722,7 +724,7 @@ class PlanCache(object):
             if quick is not None:
                 self.reused += 1
                 return quick.plan(root)
-        order, index, signature = structure(roots)
+        order, index, signature = self._structure(roots)
         key = (cast_rule, _GENERATION[0], signature)
         template = self._templates.get(key)
         plan = None
@@ -851,8 +853,7 @@ def structure(roots):
     """``(nodes, index, signature)`` of the graph below ``roots``
     (:func:`python_structure`), read natively where
     :mod:`~gradient_scaling.torch.native` is built."""
-    read = native.structure(roots)
-    return python_structure(roots) if read is None else read
+    return (native.structure_function() or python_structure)(roots)
 
 
 def python_structure(roots):

@@ -119,6 +119,8 @@ class GradientScaling(ControllerViews):
         #: the innermost running pass (:meth:`unit_landing`)
         #: (:func:`~gradient_scaling.torch.native.Landing`).
         self._landing_state = native.Landing()
+        #: The class of a pass's set of node callbacks (native or Python).
+        self.hook_set = native.hook_set_class()
         self._unit_on = False  # a unit set given to it
         self._running_told = False  # what it was told of running passes
         self._bare = False  # active as ``with hook:``

@@ -2,8 +2,8 @@
 
 What a pass of the PyTorch adapter spends on PyTorch's own machinery in
 Python, one Python call at a time, ``native.cpp`` does in one call each:
-reading a graph's structure (:func:`structure`, equal to
-:func:`gradient_scaling.torch.graph.structure`), putting a pass's callbacks
+reading a graph's structure (:func:`structure_function`, equal to
+:func:`gradient_scaling.torch.graph.python_structure`), putting a pass's callbacks
 on its nodes and taking them off (:class:`Hooks`: no ``RemovableHandle``
 per callback), and the landing hook every parameter carries for the
 hook's life (:class:`Landing`: no Python call for a gradient that lands
@@ -32,8 +32,8 @@ import warnings
 
 import torch
 
-__all__ = ['module', 'reason', 'Hooks', 'Landing', 'is_landing_hook',
-           'structure', 'unit_set']
+__all__ = ['module', 'reason', 'Hooks', 'Landing', 'hook_set_class',
+           'is_landing_hook', 'structure_function', 'unit_set']
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                        'native.cpp')
@@ -152,12 +152,18 @@ class PythonHooks(object):
         return len(self._handles)
 
 
-def Hooks():
-    """An empty set of callbacks for one pass: ``add_pre(node, fn)``
-    (``node.register_prehook``), ``add_post(node, fn)``
-    (``node.register_hook``), ``clear()``."""
+def hook_set_class():
+    """The class of a pass's set of callbacks (made empty, ``add_pre(node,
+    fn)``: ``node.register_prehook``, ``add_post(node, fn)``:
+    ``node.register_hook``, ``clear()``): native or Python. Asked once
+    (a hook keeps it: a pass then calls no Python here)."""
     native = module()
-    return PythonHooks() if native is None else native.HookSet()
+    return PythonHooks if native is None else native.HookSet
+
+
+def Hooks():
+    """An empty set of callbacks for one pass (:func:`hook_set_class`)."""
+    return hook_set_class()()
 
 
 class PythonLanding(object):
@@ -225,8 +231,8 @@ def is_landing_hook(fn):
     return native is not None and type(fn) is native.LandingHook
 
 
-def structure(roots):
-    """:func:`gradient_scaling.torch.graph.structure`, natively where it
-    is built (None where not: the caller reads it in Python)."""
+def structure_function():
+    """The native :func:`gradient_scaling.torch.graph.python_structure`,
+    or None where it is not built (asked once: a plan cache keeps it)."""
     native = module()
-    return None if native is None else native.structure(roots)
+    return None if native is None else native.structure
