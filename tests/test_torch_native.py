@@ -14,6 +14,7 @@ model compiled with GS's backend: the scale-1 landing).
 
 import gc
 import shutil
+import warnings
 import weakref
 
 import numpy as np
@@ -283,3 +284,77 @@ def test_gs_compiled_is_the_same_natively_and_in_python(built, monkeypatch):
         assert a[1:] == b[1:], step
     assert native_run[-1][4] and \
         all(s == 1.0 for s in native_run[-1][4].values())
+
+
+def _fresh_load(monkeypatch, tmp_path):
+    monkeypatch.setattr(native, '_loaded', [])
+    monkeypatch.setattr(native, '_reason', [])
+    monkeypatch.setenv('GRADIENT_SCALING_CACHE', str(tmp_path / 'cache'))
+
+
+def _plain_and_gs_gradients():
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    net.load_state_dict(plain.state_dict())
+    hook = GradientScaling(net)
+    x, t = torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
+    F.cross_entropy(plain(x), t).backward()
+    with hook:
+        F.cross_entropy(net(x), t).backward()
+    return [(p.grad, q.grad) for p, q in zip(plain.parameters(),
+                                             net.parameters())]
+
+
+def test_a_source_that_does_not_build_warns_once_and_python_serves(
+        monkeypatch, tmp_path):
+    """A compiler error (here: a source that is not C++) is said once, with
+    the compiler's error line, and the Python implementation serves: the
+    same gradients as a plain backward."""
+    if not _buildable():
+        pytest.skip('no C++ compiler and ninja here')
+    broken = tmp_path / 'native.cpp'
+    broken.write_text('this is not C++;\n')
+    monkeypatch.setattr(native, '_SOURCE', str(broken))
+    _fresh_load(monkeypatch, tmp_path)
+    with pytest.warns(RuntimeWarning, match='could not be built') as record:
+        assert native.module() is None
+    assert len(record) == 1
+    assert 'error' in native.reason().lower() and \
+        'native.cpp' in native.reason()
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        assert native.hook_set_class() is native.PythonHooks
+        for plain, scaled in _plain_and_gs_gradients():
+            assert torch.equal(plain, scaled)
+
+
+def test_native_off_by_the_environment(monkeypatch, tmp_path):
+    _fresh_load(monkeypatch, tmp_path)
+    monkeypatch.setenv('GRADIENT_SCALING_NATIVE', '0')
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        assert native.module() is None
+        assert native.reason() == 'GRADIENT_SCALING_NATIVE=0'
+        assert native.structure_function() is None
+        assert isinstance(native.Landing(), native.PythonLanding)
+        for plain, scaled in _plain_and_gs_gradients():
+            assert torch.equal(plain, scaled)
+    assert not (tmp_path / 'cache').exists()  # (nothing built)
+
+
+def test_the_build_is_named_by_source_torch_and_python(monkeypatch,
+                                                       tmp_path):
+    """Another source (or PyTorch, or Python) is another build: a stale
+    module is never loaded."""
+    first = native._name()
+    other = tmp_path / 'native.cpp'
+    with open(native._SOURCE) as f:
+        other.write_text(f.read() + '\n// changed\n')
+    source = native._SOURCE
+    monkeypatch.setattr(native, '_SOURCE', str(other))
+    assert native._name() != first
+    monkeypatch.setattr(native, '_SOURCE', source)
+    assert native._name() == first
+    monkeypatch.setattr(torch, '__version__', torch.__version__ + '.x')
+    assert native._name() != first
