@@ -320,8 +320,12 @@ def test_a_source_that_does_not_build_warns_once_and_python_serves(
     with pytest.warns(RuntimeWarning, match='could not be built') as record:
         assert native.module() is None
     assert len(record) == 1
-    assert 'error' in native.reason().lower() and \
-        'native.cpp' in native.reason()
+    assert ': error' in native.reason() and 'native.cpp' in native.reason()
+    # not compiled again in the next process: the failure is kept
+    _fresh_load(monkeypatch, tmp_path)
+    with pytest.warns(RuntimeWarning, match='as found before'):
+        assert native.module() is None
+    assert ': error' in native.reason()
     with warnings.catch_warnings():
         warnings.simplefilter('error')
         assert native.hook_set_class() is native.PythonHooks

@@ -18,7 +18,9 @@ is made, into ``$GRADIENT_SCALING_CACHE`` (default
 the PyTorch version and the Python version; then loaded from there. Where
 it cannot be built (no compiler, a PyTorch whose internals differ) the
 adapter says so once (a ``RuntimeWarning``) and uses the Python
-implementation below, which does the same. ``GRADIENT_SCALING_NATIVE=0``
+implementation below, which does the same; a compiler's refusal is kept
+(``FAILED`` in the build folder), so that later processes do not compile
+it again. ``GRADIENT_SCALING_NATIVE=0``
 chooses the Python implementation without trying.
 """
 
@@ -98,8 +100,17 @@ def _load():
         return None
     name = _name()
     directory = _build_directory(name)
+    failed = os.path.join(directory, 'FAILED')
     try:
-        _find_ninja()
+        with open(failed) as f:  # (this source and PyTorch: not again)
+            _fall_back(f.read().strip() + ' (as found before: ' + failed +
+                       '; delete it to build again)')
+            return None
+    except OSError:
+        pass
+    try:
+        if _find_ninja() is None:
+            raise RuntimeError('ninja not found')
         from torch.utils import cpp_extension
         os.makedirs(directory, exist_ok=True)
         built = any(f.endswith('.so') for f in os.listdir(directory))
@@ -115,16 +126,30 @@ def _load():
         # (a build's error: the compiler's first error lines, not the
         # command line that precedes them)
         lines = [line.strip() for line in str(error).splitlines()]
-        errors = [line for line in lines if 'error' in line.lower()]
-        text = ' | '.join((errors or lines)[:3])
-        _reason.append('{}: {}'.format(type(error).__name__, text[:600]))
-        warnings.warn(
-            'gradient_scaling: the native PyTorch callbacks could not be '
-            'built or loaded ({}); using the Python implementation (the '
-            'same gradients, more time per step). It needs a C++ compiler '
-            'and ninja (pip install ninja); GRADIENT_SCALING_NATIVE=0 '
-            'silences this.'.format(_reason[0]), RuntimeWarning)
+        errors = [line for line in lines if ': error' in line] or \
+            [line for line in lines if 'error' in line.lower()] or lines
+        text = '{}: {}'.format(type(error).__name__,
+                               ' | '.join(errors[:3])[:600])
+        if 'Error building extension' in str(error):
+            # The compiler refused this source against this PyTorch (its
+            # internals differ): said once, not compiled again each run.
+            try:
+                with open(failed, 'w') as f:
+                    f.write(text + '\n')
+            except OSError:
+                pass
+        _fall_back(text)
         return None
+
+
+def _fall_back(text):
+    _reason.append(text)
+    warnings.warn(
+        'gradient_scaling: the native PyTorch callbacks could not be '
+        'built or loaded ({}); using the Python implementation (the '
+        'same gradients, more time per step). It needs a C++ compiler '
+        'and ninja (pip install ninja); GRADIENT_SCALING_NATIVE=0 '
+        'silences this.'.format(text), RuntimeWarning)
 
 
 # -- the Python implementation (the same behaviour) ----------------------
