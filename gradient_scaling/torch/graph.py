@@ -724,7 +724,7 @@ class PlanCache(object):
             if quick is not None:
                 self.reused += 1
                 return quick.plan(root)
-        order, index, signature = self._structure(roots)
+        order, index, signature = self.structure(roots)
         key = (cast_rule, _GENERATION[0], signature)
         template = self._templates.get(key)
         plan = None
@@ -751,6 +751,11 @@ class PlanCache(object):
                 while len(self._quick) > self.size:
                     self._quick.popitem(last=False)
         return plan
+
+    def structure(self, roots):
+        """:func:`structure` of the graph below ``roots`` (natively where
+        it is built; its signature is then bytes)."""
+        return self._structure(roots)
 
     @staticmethod
     def _reused(template, order, index):

@@ -17,6 +17,7 @@
 #include <torch/csrc/autograd/python_function.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <limits>
 #include <memory>
 #include <unordered_map>
 #include <unordered_set>
@@ -359,59 +360,74 @@ py::object landing_hook(Landing& landing, py::handle param, py::handle fn) {
   return py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(hook));
 }
 
-// graph.structure(roots), read in one call: (nodes in the order first met,
-// breadth first; node -> position; the signature tuple), equal to what the
-// Python function returns for the same graph.
+// A class as a signature's number: a negative code of its own, the class
+// kept alive (its address, and so its code, is never another class's).
+int64_t class_code(PyTypeObject* type) {
+  static std::unordered_map<PyTypeObject*, int64_t> codes;
+  auto found = codes.find(type);
+  if (found != codes.end()) return found->second;
+  Py_INCREF(reinterpret_cast<PyObject*>(type));
+  int64_t code = -2 - static_cast<int64_t>(codes.size());
+  codes.emplace(type, code);
+  return code;
+}
+
+constexpr int64_t kNone = std::numeric_limits<int64_t>::min();
+
+// graph.python_structure(roots), read in one call: (nodes in the order
+// first met, breadth first; node -> position; the signature). The nodes and
+// positions are the Python function's; the signature is its tuple written
+// as int64 numbers in bytes (None, a class, a number each its own code):
+// two graphs' signatures are equal exactly when the Python ones are.
 py::tuple structure(py::sequence roots) {
   std::unordered_map<const Node*, Py_ssize_t> index;
-  py::list order;
-  py::dict positions;
-  py::list signature;
   std::vector<c10::intrusive_ptr<Node>> nodes;
+  std::vector<int64_t> signature;
+  PyObject* order = PyList_New(0);
+  if (order == nullptr) throw python_error();
+  py::object order_ref = py::reinterpret_steal<py::object>(order);
+  PyObject* positions = PyDict_New();
+  if (positions == nullptr) throw python_error();
+  py::object positions_ref = py::reinterpret_steal<py::object>(positions);
 
   auto visit = [&](const c10::intrusive_ptr<Node>& producer,
-                   PyObject* known, uint32_t k) {
-    if (!producer) {
-      signature.append(py::none());
-      return;
-    }
+                   PyObject* known) -> Py_ssize_t {
     auto found = index.find(producer.get());
-    Py_ssize_t i;
-    if (found == index.end()) {
-      i = static_cast<Py_ssize_t>(nodes.size());
-      index.emplace(producer.get(), i);
-      nodes.push_back(producer);
-      py::object obj = known != nullptr
-          ? py::reinterpret_borrow<py::object>(known)
-          : py::reinterpret_steal<py::object>(
-                torch::autograd::functionToPyObject(producer));
-      if (!obj) throw python_error();
-      order.append(obj);
-      positions[obj] = py::int_(i);
+    if (found != index.end()) return found->second;
+    Py_ssize_t i = static_cast<Py_ssize_t>(nodes.size());
+    index.emplace(producer.get(), i);
+    nodes.push_back(producer);
+    PyObject* obj = known;
+    if (obj != nullptr) {
+      Py_INCREF(obj);
     } else {
-      i = found->second;
+      obj = torch::autograd::functionToPyObject(producer);
+      if (obj == nullptr) throw python_error();
     }
-    signature.append(py::int_(i));
-    signature.append(py::int_(k));
+    int failed = PyList_Append(order, obj);
+    PyObject* position = failed ? nullptr : PyLong_FromSsize_t(i);
+    failed = position == nullptr ||
+        PyDict_SetItem(positions, obj, position) != 0;
+    Py_XDECREF(position);
+    Py_DECREF(obj);
+    if (failed) throw python_error();
+    return i;
   };
 
   for (auto root : roots) {
     if (root.is_none()) {
-      signature.append(py::none());
+      signature.push_back(kNone);
       continue;
     }
-    visit(node_of(root.ptr()), root.ptr(), 0);
-    // (a root's slot is None in the Python signature)
-    signature[py::len(signature) - 1] = py::none();
+    signature.push_back(visit(node_of(root.ptr()), root.ptr()));
+    signature.push_back(kNone);  // (a root's slot is None)
   }
   size_t following = 0;
   while (following < nodes.size()) {
     auto node = nodes[following];
-    PyObject* obj = PyList_GET_ITEM(order.ptr(),
-                                    static_cast<Py_ssize_t>(following));
+    PyObject* obj = PyList_GET_ITEM(order, static_cast<Py_ssize_t>(following));
     ++following;
-    signature.append(py::reinterpret_borrow<py::object>(
-        reinterpret_cast<PyObject*>(Py_TYPE(obj))));
+    signature.push_back(class_code(Py_TYPE(obj)));
     const auto& edges = node->next_edges();
     if (edges.empty()) {
       auto* accumulate =
@@ -419,23 +435,29 @@ py::tuple structure(py::sequence roots) {
       if (accumulate != nullptr) {
         PyObject* variable = THPVariable_Wrap(accumulate->variable);
         if (variable == nullptr) throw python_error();
-        signature.append(py::int_(reinterpret_cast<uintptr_t>(variable)));
-        signature.append(py::reinterpret_borrow<py::object>(
-            reinterpret_cast<PyObject*>(Py_TYPE(variable))));
+        signature.push_back(static_cast<int64_t>(
+            reinterpret_cast<uintptr_t>(variable)));
+        signature.push_back(class_code(Py_TYPE(variable)));
         Py_DECREF(variable);
         continue;
       }
     }
-    signature.append(py::int_(edges.size()));
+    signature.push_back(static_cast<int64_t>(edges.size()));
     for (const auto& edge : edges) {
       if (!edge.is_valid()) {
-        signature.append(py::none());
+        signature.push_back(kNone);
         continue;
       }
-      visit(edge.function, nullptr, edge.input_nr);
+      signature.push_back(visit(edge.function, nullptr));
+      signature.push_back(static_cast<int64_t>(edge.input_nr));
     }
   }
-  return py::make_tuple(order, positions, py::tuple(signature));
+  PyObject* bytes = PyBytes_FromStringAndSize(
+      reinterpret_cast<const char*>(signature.data()),
+      static_cast<Py_ssize_t>(signature.size() * sizeof(int64_t)));
+  if (bytes == nullptr) throw python_error();
+  return py::make_tuple(order_ref, positions_ref,
+                        py::reinterpret_steal<py::object>(bytes));
 }
 
 }  // namespace

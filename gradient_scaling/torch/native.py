@@ -2,8 +2,9 @@
 
 What a pass of the PyTorch adapter spends on PyTorch's own machinery in
 Python, one Python call at a time, ``native.cpp`` does in one call each:
-reading a graph's structure (:func:`structure_function`, equal to
-:func:`gradient_scaling.torch.graph.python_structure`), putting a pass's callbacks
+reading a graph's structure (:func:`structure_function`: the nodes of
+:func:`gradient_scaling.torch.graph.python_structure`, its signature as
+bytes), putting a pass's callbacks
 on its nodes and taking them off (:class:`Hooks`: no ``RemovableHandle``
 per callback), and the landing hook every parameter carries for the
 hook's life (:class:`Landing`: no Python call for a gradient that lands

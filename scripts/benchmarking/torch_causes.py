@@ -111,7 +111,7 @@ class CauseTimers(object):
         (structure, plan, register, scale, gemm, cast, branch, multi, post,
          land, region, divide, end) = [c for c, _ in CAUSES]
         rules = backward_rules.BackwardPass
-        self._method(graph, 'structure', structure)
+        self._method(graph.PlanCache, 'structure', structure)
         self._method(graph.PlanCache, 'plan', plan, [structure])
         self._method(rules, '_register', register, [_WRAPPING])
         self._method(hook_module.GradientScaling, 'attach', scale,
