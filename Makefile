@@ -71,7 +71,8 @@ $(STAMP): setup.py Makefile tools/build_frozen_wheels.py tools/chainercv_patch/_
 	stage "pip, setuptools<70, wheel" \
 		"$(PY) -m pip install --upgrade 'pip>=23' 'setuptools<70' wheel"; \
 	stage 'building the Chainer and ChainerCV wheels ($(WHEELS))' \
-		'$(PY) tools/build_frozen_wheels.py --wheel-dir $(WHEELS) --sdist-dir build/sdists'; \
+		'$(PY) tools/build_frozen_wheels.py --wheel-dir $(WHEELS) --sdist-dir build/sdists \
+		&& $(PY) -m pip download -q --only-binary :all: --no-deps --dest $(WHEELS) ninja'; \
 	stage 'installing the package, Chainer and ChainerCV' \
 		"$(PY) -m pip install --find-links $(WHEELS) --only-binary chainer,chainercv \
 		--no-build-isolation -e '.[test]' && $(PY) -m pip install --no-deps \

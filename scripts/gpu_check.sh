@@ -13,7 +13,8 @@
 #
 # Steps, each timed, each run whatever happened before, within a total
 # budget of GPU_CHECK_BUDGET seconds (default 570, under 10 minutes):
-#   install, info          the wheels; versions, device, CUDA/cuDNN as Chainer sees them
+#   install, info          the wheels (and the PyTorch adapter's native callbacks,
+#                          built once); versions, device, CUDA/cuDNN as Chainer sees them
 #   torch_*                the PyTorch adapter (scripts/gpu_torch.py, at most 3.5
 #                          minutes): the device; the statistics on it against
 #                          NumPy; GS against torch.amp.GradScaler under CUDA
@@ -107,7 +108,17 @@ step() {
 # gradient_scaling first: on Python 3.12 its compat module restores what
 # chainer 7.8.1 imports (numpy.distutils, pkg_resources).
 install_wheels() {
+    # ninja builds the PyTorch adapter's native callbacks (without it they
+    # fall back to Python, warned): from build/wheels where none is here.
+    local ninja=(build/wheels/ninja-*.whl)
+    if ! command -v ninja >/dev/null && \
+            ! "$PYTHON" -c 'import ninja' 2>/dev/null && [[ -e ${ninja[0]} ]]; then
+        "$PYTHON" -m pip install -q --no-index --no-deps --no-compile \
+            --target "$LOGDIR/site" "${ninja[0]}" || return 1
+        echo "installed: ninja (for the native callbacks)"
+    fi
     if "$PYTHON" -c 'import gradient_scaling, chainer, chainercv' 2>/dev/null; then
+        build_native  # (its line first: the log's last line is the note)
         "$PYTHON" -c 'import gradient_scaling, chainer, chainercv; print("already installed: chainer", chainer.__version__, "chainercv", chainercv.__version__)'
         return
     fi
@@ -119,7 +130,25 @@ install_wheels() {
     fi
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile \
         --target "$LOGDIR/site" "${wheels[@]}" || return 1
+    build_native
     PYTHONPATH=$LOGDIR/site:$PYTHONPATH "$PYTHON" -c 'import gradient_scaling, chainer, chainercv; print("installed: chainer", chainer.__version__, "chainercv", chainercv.__version__)'
+}
+
+# The PyTorch adapter's native callbacks, built once (about 20 s) where
+# PyTorch is: $LOGDIR/native_built says they were.
+build_native() {
+    PYTHONPATH=$LOGDIR/site:$PYTHONPATH timeout 40 "$PYTHON" -c '
+import sys
+try:
+    import torch
+except ImportError:
+    sys.exit(0)
+from gradient_scaling.torch import native
+built = native.module()
+print("native callbacks:", "built" if built else native.reason())
+if built:
+    open(sys.argv[1], "w").close()' "$LOGDIR/native_built" ||
+        echo "native callbacks: not built in 40 s"
 }
 
 # A pytest run that skipped everything (no device) did not check anything.
@@ -191,6 +220,12 @@ fi
 step info 60 "$PYTHON" scripts/gpu_smoke.py info --gpu "$GPU"
 # The PyTorch adapter first (its compiled path is the newest code), then
 # Chainer's tests, kernels and a few iterations.
+# The PyTorch steps load the native callbacks install built; where it did
+# not (no torch, no compiler, out of time), they use the Python ones rather
+# than building inside their own caps (torch_info says which).
+if [[ ! -e $LOGDIR/native_built ]]; then
+    export GRADIENT_SCALING_NATIVE=0
+fi
 step torch_info 20 "$PYTHON" scripts/gpu_torch.py info --gpu "$GPU"
 torch_steps
 step gpu_tests 150 "$PYTHON" -m pytest -q -m gpu tests -p no:cacheprovider

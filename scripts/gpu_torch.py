@@ -68,6 +68,12 @@ def info(device):
     print('device {}: {}, {} multiprocessors, {:.0f} GiB'.format(
         device, props.name, props.multi_processor_count,
         props.total_memory / 2 ** 30))
+    from gradient_scaling.torch import native
+    start = time.perf_counter()
+    built = native.module()
+    print('native callbacks: {} ({:.0f} s)'.format(
+        'loaded' if built is not None else
+        'the Python ones: ' + native.reason(), time.perf_counter() - start))
     return 0
 
 
