@@ -396,3 +396,16 @@ def test_the_build_is_named_by_source_torch_and_python(monkeypatch,
     assert native._name() == first
     monkeypatch.setattr(torch, '__version__', torch.__version__ + '.x')
     assert native._name() != first
+
+
+def test_native_calls_refuse_what_is_not_a_node_or_a_tensor(built):
+    hooks, landing = built.HookSet(), built.Landing()
+    with pytest.raises(TypeError, match='not a backward node'):
+        hooks.add_pre(torch.ones(1), lambda g: None)
+    with pytest.raises(TypeError, match='not a backward node'):
+        built.structure([3])
+    with pytest.raises(TypeError, match='not a tensor'):
+        landing.hook(3, lambda g: None)
+    with pytest.raises(TypeError, match='not a tensor'):
+        built.unit_set([None])
+    assert len(hooks) == 0

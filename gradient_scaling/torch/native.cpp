@@ -47,14 +47,20 @@ struct PyRef {
 };
 
 c10::intrusive_ptr<Node> node_of(PyObject* obj) {
+  c10::intrusive_ptr<Node> node;
   if (torch::autograd::THPCppFunction_Check(obj)) {
-    return reinterpret_cast<torch::autograd::THPCppFunction*>(obj)->cdata;
+    node = reinterpret_cast<torch::autograd::THPCppFunction*>(obj)->cdata;
+  } else if (THPFunction_Check(obj)) {
+    node = reinterpret_cast<THPFunction*>(obj)->cdata;
+  } else {
+    throw py::type_error("gradient_scaling native: not a backward node: " +
+                         std::string(Py_TYPE(obj)->tp_name));
   }
-  if (THPFunction_Check(obj)) {
-    return reinterpret_cast<THPFunction*>(obj)->cdata;
+  if (!node) {
+    throw py::value_error("gradient_scaling native: a backward node "
+                          "without its node (freed)");
   }
-  throw py::type_error("gradient_scaling native: not a backward node: " +
-                       std::string(Py_TYPE(obj)->tp_name));
+  return node;
 }
 
 // A tuple of the gradients (None where undefined), as Python hooks get it.
