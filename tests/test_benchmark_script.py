@@ -380,7 +380,8 @@ def test_quick_torch_tables_against_pytorchs_own_baselines(torch_report):
     assert '## Peak memory' not in torch_report  # --memory-only's table
     everything = _table(torch_report, '## Framework-bound targets')
     variants = ('GradScaler', 'GradScaler (A/A)', 'GradScaler + no-op hooks',
-                'gs-cached', 'gs@1', 'gs@100')
+                'GradScaler + native scaling hooks', 'gs-cached', 'gs@1',
+                'gs@100')
     # --quick's targets: ResNet-50 and the framework-bound transformer.
     assert [(r[0], r[1], r[3]) for r in everything] == [
         (model, shape, v) for model, shape in (
@@ -614,6 +615,46 @@ def test_no_op_hooks_control_hooks_where_gs_does_and_changes_nothing(
     other = hooked.model(*hooked.inputs) * 2
     with pytest.raises(RuntimeError, match='graph changed'):
         scaler.scale(other)  # another graph: refused, not mis-hooked
+
+
+def test_native_scaling_control_multiplies_where_gs_does_and_changes_nothing(
+        monkeypatch):
+    """``GradScaler + native scaling hooks``: a C++ hook multiplying by 1
+    at each node GS's cached pass hooks, calling no Python (not even the
+    parameters' hooks); GradScaler's own gradients, bit for bit."""
+    torch = pytest.importorskip('torch')
+    from gradient_scaling.torch import native
+    from benchmarking import torch_variants
+    if native.module() is None:
+        pytest.skip('native module not built: ' + native.reason())
+    calls = []
+    monkeypatch.setattr(torch_variants, '_nothing',
+                        lambda *args: calls.append(len(args)))
+    variants = {v.label: v for v in torch_variants.target_variants(
+        'gpt', (1, 8), torch.device('cpu'))}
+    plain = variants[torch_variants.TARGET_BASELINE]
+    control = variants[torch_variants.SCALING_CONTROL]
+    hooked = variants[torch_variants.HOOKS_CONTROL]
+    for v in (plain, control, hooked):
+        v.prepare()
+        v.step()
+    control.prepare()
+    scaled = control.scaler.scale(control.model(*control.inputs))
+    assert len(control.scaler._hooks) == len(hooked.scaler._pre) + \
+        len(hooked.scaler._post) > 10
+    del calls[:]  # (the no-op control's own step called Python)
+    scaled.backward()
+    assert calls == []
+    control.scaler.step(control.optimizer)
+    control.scaler.update()
+    assert len(control.scaler._hooks) == 0
+    plain.prepare()
+    plain.step()
+    for v in (plain, control):
+        v.prepare()
+        v.step()
+    for a, b in zip(plain.model.parameters(), control.model.parameters()):
+        assert torch.equal(a, b) and torch.equal(a.grad, b.grad)
 
 
 def test_compile_counter_sees_a_recompilation():

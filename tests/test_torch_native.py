@@ -409,3 +409,22 @@ def test_native_calls_refuse_what_is_not_a_node_or_a_tensor(built):
     with pytest.raises(TypeError, match='not a tensor'):
         built.unit_set([None])
     assert len(hooks) == 0
+
+
+@pytest.mark.parametrize('kind', ['native', 'python'])
+def test_scaling_hooks_multiply_every_gradient(built, kind):
+    """``add_scaling_pre`` / ``add_scaling_post``: the gradients entering
+    a node, or those it returns, times the factor (None kept)."""
+    hooks = built.HookSet() if kind == 'native' else native.PythonHooks()
+    x = torch.ones(2, requires_grad=True)
+    y = torch.ones(2, requires_grad=True)
+    h = x * 3 + y  # AddBackward0 returns two gradients
+    loss = (h * 2).sum()
+    add = loss.grad_fn.next_functions[0][0].next_functions[0][0]
+    assert type(add).__name__ == 'AddBackward0'
+    hooks.add_scaling_pre(add, 4.0)
+    hooks.add_scaling_post(add, 0.5)
+    loss.backward()
+    assert torch.equal(x.grad, torch.full((2,), 12.0))  # 2 * 4 * 0.5 * 3
+    assert torch.equal(y.grad, torch.full((2,), 4.0))
+    hooks.clear()

@@ -187,6 +187,35 @@ struct PostHook : torch::autograd::FunctionPostHook {
   }
 };
 
+// Every defined gradient times ``factor``, always a multiplication (a new
+// tensor, as a site's scaling makes): on a node's incoming gradients
+// (pre) or on those it returns (post). No Python: what a native cached
+// pass's sites would cost (the benchmark's floor control).
+variable_list times(const variable_list& grads, double factor) {
+  variable_list out(grads);
+  for (auto& g : out) {
+    if (g.defined()) g = g * factor;
+  }
+  return out;
+}
+
+struct ScalingPreHook : torch::autograd::FunctionPreHook {
+  double factor;
+  explicit ScalingPreHook(double f) : factor(f) {}
+  variable_list operator()(const variable_list& grads) override {
+    return times(grads, factor);
+  }
+};
+
+struct ScalingPostHook : torch::autograd::FunctionPostHook {
+  double factor;
+  explicit ScalingPostHook(double f) : factor(f) {}
+  variable_list operator()(const variable_list& outputs,
+                           const variable_list& /*inputs*/) override {
+    return times(outputs, factor);
+  }
+};
+
 // The callbacks of one backward pass, taken off all at once.
 class HookSet {
  public:
@@ -204,6 +233,22 @@ class HookSet {
     auto n = node_of(node.ptr());
     auto hook =
         std::make_unique<PostHook>(std::make_shared<PyRef>(fn.ptr()));
+    void* key = hook.get();
+    n->add_post_hook(std::move(hook));
+    entries_.push_back({c10::weak_intrusive_ptr<Node>(n), key, false});
+  }
+
+  void add_scaling_pre(py::handle node, double factor) {
+    auto n = node_of(node.ptr());
+    auto hook = std::make_unique<ScalingPreHook>(factor);
+    void* key = hook.get();
+    n->add_pre_hook(std::move(hook));
+    entries_.push_back({c10::weak_intrusive_ptr<Node>(n), key, true});
+  }
+
+  void add_scaling_post(py::handle node, double factor) {
+    auto n = node_of(node.ptr());
+    auto hook = std::make_unique<ScalingPostHook>(factor);
     void* key = hook.get();
     n->add_post_hook(std::move(hook));
     entries_.push_back({c10::weak_intrusive_ptr<Node>(n), key, false});
@@ -474,6 +519,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<>())
       .def("add_pre", &HookSet::add_pre)
       .def("add_post", &HookSet::add_post)
+      .def("add_scaling_pre", &HookSet::add_scaling_pre)
+      .def("add_scaling_post", &HookSet::add_scaling_post)
       .def("clear", &HookSet::clear)
       .def("__len__", &HookSet::size);
   py::class_<Unit>(m, "UnitSet");

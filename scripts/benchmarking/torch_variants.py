@@ -43,7 +43,8 @@ __all__ = ['TorchStep', 'use_device', 'memory_tracker', 'training_variants',
            'TARGET_BASELINE_AA', 'MEMORY_TARGET', 'compiled_target_variants',
            'CompileCounter', 'COMPILED', 'COMPILED_TARGETS',
            'COMPILED_BASELINE', 'COMPILED_BASELINE_AA', 'COMPILE_WARM_UP',
-           'HookedGradScaler', 'HOOKS_CONTROL', 'cause_samples']
+           'HookedGradScaler', 'HOOKS_CONTROL', 'SCALING_CONTROL',
+           'cause_samples']
 
 NEVER = rows.NEVER
 #: Precisions: FP32, the simulations (FP32 compute, values rounded where
@@ -68,6 +69,10 @@ MEMORY_TARGET = 1.05
 TARGET_BASELINE, TARGET_BASELINE_AA = 'GradScaler', 'GradScaler (A/A)'
 #: GradScaler with no-op hooks where GS has its own (:class:`HookedGradScaler`).
 HOOKS_CONTROL = 'GradScaler + no-op hooks'
+#: GradScaler with C++ hooks multiplying by 1 where GS has its own, no
+#: Python in them (:class:`HookedGradScaler` with ``scaling``): the floor
+#: of a cached pass done natively in eager PyTorch.
+SCALING_CONTROL = 'GradScaler + native scaling hooks'
 #: The compiled variants' labels: the eager ones', prefixed.
 COMPILED = 'compiled '
 COMPILED_BASELINE, COMPILED_BASELINE_AA = (COMPILED + TARGET_BASELINE,
@@ -197,16 +202,26 @@ class HookedGradScaler(object):
     registered, called and removed as GS's are
     (:mod:`gradient_scaling.torch.native`, natively where it is built).
 
+    ``scaling``: instead, each node hook multiplies the gradients by 1 (a
+    real multiplication, a new tensor, as a site's scaling makes; exact)
+    in C++ without calling Python, and the parameters' hooks return at
+    once: what a cached pass would cost whose work were all native (the
+    structure read, one multiplication per site) on top of GradScaler's
+    own unscale.
+
     Raises:
         RuntimeError: When a graph's structure is not the first one's.
 
     """
 
-    def __init__(self, scaler, model):
+    def __init__(self, scaler, model, scaling=False):
         self.scaler = scaler
+        self.scaling = scaling
         self._hooks, self._signature = native.Hooks(), None
         landing = native.Landing()
-        landing.set_running(True)  # (each calls Python, as GS's in a pass)
+        # (a no-op hook calls Python, as GS's does in a pass; a scaling
+        # control's returns at once, as a native landing would)
+        landing.set_running(not scaling)
         for param in model.parameters():
             if param.requires_grad:
                 param.register_hook(landing.hook(param, _nothing))
@@ -229,9 +244,15 @@ class HookedGradScaler(object):
         if signature != self._signature:
             raise RuntimeError('HookedGradScaler: the graph changed')
         for i in self._pre:
-            self._hooks.add_pre(order[i], _nothing)
+            if self.scaling:
+                self._hooks.add_scaling_pre(order[i], 1.0)
+            else:
+                self._hooks.add_pre(order[i], _nothing)
         for i in self._post:
-            self._hooks.add_post(order[i], _nothing)
+            if self.scaling:
+                self._hooks.add_scaling_post(order[i], 1.0)
+            else:
+                self._hooks.add_post(order[i], _nothing)
         return self.scaler.scale(loss)
 
     def step(self, optimizer):
@@ -265,8 +286,9 @@ def _scaler(kind, model, device, precision, interval=NEVER, measure=False):
                                     growth_interval=NEVER)
     if kind == 'dynamic':
         return torch.amp.GradScaler(device.type)
-    if kind == 'hooks':
-        return HookedGradScaler(torch.amp.GradScaler(device.type), model)
+    if kind in ('hooks', 'scaling-hooks'):
+        return HookedGradScaler(torch.amp.GradScaler(device.type), model,
+                                scaling=kind == 'scaling-hooks')
     return GradientScaler(model, update_interval=interval,
                           fmt=_format(precision), measure_underflow=measure)
 
@@ -321,6 +343,7 @@ def target_variants(name, shape, device):
     specs = [(TARGET_BASELINE, 'dynamic', NEVER),
              (TARGET_BASELINE_AA, 'dynamic', NEVER),
              (HOOKS_CONTROL, 'hooks', NEVER),
+             (SCALING_CONTROL, 'scaling-hooks', NEVER),
              ('gs-cached', 'gs', NEVER), ('gs@1', 'gs', 1)]
     variants = []
     for label, kind, interval in specs:
