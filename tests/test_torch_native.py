@@ -414,7 +414,8 @@ def test_native_calls_refuse_what_is_not_a_node_or_a_tensor(built):
 @pytest.mark.parametrize('kind', ['native', 'python'])
 def test_scaling_hooks_multiply_every_gradient(built, kind):
     """``add_scaling_pre`` / ``add_scaling_post``: the gradients entering
-    a node, or those it returns, times the factor (None kept)."""
+    a node, or those it returns, at the indices given, times the factor
+    (the others, and None, kept)."""
     hooks = built.HookSet() if kind == 'native' else native.PythonHooks()
     x = torch.ones(2, requires_grad=True)
     y = torch.ones(2, requires_grad=True)
@@ -422,9 +423,9 @@ def test_scaling_hooks_multiply_every_gradient(built, kind):
     loss = (h * 2).sum()
     add = loss.grad_fn.next_functions[0][0].next_functions[0][0]
     assert type(add).__name__ == 'AddBackward0'
-    hooks.add_scaling_pre(add, 4.0)
-    hooks.add_scaling_post(add, 0.5)
+    hooks.add_scaling_pre(add, 4.0, [0])
+    hooks.add_scaling_post(add, 0.5, [1])  # (y's edge only)
     loss.backward()
-    assert torch.equal(x.grad, torch.full((2,), 12.0))  # 2 * 4 * 0.5 * 3
-    assert torch.equal(y.grad, torch.full((2,), 4.0))
+    assert torch.equal(x.grad, torch.full((2,), 24.0))  # 2 * 4 * 3
+    assert torch.equal(y.grad, torch.full((2,), 4.0))  # 2 * 4 * 0.5
     hooks.clear()

@@ -10,6 +10,7 @@
 // the Python implementation where it cannot.
 
 #include <torch/extension.h>
+#include <pybind11/stl.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
@@ -187,32 +188,40 @@ struct PostHook : torch::autograd::FunctionPostHook {
   }
 };
 
-// Every defined gradient times ``factor``, always a multiplication (a new
-// tensor, as a site's scaling makes): on a node's incoming gradients
-// (pre) or on those it returns (post). No Python: what a native cached
-// pass's sites would cost (the benchmark's floor control).
-variable_list times(const variable_list& grads, double factor) {
+// The gradients at ``indices`` times ``factor``, always a multiplication
+// (a new tensor, as a site's scaling makes): among a node's incoming
+// gradients (pre) or those it returns (post). No Python: what a native
+// cached pass's sites would cost (the benchmark's floor control).
+variable_list times(const variable_list& grads, double factor,
+                    const std::vector<int64_t>& indices) {
   variable_list out(grads);
-  for (auto& g : out) {
-    if (g.defined()) g = g * factor;
+  for (int64_t i : indices) {
+    if (i >= 0 && static_cast<size_t>(i) < out.size() &&
+        out[i].defined()) {
+      out[i] = out[i] * factor;
+    }
   }
   return out;
 }
 
 struct ScalingPreHook : torch::autograd::FunctionPreHook {
   double factor;
-  explicit ScalingPreHook(double f) : factor(f) {}
+  std::vector<int64_t> indices;
+  ScalingPreHook(double f, std::vector<int64_t> i)
+      : factor(f), indices(std::move(i)) {}
   variable_list operator()(const variable_list& grads) override {
-    return times(grads, factor);
+    return times(grads, factor, indices);
   }
 };
 
 struct ScalingPostHook : torch::autograd::FunctionPostHook {
   double factor;
-  explicit ScalingPostHook(double f) : factor(f) {}
+  std::vector<int64_t> indices;
+  ScalingPostHook(double f, std::vector<int64_t> i)
+      : factor(f), indices(std::move(i)) {}
   variable_list operator()(const variable_list& outputs,
                            const variable_list& /*inputs*/) override {
-    return times(outputs, factor);
+    return times(outputs, factor, indices);
   }
 };
 
@@ -238,17 +247,20 @@ class HookSet {
     entries_.push_back({c10::weak_intrusive_ptr<Node>(n), key, false});
   }
 
-  void add_scaling_pre(py::handle node, double factor) {
+  void add_scaling_pre(py::handle node, double factor,
+                       std::vector<int64_t> indices) {
     auto n = node_of(node.ptr());
-    auto hook = std::make_unique<ScalingPreHook>(factor);
+    auto hook = std::make_unique<ScalingPreHook>(factor, std::move(indices));
     void* key = hook.get();
     n->add_pre_hook(std::move(hook));
     entries_.push_back({c10::weak_intrusive_ptr<Node>(n), key, true});
   }
 
-  void add_scaling_post(py::handle node, double factor) {
+  void add_scaling_post(py::handle node, double factor,
+                        std::vector<int64_t> indices) {
     auto n = node_of(node.ptr());
-    auto hook = std::make_unique<ScalingPostHook>(factor);
+    auto hook =
+        std::make_unique<ScalingPostHook>(factor, std::move(indices));
     void* key = hook.get();
     n->add_post_hook(std::move(hook));
     entries_.push_back({c10::weak_intrusive_ptr<Node>(n), key, false});

@@ -169,15 +169,16 @@ class PythonHooks(object):
     def add_post(self, node, fn):
         self._handles.append(node.register_hook(fn))
 
-    def add_scaling_pre(self, node, factor):
-        """Every incoming gradient of ``node`` times ``factor`` (always a
-        multiplication; natively, no Python)."""
-        self.add_pre(node, functools.partial(_times, factor))
+    def add_scaling_pre(self, node, factor, indices):
+        """The incoming gradients of ``node`` at ``indices`` times
+        ``factor`` (always a multiplication; natively, no Python)."""
+        self.add_pre(node, functools.partial(_times, factor, indices))
 
-    def add_scaling_post(self, node, factor):
-        """Every gradient ``node`` returns times ``factor``."""
+    def add_scaling_post(self, node, factor, indices):
+        """The gradients ``node`` returns at ``indices`` times
+        ``factor``."""
         self.add_post(node, lambda grad_inputs, grad_outputs:
-                      _times(factor, grad_inputs))
+                      _times(factor, indices, grad_inputs))
 
     def clear(self):
         for handle in self._handles:
@@ -188,15 +189,17 @@ class PythonHooks(object):
         return len(self._handles)
 
 
-def _times(factor, grads):
-    return tuple(None if g is None else g * factor for g in grads)
+def _times(factor, indices, grads):
+    return tuple(g * factor if g is not None and i in indices else g
+                 for i, g in enumerate(grads))
 
 
 def hook_set_class():
     """The class of a pass's set of callbacks (made empty, ``add_pre(node,
     fn)``: ``node.register_prehook``, ``add_post(node, fn)``:
     ``node.register_hook``, ``clear()``; ``add_scaling_pre`` and
-    ``add_scaling_post(node, factor)``: the gradients multiplied, natively
+    ``add_scaling_post(node, factor, indices)``: those gradients
+    multiplied, natively
     without Python, the benchmark's floor of a native pass): native or
     Python. Asked once (a hook keeps it: a pass then calls no Python
     here)."""

@@ -268,11 +268,12 @@ class PhaseRow(object):
     graph's structure read first; removed at `step`): its excess over
     GradScaler is what PyTorch's calls into Python cost, and GS's excess
     over it what GS does inside them. `GradScaler + native scaling hooks`
-    puts a C++ hook at the same nodes that multiplies the gradients by 1 (a
-    real multiplication each, no Python; the parameters' hooks return at
-    once): the floor of a cached pass whose work were all native, the
-    structure read and one multiplication per site, on top of GradScaler's
-    own unscale."""
+    multiplies by 1 in C++ hooks what GS's sites multiply (a GEMM's, cast's
+    or split's incoming gradient, each contribution to a branch: a real
+    multiplication each, no Python; the parameters' hooks return at once):
+    the floor of a cached pass whose work were all native, the structure
+    read and one multiplication per scaled gradient, on top of
+    GradScaler's own unscale."""
 
 
 def phase_rows(model, shape, precision, phases):

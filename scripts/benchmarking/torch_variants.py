@@ -202,12 +202,13 @@ class HookedGradScaler(object):
     registered, called and removed as GS's are
     (:mod:`gradient_scaling.torch.native`, natively where it is built).
 
-    ``scaling``: instead, each node hook multiplies the gradients by 1 (a
-    real multiplication, a new tensor, as a site's scaling makes; exact)
-    in C++ without calling Python, and the parameters' hooks return at
-    once: what a cached pass would cost whose work were all native (the
-    structure read, one multiplication per site) on top of GradScaler's
-    own unscale.
+    ``scaling``: instead, C++ hooks multiply by 1 (a real multiplication,
+    a new tensor, as a site's scaling makes; exact) what GS's sites
+    multiply, calling no Python: a GEMM's, cast's or split's incoming
+    gradient, each contribution to a branch (the root gets none); the
+    parameters' hooks return at once: what a cached pass would cost whose
+    work were all native (the structure read, one multiplication per
+    scaled gradient), on top of GradScaler's own unscale.
 
     Raises:
         RuntimeError: When a graph's structure is not the first one's.
@@ -229,12 +230,16 @@ class HookedGradScaler(object):
     def _learn(self, roots):
         plan = graph.walk(roots)
         order, index, self._signature = graph.structure(roots)
-        pre = set(plan.roots) | set(plan.gemms) | set(plan.casts) | \
-            set(plan.multi_output)
-        post = {node for edges in plan.branches.values()
-                for node, _ in edges}
+        sites = set(plan.gemms) | set(plan.casts) | set(plan.multi_output)
+        pre = set(plan.roots) | sites
+        post = {}  # a branch consumer -> the edges it contributes by
+        for edges in plan.branches.values():
+            for node, i in edges:
+                post.setdefault(index[node], []).append(i)
         self._pre = sorted(index[n] for n in pre)
-        self._post = sorted(index[n] for n in post)
+        self._sites = sorted(index[n] for n in sites)
+        self._post = sorted(post)
+        self._post_edges = post
 
     def scale(self, loss):
         roots = [loss.grad_fn]
@@ -243,15 +248,16 @@ class HookedGradScaler(object):
         order, _, signature = graph.structure(roots)
         if signature != self._signature:
             raise RuntimeError('HookedGradScaler: the graph changed')
-        for i in self._pre:
-            if self.scaling:
-                self._hooks.add_scaling_pre(order[i], 1.0)
-            else:
+        if self.scaling:
+            for i in self._sites:
+                self._hooks.add_scaling_pre(order[i], 1.0, [0])
+            for i in self._post:
+                self._hooks.add_scaling_post(order[i], 1.0,
+                                             self._post_edges[i])
+        else:
+            for i in self._pre:
                 self._hooks.add_pre(order[i], _nothing)
-        for i in self._post:
-            if self.scaling:
-                self._hooks.add_scaling_post(order[i], 1.0)
-            else:
+            for i in self._post:
                 self._hooks.add_post(order[i], _nothing)
         return self.scaler.scale(loss)
 
