@@ -19,6 +19,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <limits>
+#include <type_traits>
 #include <memory>
 #include <unordered_map>
 #include <unordered_set>
@@ -231,39 +232,21 @@ class HookSet {
   ~HookSet() { clear(); }
 
   void add_pre(py::handle node, py::handle fn) {
-    auto n = node_of(node.ptr());
-    auto hook = std::make_unique<PreHook>(std::make_shared<PyRef>(fn.ptr()));
-    void* key = hook.get();
-    n->add_pre_hook(std::move(hook));
-    entries_.push_back({c10::weak_intrusive_ptr<Node>(n), key, true});
+    add<PreHook>(node, std::make_shared<PyRef>(fn.ptr()));
   }
 
   void add_post(py::handle node, py::handle fn) {
-    auto n = node_of(node.ptr());
-    auto hook =
-        std::make_unique<PostHook>(std::make_shared<PyRef>(fn.ptr()));
-    void* key = hook.get();
-    n->add_post_hook(std::move(hook));
-    entries_.push_back({c10::weak_intrusive_ptr<Node>(n), key, false});
+    add<PostHook>(node, std::make_shared<PyRef>(fn.ptr()));
   }
 
   void add_scaling_pre(py::handle node, double factor,
                        std::vector<int64_t> indices) {
-    auto n = node_of(node.ptr());
-    auto hook = std::make_unique<ScalingPreHook>(factor, std::move(indices));
-    void* key = hook.get();
-    n->add_pre_hook(std::move(hook));
-    entries_.push_back({c10::weak_intrusive_ptr<Node>(n), key, true});
+    add<ScalingPreHook>(node, factor, std::move(indices));
   }
 
   void add_scaling_post(py::handle node, double factor,
                         std::vector<int64_t> indices) {
-    auto n = node_of(node.ptr());
-    auto hook =
-        std::make_unique<ScalingPostHook>(factor, std::move(indices));
-    void* key = hook.get();
-    n->add_post_hook(std::move(hook));
-    entries_.push_back({c10::weak_intrusive_ptr<Node>(n), key, false});
+    add<ScalingPostHook>(node, factor, std::move(indices));
   }
 
   // Takes every callback off the nodes still alive (never while the
@@ -291,6 +274,23 @@ class HookSet {
   size_t size() const { return entries_.size(); }
 
  private:
+  // A ``Hook`` made of ``args`` on ``node``: a pre-hook or a post-hook by
+  // its kind, kept to be taken off.
+  template <typename Hook, typename... Args>
+  void add(py::handle node, Args&&... args) {
+    auto n = node_of(node.ptr());
+    auto hook = std::make_unique<Hook>(std::forward<Args>(args)...);
+    void* key = hook.get();
+    constexpr bool pre =
+        std::is_base_of_v<torch::autograd::FunctionPreHook, Hook>;
+    if constexpr (pre) {
+      n->add_pre_hook(std::move(hook));
+    } else {
+      n->add_post_hook(std::move(hook));
+    }
+    entries_.push_back({c10::weak_intrusive_ptr<Node>(n), key, pre});
+  }
+
   struct Entry {
     c10::weak_intrusive_ptr<Node> node;
     void* key;
