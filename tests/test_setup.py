@@ -68,10 +68,11 @@ def test_one_line_per_stage_and_everything_else_in_the_log(make_setup):
     assert proc.stdout.splitlines() == [s.format(venv=venv) for s in STAGES] \
         + [DONE.format(log)]
     assert proc.stderr == ''
-    # Every command's output went to the log: 6 calls of python, the
-    # frozen wheels' builder and both pip installs among them; no PyTorch
+    # Every command's output went to the log: 7 calls of python, the
+    # frozen wheels' builder, the ninja wheel's download (for the GPU
+    # check's native build) and both pip installs among them; no PyTorch
     # for the demo.
-    assert len([ln for ln in logged if ln.startswith('Collecting')]) == 6
+    assert len([ln for ln in logged if ln.startswith('Collecting')]) == 7
     assert any('tools/build_frozen_wheels.py --wheel-dir build/wheels' in ln
                for ln in logged)
     assert not any('torch' in ln for ln in logged)
@@ -83,7 +84,7 @@ def test_one_line_per_stage_and_everything_else_in_the_log(make_setup):
     proc, logged = run(target='setup-test')
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == TEST_STAGES
-    assert len([ln for ln in logged if ln.startswith('Collecting')]) == 10
+    assert len([ln for ln in logged if ln.startswith('Collecting')]) == 11
     assert (venv / '.installed-test').exists()
     proc, _ = run(target='setup-test')
     assert 'setup:' not in proc.stdout
