@@ -46,7 +46,6 @@ import functools
 
 from gradient_scaling.core import arrays
 from gradient_scaling.torch import _internals as internals
-from gradient_scaling.torch import native
 from gradient_scaling.torch.arrays import times_power_of_two
 
 __all__ = ['BackwardPass']
@@ -282,7 +281,7 @@ class BackwardPass(object):
                                for i, accumulator in plan.leaf_edges
                                if i in scales}
                 accumulators = plan.accumulators
-                unit = native.unit_set(
+                unit = self.hook.unit_set(
                     [accumulators[a] for a, scale in leaf_scales.items()
                      if scale == 1.0])
                 leaves = {i for i, _ in plan.leaf_edges}

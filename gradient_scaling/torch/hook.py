@@ -119,6 +119,9 @@ class GradientScaling(ControllerViews):
         #: the innermost running pass (:meth:`unit_landing`)
         #: (:func:`~gradient_scaling.torch.native.Landing`).
         self._landing_state = native.Landing()
+        #: Parameters as the landing state takes them for
+        #: :meth:`unit_landing` (made once per plan).
+        self.unit_set = self._landing_state.unit_set
         #: The class of a pass's set of node callbacks (native or Python).
         self.hook_set = native.hook_set_class()
         self._unit_on = False  # a unit set given to it
@@ -272,9 +275,9 @@ class GradientScaling(ControllerViews):
             # read: the engine makes ``.grad`` this tensor or a copy, its
             # own either way, and nothing reads it before then (no other
             # hook on the leaf, no post-accumulate hook, no process group:
-            # no reducer; no Python code in the backward; the next backward pass of these leaves finds
-            # them divided, and a gradient that lands on one again first
-            # divides it). Not where the gradient is returned, not
+            # no reducer; no Python code in the backward; the next
+            # backward pass of these leaves finds them divided, and a
+            # gradient that lands on one again first divides it). Not where the gradient is returned, not
             # accumulated (torch.autograd.grad, however it was called).
             self._pending[key] = (leaf, 1.0 / scale, current)
             return None
@@ -363,8 +366,8 @@ class GradientScaling(ControllerViews):
 
     def unit_landing(self, current, leaves):
         """The innermost running pass ``current`` knows now that the
-        gradients of ``leaves`` (a :func:`~gradient_scaling.torch.native.
-        unit_set`) reach them at scale 1: each then
+        gradients of ``leaves`` (made by :attr:`unit_set`) reach them at
+        scale 1: each then
         lands as it comes, recorded, with no lookup (until another pass
         starts or this one ends). Not while gradients are checked on
         landing (each needs its witness)."""
@@ -385,6 +388,10 @@ class GradientScaling(ControllerViews):
             self._running_told = bool(running)
             self._landing_state.set_running(self._running_told)
 
+    def _leave_running(self, current):
+        """``current``'s backward runs no longer."""
+        self._set_running([p for p in self._running if p is not current])
+
     def defers_landing(self):
         """Whether a pass starting now may leave its gradients scaled in
         ``.grad`` until it ends (:meth:`land`): not where each is checked
@@ -396,9 +403,8 @@ class GradientScaling(ControllerViews):
         self._set_running(self._running + [current])
 
     def pass_ended(self, current):
-        self._unit_off()
         self._unscale_pass(current)
-        self._set_running([p for p in self._running if p is not current])
+        self._leave_running(current)
         if not self._running and not self._bare:
             self._unpatch()
 
@@ -548,8 +554,7 @@ class GradientScaling(ControllerViews):
         finally:
             inner.remove()
             if inner in self._running:  # it raised before its end
-                self._set_running([p for p in self._running
-                                   if p is not inner])
+                self._leave_running(inner)
         outer.absorb(inner)
         handed = [(leaf, inner.landing_scale(leaf))
                   for leaf in inner.leaves
@@ -653,8 +658,7 @@ class GradientScaling(ControllerViews):
         self._unit_off()
         self._unscale_pass(current)
         if current in self._running:  # its backward did not end
-            self._set_running([p for p in self._running
-                               if p is not current])
+            self._leave_running(current)
         if not self._running and not self._bare:
             self._unpatch()
         if not current.finished:

@@ -299,12 +299,10 @@ class HookSet {
   std::vector<Entry> entries_;
 };
 
-// What a parameter's landing hook needs to know without Python: whether a
-// pass of its GradientScaling runs, and the parameters whose gradients
-// reach them at scale 1 in it (each then only recorded).
 using UnitSet = std::unordered_set<const c10::TensorImpl*>;
 
-// A set of parameters (made once per plan: set_unit swaps a pointer).
+// A set of parameters (Landing.unit_set, made once per plan: set_unit
+// swaps a pointer).
 struct Unit {
   std::shared_ptr<const UnitSet> set;
 };
@@ -320,6 +318,9 @@ Unit unit_set(py::iterable params) {
   return Unit{std::move(set)};
 }
 
+// What a parameter's landing hook needs to know without Python: whether a
+// pass of its GradientScaling runs, and the parameters whose gradients
+// reach them at scale 1 in it (each then only recorded).
 struct LandingState {
   bool running = false;
   std::shared_ptr<const UnitSet> unit;
@@ -536,9 +537,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("clear", &HookSet::clear)
       .def("__len__", &HookSet::size);
   py::class_<Unit>(m, "UnitSet");
-  m.def("unit_set", &unit_set);
   py::class_<Landing>(m, "Landing")
       .def(py::init<>())
+      .def_static("unit_set", &unit_set)
       .def("set_running", &Landing::set_running)
       .def("set_unit", &Landing::set_unit)
       .def("hook", &landing_hook);

@@ -36,7 +36,7 @@ import warnings
 import torch
 
 __all__ = ['module', 'reason', 'Hooks', 'Landing', 'hook_set_class',
-           'is_landing_hook', 'structure_function', 'unit_set']
+           'is_landing_hook', 'structure_function']
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                        'native.cpp')
@@ -199,10 +199,9 @@ def hook_set_class():
     fn)``: ``node.register_prehook``, ``add_post(node, fn)``:
     ``node.register_hook``, ``clear()``; ``add_scaling_pre`` and
     ``add_scaling_post(node, factor, indices)``: those gradients
-    multiplied, natively
-    without Python, the benchmark's floor of a native pass): native or
-    Python. Asked once (a hook keeps it: a pass then calls no Python
-    here)."""
+    multiplied, natively without Python, the benchmark's floor of a
+    native pass): native or Python. Asked once (a hook keeps it: a pass
+    then calls no Python here)."""
     native = module()
     return PythonHooks if native is None else native.HookSet
 
@@ -228,10 +227,11 @@ class PythonLanding(object):
         self.running = running
 
     def set_unit(self, unit, record):
-        if unit is None:
-            self.unit = self.record = None
-        else:
-            self.unit, self.record = unit, record
+        self.unit, self.record = unit, record
+
+    @staticmethod
+    def unit_set(params):
+        return frozenset(id(p) for p in params)
 
     def hook(self, param, fn):
         return functools.partial(_python_landing, self, id(param),
@@ -250,23 +250,14 @@ def _python_landing(state, key, record, fn, grad):
 
 def Landing():
     """The state of a hook's landing hooks: ``set_running(bool)``,
-    ``set_unit(unit or None, record)`` (the parameters of ``unit``, a
-    :func:`unit_set`, have their gradients land at scale 1 in the running
-    pass: each is only recorded, as ``(param, 1.0)`` appended to the list
-    ``record``), and
-    ``hook(param, fn)``: the hook to register on ``param``, which returns
-    None while no pass runs, records a gradient at scale 1, else returns
-    ``fn(grad)``."""
+    ``unit_set(params)`` (made once for a plan), ``set_unit(unit or None,
+    record)`` (the parameters of ``unit`` have their gradients land at
+    scale 1 in the running pass: each is only recorded, as ``(param,
+    1.0)`` appended to the list ``record``), and ``hook(param, fn)``: the
+    hook to register on ``param``, which returns None while no pass runs,
+    records a gradient at scale 1, else returns ``fn(grad)``."""
     native = module()
     return PythonLanding() if native is None else native.Landing()
-
-
-def unit_set(params):
-    """``params`` as :func:`Landing`'s ``set_unit`` takes them (made once
-    for a plan)."""
-    native = module()
-    return frozenset(id(p) for p in params) if native is None else \
-        native.unit_set(params)
 
 
 def is_landing_hook(fn):
