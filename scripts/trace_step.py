@@ -3,7 +3,7 @@
 A newcomer reading a step follows every call it makes into
 ``gradient_scaling``; this script counts them, as ``sys.setprofile`` sees
 them, for one cached step (``scale -> backward -> step -> update``, the
-scales cached: ``update_interval`` 100, two warm-up steps) of a small MLP
+scales cached: ``update_interval`` 100, four warm-up steps: :func:`warm_up`) of a small MLP
 in PyTorch (``GradientScaler``) and in Chainer (``train_step`` with GS):
 the library calls, the library files they are in, and the library classes
 whose methods they are (``self`` or ``cls`` of the frame).
@@ -118,6 +118,15 @@ def chainer_step():
 FRAMEWORKS = {'torch': torch_step, 'chainer': chainer_step}
 
 
+def warm_up(step):
+    """The steps before the traced one: the refresh at step 0, then
+    cached steps (PyTorch's first cached pass on a graph's structure
+    records its callbacks' order, the next plans its factors: the traced
+    step is one of the many that follow)."""
+    for _ in range(4):
+        step()
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--framework', nargs='+', choices=sorted(FRAMEWORKS),
@@ -130,8 +139,7 @@ def main(argv=None):
             print('torch: not installed')
             continue
         step = FRAMEWORKS[name]()
-        step()
-        step()  # the refresh at step 0, then cached
+        warm_up(step)
         with Trace() as trace:
             step()
         print('\n'.join(trace.lines(name, args.verbose)))

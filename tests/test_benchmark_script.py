@@ -765,17 +765,19 @@ def test_cause_timers_count_each_callback_and_leave_the_classes_as_they_were():
     from benchmarking import torch_causes
     from benchmarking import torch_variants
     from benchmarking import rows
+    from gradient_scaling.torch import planned_pass
     patched = [(graph, 'structure'), (graph.PlanCache, 'plan'),
                (backward_rules.BackwardPass, '_register'),
                (backward_rules.BackwardPass, '_gemm_in'),
                (backward_rules.BackwardPass, '_contribute'),
                (hook_module.GradientScaling, 'land'),
-               (hook_module.GradientScaling, 'finish_pass')]
+               (hook_module.GradientScaling, 'finish_pass'),
+               (planned_pass.PlannedRun, 'start')]
     before = [getattr(owner, name) for owner, name in patched]
     variants = {v.label: v for v in torch_variants.target_variants(
         'gpt', (1, 8), torch.device('cpu'))}
     gs = variants['gs-cached']
-    for _ in range(2):
+    for _ in range(3):  # (the refresh; the cached pass recorded, planned)
         gs.prepare()
         gs.step()
     gs.prepare()
@@ -787,13 +789,24 @@ def test_cause_timers_count_each_callback_and_leave_the_classes_as_they_were():
     assert calls['graph structure read'] == 1
     assert calls['plan reused on it (or walked)'] == 1
     assert calls['callbacks registered'] == 1
+    # planned: the logits GEMM (the cast site) in Python, the rest native
+    assert calls['GEMM pre-hooks (without their cast sites)'] == \
+        len(plan.softmax_gemms) == 1
+    assert calls['cast sites'] == 1
+    assert calls['planned factors set (then applied natively)'] == 1
+    assert calls['landing hooks'] == len(list(gs.model.parameters()))
+    assert calls['branch post-hooks'] == 0
+    assert calls['multi-output pre-hooks'] == 0
+    assert calls['GEMM post-hooks'] == 0  # (a cached pass has none)
+    gs.scaler.hook.planned_passes = False  # the Python callbacks
+    python, _ = torch_causes.cause_samples(gs, 1)
+    gs.scaler.hook.planned_passes = True
+    calls = {cause: c for cause, (_, c, _) in python.items()}
     assert calls['GEMM pre-hooks (without their cast sites)'] == \
         len(plan.gemms)
-    assert calls['landing hooks'] == len(list(gs.model.parameters()))
     assert calls['branch post-hooks'] == sum(
         len(edges) for edges in plan.branches.values())
     assert calls['multi-output pre-hooks'] == len(plan.multi_output)
-    assert calls['GEMM post-hooks'] == 0  # (a cached pass has none)
     assert all(min(s) >= 0 for _, _, s in by_cause.values())
     table = rows.cause_rows('gpt (torch)', '1x8', 'fp32', by_cause, steps)
     assert [r.cause for r in table] == [c for c, _ in torch_causes.CAUSES]

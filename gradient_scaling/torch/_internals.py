@@ -113,6 +113,13 @@ def engine_accumulates(node):
     """Whether the backward running now accumulates into the leaf of
     accumulation node ``node`` (``backward``), rather than returning its
     gradient (``torch.autograd.grad``)."""
+    return engine_runs(node)
+
+
+def engine_runs(node):
+    """Whether the backward running now runs ``node`` (a backward with
+    ``inputs``, or ``torch.autograd.grad``, runs only the nodes on their
+    paths; an accumulation node's, not at all)."""
     try:
         return torch._C._will_engine_execute_node(node)
     except RuntimeError:  # (asked of a leaf's node: autograd.grad runs)

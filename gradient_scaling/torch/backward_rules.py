@@ -46,6 +46,7 @@ import functools
 
 from gradient_scaling.core import arrays
 from gradient_scaling.torch import _internals as internals
+from gradient_scaling.torch import planned_pass
 from gradient_scaling.torch.arrays import times_power_of_two
 
 __all__ = ['BackwardPass']
@@ -72,17 +73,24 @@ class BackwardPass(object):
             decides a data fault).
         nested (bool): The backward runs from inside a node of another
             pass (a reentrant checkpoint's recomputed segment).
+        plan (~gradient_scaling.torch.graph.Plan): The graph's plan, where
+            it is known (else read from the roots).
+        planning (bool): A pass that plans another one's factors
+            (:mod:`~gradient_scaling.torch.planned_pass`): its callbacks
+            are called by the planner, none is registered.
 
     """
 
-    def __init__(self, hook, roots, loss_scale, losses, nested=False):
+    def __init__(self, hook, roots, loss_scale, losses, nested=False,
+                 plan=None, planning=False):
         self.hook = hook
         #: A backward run from inside another pass's node.
         self.nested = nested
         self.inner_leaves = []  # parameters of nested passes, to check
         self.step = hook.controller.step
-        self.plan = hook.plans.plan([node for node, _ in roots],
-                                    hook.recipe.cast_rule)
+        self.plan = plan if plan is not None else hook.plans.plan(
+            [node for node, _ in roots], hook.recipe.cast_rule)
+        self.roots, self.loss_scale = roots, loss_scale
         self.losses = losses
         self.started = self.finished = False
         self.root_slot = dict(roots)
@@ -132,9 +140,16 @@ class BackwardPass(object):
         #: Compiled regions that scaled their inside themselves
         #: (:func:`~gradient_scaling.torch.compile_backend.compile_backend`).
         self.self_scaled = set()
+        #: The scales the cast sites chose, in order.
+        self.chosen_casts = []
+        #: A planned pass's callbacks (:class:`~gradient_scaling.torch.
+        #: planned_pass.PlannedRun`), or what records them (a
+        #: ``Recorder``); None: the Python callbacks.
+        self.planned = None
         self.hooks = hook.hook_set()  # the callbacks on the graph's nodes
         self.handles = []  # the hooks on leaves not the model's
-        self._register()
+        if not planning:
+            self._register()
 
     # -- scales ------------------------------------------------------------
 
@@ -219,27 +234,65 @@ class BackwardPass(object):
     # -- registration -------------------------------------------------------
 
     def _register(self):
-        plan, pre, post = self.plan, self.hooks.add_pre, self.hooks.add_post
+        plan, hooks = self.plan, self.hooks
         for root in plan.roots:
-            pre(root, self._started)
+            hooks.add_pre(root, self._started)
+        self._hook_foreign_leaves()
+        self.planned = planned = planned_pass.prepare(self)
+        if isinstance(planned, planned_pass.PlannedRun):
+            planned.register()
+            return
+        record = None if planned is None else planned.wrap
+
+        def add(kind, node, fn, post=False):
+            if record is not None:
+                fn = record(kind, node, fn)
+            (hooks.add_post if post else hooks.add_pre)(node, fn)
         for node in plan.casts:
-            pre(node, self._cast(node))
+            add('cast', node, self._cast(node))
         backoff = self.hook.controller.backoff.scales
         for node, site in plan.gemms.items():
-            pre(node, self._gemm_in(node, site))
+            add('gemm', node, self._gemm_in(node, site))
             if self.step.refresh or backoff and any(
                     self.hook.parameter_name(p) in backoff
                     for p in site.parameters.values()):
                 self.posts.add(node)
-                post(node, self._gemm_out(node, site))
+                hooks.add_post(node, self._gemm_out(node, site))
         for node in plan.multi_output:
-            pre(node, self._unify_outputs(node))
+            add('unify', node, self._unify_outputs(node))
+        for node, edges in self.consumer_edges().items():
+            add('contribute', node, self._contribute(node, edges), True)
+
+    def planned_natively(self):
+        """Whether native hooks apply this pass's planned factors now."""
+        return isinstance(self.planned, planned_pass.PlannedRun) and \
+            self.planned.table.mode == 1
+
+    def consumer_edges(self):
+        """Node -> ``(input, slot)`` of each of its edges that feeds a
+        slot with several consumers (a branch)."""
         consumers = collections.defaultdict(list)
-        for slot, edges in plan.branches.items():
+        for slot, edges in self.plan.branches.items():
             for node, i in edges:
                 consumers[node].append((i, slot))
-        for node, edges in consumers.items():
-            post(node, self._contribute(node, edges))
+        return consumers
+
+    def callback(self, kind, node, edges=()):
+        """The callback of ``kind`` (``'cast'``, ``'gemm'``, ``'unify'``,
+        ``'contribute'``) on ``node`` (``edges``: a consumer's branch
+        edges, ``(input, slot)``)."""
+        if kind == 'cast':
+            return self._cast(node)
+        if kind == 'gemm':
+            return self._gemm_in(node, self.plan.gemms[node])
+        if kind == 'unify':
+            return self._unify_outputs(node)
+        return self._contribute(node, edges)
+
+    def _hook_foreign_leaves(self):
+        """A landing hook on each leaf of the graph that is not the
+        model's (those have the hook's own)."""
+        plan = self.plan
         lands, itself = self.hook.land, self.hook.landing_ids
         shared = plan.shared
         foreign = None if shared is None else shared.get('foreign')
@@ -323,9 +376,13 @@ class BackwardPass(object):
                 and self.hook.defers_landing()
             self.hook.pass_started(self)
             self.hook.queue_end(self._finished)
+            if isinstance(self.planned, planned_pass.PlannedRun):
+                self.planned.started()
 
     def _finished(self):
         self.finished = True
+        if self.planned is not None:
+            self.planned.finished(self)
         self.hook.pass_ended(self)
 
     # -- the rules ------------------------------------------------------------
@@ -343,6 +400,7 @@ class BackwardPass(object):
     def _cast_site(self, g, alpha):
         key = self.step.cast_key()
         beta = self.step.cast(key, g, alpha)
+        self.chosen_casts.append(beta)
         scaled = _times(g, beta)
         self.step.measure(key, scaled)
         return scaled, alpha * beta

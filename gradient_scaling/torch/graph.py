@@ -241,6 +241,11 @@ class Plan(object):
         #: On such a plan: ``(edge, accumulation node)`` of each edge of
         #: the root (a compiled region) that leads to a leaf.
         self.leaf_edges = ()
+        #: On a plan of :class:`PlanCache` (walked or reused): a dict
+        #: shared by every plan of the graph's structure, where passes keep
+        #: what they learn of it (a planned pass's recorded order and
+        #: factors: :mod:`~gradient_scaling.torch.planned_pass`).
+        self.structure_memo = None
 
     def consumers_of(self, slot):
         """The edges that feed ``slot``, or None."""
@@ -743,6 +748,7 @@ class PlanCache(object):
             while len(self._templates) > self.size:
                 self._templates.popitem(last=False)
         plan.runs_python = template.runs_python
+        plan.structure_memo = template.memo
         if len(roots) == 1 and _role(order[0]) == _COMPILED:
             # (an eager graph's root is no compiled region: not asked)
             quick = _Quick.of(template, plan, order, index, edges)
@@ -959,6 +965,8 @@ class _Template(object):
         self.root_set = frozenset(self.roots)
         #: Slot position -> its :meth:`Plan.scale_sources`, as found.
         self.sources = {}
+        #: What passes keep of this structure (:attr:`Plan.structure_memo`).
+        self.memo = {}
 
 
 def _scale_sources(template, n, k):

@@ -124,6 +124,13 @@ class GradientScaling(ControllerViews):
         self.unit_set = self._landing_state.unit_set
         #: The class of a pass's set of node callbacks (native or Python).
         self.hook_set = native.hook_set_class()
+        #: Whether cached passes are planned before they run, their sites
+        #: then native hooks (:mod:`~gradient_scaling.torch.planned_pass`;
+        #: where the native callbacks are built): the same gradients and
+        #: scales as the Python callbacks, bit for bit.
+        self.planned_passes = True
+        #: The class of a planned pass's factor table (None: not built).
+        self.planned_table = native.planned_table_class()
         self._unit_on = False  # a unit set given to it
         self._running_told = False  # what it was told of running passes
         self._bare = False  # active as ``with hook:``
@@ -547,6 +554,13 @@ class GradientScaling(ControllerViews):
             else list(tensors)
         roots = [(t.grad_fn, t.output_nr) for t in tensors
                  if t.grad_fn is not None]
+        if outer.planned_natively():
+            # Its factors were planned for the pass as recorded, with no
+            # backward inside (which may change the scale a node returns).
+            raise RuntimeError(
+                'GradientScaling: a backward run from inside a planned '
+                'backward pass (a tensor hook that calls backward?) cannot '
+                'be scaled exactly; set hook.planned_passes = False')
         entering = outer.entering_scale(node)
         inner = BackwardPass(self, roots, entering, [], nested=True)
         try:

@@ -18,11 +18,14 @@
 #include <torch/csrc/autograd/python_function.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <algorithm>
+#include <cmath>
 #include <limits>
 #include <type_traits>
 #include <memory>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 namespace py = pybind11;
@@ -226,6 +229,128 @@ struct ScalingPostHook : torch::autograd::FunctionPostHook {
   }
 };
 
+// ``x * ratio`` for a power of two ``ratio``, multiplied in the steps of
+// gradient_scaling.torch.arrays.normal_steps (each a normal float32 power
+// of two, the first as large as it can be), as the Python callbacks do:
+// the same bits.
+at::Tensor times_power_of_two(const at::Tensor& x, double ratio) {
+  int exponent = 0;
+  std::frexp(ratio, &exponent);
+  exponent -= 1;
+  at::Tensor result = x;
+  while (exponent != 0) {
+    int step = std::max(-126, std::min(127, exponent));
+    result = result * std::ldexp(1.0, step);
+    exponent -= step;
+  }
+  return result;
+}
+
+// The factors of a planned cached pass (backward_rules.py's planned
+// passes), shared by its hooks: set once its cast sites have chosen
+// (mode 1); or, where the plan could not be made for what they chose,
+// every hook hands its gradients to ``dispatch`` (mode 2, the Python
+// callbacks); before either (mode 0) a hook refuses to run.
+struct Planned {
+  std::vector<double> factors;
+  int mode = 0;
+  int64_t next = 0;  // the sequence number the next hook should have
+  bool deviated = false;  // a hook ran out of the planned order
+  std::shared_ptr<PyRef> dispatch;
+};
+
+class PlannedTable {
+ public:
+  PlannedTable() : state(std::make_shared<Planned>()) {}
+
+  void set(std::vector<double> factors) {
+    state->factors = std::move(factors);
+    state->mode = 1;
+    state->next = 0;
+    state->deviated = false;
+  }
+
+  void use_python(py::handle dispatch) {
+    state->dispatch = std::make_shared<PyRef>(dispatch.ptr());
+    state->mode = 2;
+  }
+
+  int mode() const { return state->mode; }
+  bool deviated() const { return state->deviated; }
+
+  std::shared_ptr<Planned> state;
+};
+
+// The planned factors applied to ``grads``: gradient ``index`` times
+// factor ``slot`` for each ``(index, slot)``; checks the hook's place in
+// the planned order.
+variable_list planned_times(Planned& table, int64_t seq,
+                            const std::vector<std::pair<int64_t, int64_t>>&
+                                slots,
+                            const variable_list& grads) {
+  if (table.mode != 1) {
+    throw std::runtime_error(
+        "GradientScaling: a planned backward pass reached a node before "
+        "its cast sites had run (the engine ran the graph's nodes in "
+        "another order than the pass recorded; GRADIENT_SCALING_NATIVE=0 "
+        "avoids planned passes)");
+  }
+  if (seq != table.next) table.deviated = true;
+  table.next = seq + 1;
+  variable_list out(grads);
+  for (const auto& entry : slots) {
+    auto i = static_cast<size_t>(entry.first);
+    double factor = table.factors.at(static_cast<size_t>(entry.second));
+    if (i < out.size() && out[i].defined() && factor != 1.0) {
+      out[i] = times_power_of_two(out[i], factor);
+    }
+  }
+  return out;
+}
+
+struct PlannedPreHook : torch::autograd::FunctionPreHook {
+  std::shared_ptr<Planned> table;
+  int64_t seq;
+  std::vector<std::pair<int64_t, int64_t>> slots;
+  PlannedPreHook(std::shared_ptr<Planned> t, int64_t s,
+                 std::vector<std::pair<int64_t, int64_t>> i)
+      : table(std::move(t)), seq(s), slots(std::move(i)) {}
+  variable_list operator()(const variable_list& grads) override {
+    if (table->mode == 2) {
+      py::gil_scoped_acquire gil;
+      py::object args = py::reinterpret_steal<py::object>(wrap(grads));
+      PyObject* result = PyObject_CallFunctionObjArgs(
+          table->dispatch->obj, py::int_(seq).ptr(), args.ptr(), nullptr);
+      if (result == nullptr) throw python_error();
+      return taken(result, grads, "backward pre-hook");
+    }
+    return planned_times(*table, seq, slots, grads);
+  }
+};
+
+struct PlannedPostHook : torch::autograd::FunctionPostHook {
+  std::shared_ptr<Planned> table;
+  int64_t seq;
+  std::vector<std::pair<int64_t, int64_t>> slots;
+  PlannedPostHook(std::shared_ptr<Planned> t, int64_t s,
+                  std::vector<std::pair<int64_t, int64_t>> i)
+      : table(std::move(t)), seq(s), slots(std::move(i)) {}
+  variable_list operator()(const variable_list& outputs,
+                           const variable_list& inputs) override {
+    if (table->mode == 2) {
+      py::gil_scoped_acquire gil;
+      py::object a = py::reinterpret_steal<py::object>(wrap(outputs));
+      py::object b = py::reinterpret_steal<py::object>(wrap(inputs));
+      PyObject* result = PyObject_CallFunctionObjArgs(
+          table->dispatch->obj, py::int_(seq).ptr(), a.ptr(), b.ptr(),
+          nullptr);
+      if (result == nullptr) throw python_error();
+      return taken(result, outputs, "backward hook");
+    }
+    return planned_times(*table, seq, slots, outputs);
+  }
+};
+
 // The callbacks of one backward pass, taken off all at once.
 class HookSet {
  public:
@@ -247,6 +372,20 @@ class HookSet {
   void add_scaling_post(py::handle node, double factor,
                         std::vector<int64_t> indices) {
     add<ScalingPostHook>(node, factor, std::move(indices));
+  }
+
+  // A planned pass's hook on ``node``: its gradients (incoming for a
+  // pre-hook, returned for a post-hook) times the factors of ``table``
+  // at ``slots`` (``(index, slot)`` pairs); ``seq``: its place in the
+  // pass's planned order.
+  void add_planned(py::handle node, const PlannedTable& table, bool post,
+                   int64_t seq,
+                   std::vector<std::pair<int64_t, int64_t>> slots) {
+    if (post) {
+      add<PlannedPostHook>(node, table.state, seq, std::move(slots));
+    } else {
+      add<PlannedPreHook>(node, table.state, seq, std::move(slots));
+    }
   }
 
   // Takes every callback off the nodes still alive (never while the
@@ -534,8 +673,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_post", &HookSet::add_post)
       .def("add_scaling_pre", &HookSet::add_scaling_pre)
       .def("add_scaling_post", &HookSet::add_scaling_post)
+      .def("add_planned", &HookSet::add_planned)
       .def("clear", &HookSet::clear)
       .def("__len__", &HookSet::size);
+  py::class_<PlannedTable>(m, "PlannedTable")
+      .def(py::init<>())
+      .def("set", &PlannedTable::set)
+      .def("use_python", &PlannedTable::use_python)
+      .def_property_readonly("mode", &PlannedTable::mode)
+      .def_property_readonly("deviated", &PlannedTable::deviated);
   py::class_<Unit>(m, "UnitSet");
   py::class_<Landing>(m, "Landing")
       .def(py::init<>())

@@ -36,7 +36,7 @@ import warnings
 import torch
 
 __all__ = ['module', 'reason', 'Hooks', 'Landing', 'hook_set_class',
-           'is_landing_hook', 'structure_function']
+           'is_landing_hook', 'planned_table_class', 'structure_function']
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                        'native.cpp')
@@ -204,6 +204,15 @@ def hook_set_class():
     then calls no Python here)."""
     native = module()
     return PythonHooks if native is None else native.HookSet
+
+
+def planned_table_class():
+    """The class of a planned pass's factor table (``PlannedTable()``:
+    ``set(factors)``, ``use_python(dispatch)``, ``mode``, ``deviated``;
+    ``HookSet.add_planned`` puts its hooks on nodes), or None where the
+    native module is not built (passes are then not planned)."""
+    native = module()
+    return None if native is None else native.PlannedTable
 
 
 def Hooks():

@@ -6,7 +6,9 @@ the part of the hook that does it: the reading of the graph's structure,
 the plan reused on it, the callbacks' registration and the rest of
 ``scale``; in the backward, each kind of callback (GEMM pre-hooks, the
 cast sites, branch post-hooks, multi-output pre-hooks, GEMM post-hooks,
-landing hooks) and the division of the gradients left in ``.grad`` at the
+landing hooks; on a planned pass, the cast sites' alone, and the setting
+of the factors the native hooks then apply, untimed:
+:mod:`~gradient_scaling.torch.planned_pass`) and the division of the gradients left in ``.grad`` at the
 pass's end; in ``step``, the pass's end and its finiteness check. A
 callback's time includes the tensor operations it runs (its
 multiplications, a cast's ``max|g|``), not PyTorch's call into it (the
@@ -28,6 +30,7 @@ import time
 from gradient_scaling.torch import backward_rules
 from gradient_scaling.torch import graph
 from gradient_scaling.torch import hook as hook_module
+from gradient_scaling.torch import planned_pass
 
 __all__ = ['CAUSES', 'CauseTimers', 'cause_samples']
 
@@ -39,6 +42,7 @@ CAUSES = (
     ('rest of scale (the step\'s bookkeeping)', 'scale'),
     ('GEMM pre-hooks (without their cast sites)', 'backward'),
     ('cast sites', 'backward'),
+    ('planned factors set (then applied natively)', 'backward'),
     ('branch post-hooks', 'backward'),
     ('multi-output pre-hooks', 'backward'),
     ('GEMM post-hooks', 'backward'),
@@ -108,8 +112,8 @@ class CauseTimers(object):
                     lambda original: self._timed(cause, original, within))
 
     def __enter__(self):
-        (structure, plan, register, scale, gemm, cast, branch, multi, post,
-         land, region, divide, end) = [c for c, _ in CAUSES]
+        (structure, plan, register, scale, gemm, cast, planned, branch,
+         multi, post, land, region, divide, end) = [c for c, _ in CAUSES]
         rules = backward_rules.BackwardPass
         self._method(graph.PlanCache, 'structure', structure)
         self._method(graph.PlanCache, 'plan', plan, [structure])
@@ -119,6 +123,7 @@ class CauseTimers(object):
         self._method(rules, '_cast_site', cast)
         self._factory(rules, '_gemm_in', gemm, [cast])
         self._factory(rules, '_cast', cast)
+        self._method(planned_pass.PlannedRun, 'start', planned)
         self._factory(rules, '_contribute', branch)
         self._factory(rules, '_unify_outputs', multi)
         self._factory(rules, '_gemm_out', post)

@@ -1,0 +1,403 @@
+"""Planned cached passes: a cached backward pass's factors, known before it.
+
+On a cached pass every site reads its scale from the committed table, so
+what each callback of :mod:`~gradient_scaling.torch.backward_rules`
+multiplies is known before the pass runs, but for a cast site's cap (the
+cached scale lowered where this pass's ``max|g|`` would overflow). A
+planned pass uses that, where the native callbacks are built
+(:mod:`~gradient_scaling.torch.native`):
+
+1. *Recorded*: the first cached pass on a graph's structure runs the
+   Python callbacks and records the order they ran in (:class:`Recorder`;
+   the engine's order, which a graph of the same structure on one device
+   repeats), made a :class:`Layout`: which gradient of which callback
+   each factor multiplies.
+2. *Planned*: the same callbacks, asked in that order by a pass of their
+   own on symbolic gradients (:class:`Symbolic`: which gradients a value
+   is made of, times what), with a step that reads only the table
+   (:class:`_TableStep`: a site not in it is a miss, and the pass runs
+   in Python), give every factor, the scale each leaf's gradient lands
+   with and the step's key counters after the pass (:func:`plan`);
+   memoised per structure, entering scale, cast scales and the table's
+   content. They are the Python callbacks' own decisions, not a second
+   implementation of them.
+3. *Run*: the cast sites, which come first in such a pass (or the pass is
+   not planned), run in Python; the other callbacks are native hooks
+   multiplying by the planned factors (``HookSet.add_planned``: no Python
+   frame, no dict lookup); a branch's contributions are each brought to
+   the common scale by their own consumer and summed by the engine, in
+   arrival order as the Python callbacks sum them. Once the casts have
+   run, a cast whose cap bound (its scale is not the planned one) makes
+   the pass planned again with the scales they chose; where that misses,
+   every native hook hands its gradients to the Python callbacks, and the
+   pass is the Python one (:meth:`PlannedRun.start`).
+
+Gradients, scales, landed scales and the step's state are those of the
+Python callbacks, bit for bit (``tests/test_torch_planned_pass.py``); a
+hook that runs out of the recorded order (which a graph on one device
+does not do) is noticed, and the structure recorded again; a planned hook
+reached before the cast sites ran raises one clear error.
+"""
+
+from gradient_scaling.torch import _internals as internals
+
+__all__ = ['Layout', 'PlannedRun', 'Recorder', 'Symbolic', 'prepare',
+           'planned_entry']
+
+#: Planned entries kept per structure (the least recently made dropped).
+_ENTRIES = 16
+
+
+class Symbolic(object):
+
+    """A gradient of a pass being planned: the sum of the gradients of
+    ``terms`` (``[slot, factor]``: the gradient a factor slot of the
+    layout multiplies, times ``factor``), of ``dtype``. Supports what the
+    callbacks do to a gradient on a cached pass: multiply it by a power of
+    two, add two, ask its element size."""
+
+    __slots__ = ('terms', 'dtype')
+
+    def __init__(self, terms, dtype):
+        self.terms, self.dtype = terms, dtype
+
+    def element_size(self):
+        return self.dtype.itemsize
+
+    def __mul__(self, factor):
+        factor = float(factor)
+        return Symbolic([(slot, f * factor) for slot, f in self.terms],
+                        self.dtype)
+
+    __rmul__ = __mul__
+
+    def __add__(self, other):
+        return Symbolic(self.terms + other.terms, self.dtype)
+
+
+class _Miss(Exception):
+    """A site whose scale a cached pass cannot know before it runs."""
+
+
+class _TableStep(object):
+
+    """The open step as a planned pass asks it: the table's scales only
+    (a site not in it is a :class:`_Miss`); the cast scales ``casts`` (in
+    order) where given, else the cached ones, uncapped. Key counters and
+    everything else are the step's."""
+
+    def __init__(self, step, casts):
+        self._step = step
+        self._casts = None if casts is None else list(casts)
+
+    def __getattr__(self, name):
+        return getattr(self._step, name)
+
+    def gemm(self, key, grad, weight, n, alpha, data_gradient):
+        beta = self._step.cached(key, alpha)
+        if beta is None:
+            raise _Miss(key)
+        return beta, None
+
+    def cast(self, key, grad, alpha):
+        if self._casts is not None:
+            if not self._casts:
+                raise _Miss(key)
+            return self._casts.pop(0)
+        beta = self._step.cached(key, alpha)
+        if beta is None:
+            raise _Miss(key)
+        return beta
+
+    def branch(self, scales, grads):
+        common = self._step.branch(scales, None)
+        if common is None:
+            raise _Miss('branch')
+        return common
+
+    def measure(self, key, grad):
+        """(A cached site measures nothing.)"""
+
+
+class Recorder(object):
+
+    """Records the order in which a pass's callbacks run (the first cached
+    pass on a structure): ``(kind, node, dtype)`` each."""
+
+    def __init__(self):
+        self.events = []
+        self.registered = 0
+
+    def wrap(self, kind, node, fn):
+        """``fn``, recording its call."""
+        events = self.events
+        self.registered += 1
+
+        def recorded(*args):
+            dtype = next((g.dtype for g in args[0] if g is not None), None)
+            events.append((kind, node, dtype))
+            return fn(*args)
+        return recorded
+
+    def finished(self, current):
+        """The pass ended: its :class:`Layout` is kept with the structure
+        (False where it cannot be planned); not of a backward that ran
+        only part of the graph (``torch.autograd.grad``)."""
+        if current.hook._capturing:
+            return
+        layout = Layout.of(current, self)
+        current.plan.structure_memo['layout'] = \
+            layout if layout is not None else False
+
+
+class Layout(object):
+
+    """The recorded order of a structure's callbacks, in positions.
+
+    Attributes:
+        events (list): ``(kind, position, dtype, slots, edges)`` per
+            callback in the order run: ``slots`` the ``(index, factor
+            slot)`` of each gradient it may multiply (among its node's
+            incoming gradients for a pre-hook, returned ones for a
+            post-hook); ``edges`` a branch consumer's ``(input, (producer
+            position, slot))``.
+        prefix (int): How many come first that run in Python (the cast
+            sites, a logits GEMM that is one).
+        count (int): Factor slots.
+
+    """
+
+    def __init__(self, events, prefix, count):
+        self.events, self.prefix, self.count = events, prefix, count
+
+    @classmethod
+    def of(cls, current, recorder):
+        """The layout of what ``recorder`` saw in pass ``current``, or
+        None where a callback did not run exactly once, a cast site runs
+        after another site, or a GEMM scales its own paths."""
+        plan = current.plan
+        index = plan.index
+        events = recorder.events
+        if len(events) != recorder.registered or \
+                len({(k, n) for k, n, _ in events}) != len(events) or \
+                any(site.scales_itself for site in plan.gemms.values()):
+            return None
+        python = [_in_python(plan, kind, node) for kind, node, _ in events]
+        prefix = python.count(True)
+        if any(python[prefix:]):
+            return None
+        consumers = current.consumer_edges()
+        laid, count = [], 0
+        for kind, node, dtype in events:
+            edges = ()
+            if kind == 'contribute':
+                edges = tuple((i, (index[n], k))
+                              for i, (n, k) in consumers[node])
+                indices = [i for i, _ in edges]
+            elif kind == 'unify':
+                indices = list(plan.slots_of(node) or ())
+            else:
+                indices = [0]
+            slots = tuple((i, count + j) for j, i in enumerate(indices))
+            count += len(slots)
+            laid.append((kind, index[node], dtype, slots, edges))
+        return cls(laid, prefix, count)
+
+
+def _in_python(plan, kind, node):
+    """Whether a callback runs in Python on a planned pass: a cast site's
+    (its cap reads the pass's gradient)."""
+    return kind == 'cast' or (kind == 'gemm' and node in plan.softmax_gemms)
+
+
+class _Entry(object):
+    """A planned pass: the factors, the cast scales they assume, the step's
+    key counters after it, each leaf's landing scale (by position) and the
+    leaves at scale 1 (a landing unit set)."""
+
+    def __init__(self, factors, casts, counters, leaves, unit):
+        self.factors, self.casts = factors, casts
+        self.counters, self.leaves, self.unit = counters, leaves, unit
+
+
+def prepare(current):
+    """What pass ``current`` (registering its callbacks) does: None (the
+    Python callbacks), a :class:`Recorder` (them, recorded), or a
+    :class:`PlannedRun`."""
+    hook, plan, step = current.hook, current.plan, current.step
+    memo = plan.structure_memo
+    if not hook.planned_passes or current.nested or memo is None or \
+            plan.template is None or plan.compiled or plan.runs_python or \
+            hook.planned_table is None or step.refresh or \
+            step.recipe.every_pass or step.staged is not None or \
+            step.records or hook.controller.backoff.scales or \
+            step.occurrences or step.cast_count or step.branch_count:
+        return None
+    layout = memo.get('layout')
+    if layout is None:
+        return Recorder()
+    if layout is False or len({leaf.device for leaf in
+                               plan.accumulators.values()}) > 1:
+        return None  # (nodes on several devices run on several threads)
+    entry = planned_entry(current, layout)
+    return None if entry is None else PlannedRun(current, layout, entry)
+
+
+def planned_entry(current, layout, casts=None):
+    """The :class:`_Entry` of pass ``current`` on ``layout`` (memoised),
+    its cast sites choosing the planned (cached) scales or ``casts``; None
+    where a site's scale is not in the table."""
+    step, memo = current.step, current.plan.structure_memo
+    table = step.controller.table
+    entries = memo.setdefault('planned', {})
+    key = (current.loss_scale, casts, id(step.recipe))
+    known = entries.get(key)
+    if known is not None and known[1] == table.scales and \
+            known[2] == table.signatures:
+        return known[0]
+    entry = _evaluate(current, layout, casts)
+    entries.pop(key, None)
+    if len(entries) >= _ENTRIES:
+        del entries[next(iter(entries))]
+    entries[key] = (entry, dict(table.scales), dict(table.signatures))
+    return entry
+
+
+def _evaluate(current, layout, casts):
+    """The callbacks asked in the layout's order on symbolic gradients by
+    a pass of their own (the step's counters as at a pass's start, put
+    back after)."""
+    step, order = current.step, current.plan.order
+    planner = type(current)(current.hook, current.roots, current.loss_scale,
+                            [], plan=current.plan, planning=True)
+    planner.step = _TableStep(step, casts)
+    saved = (step.occurrences, step.cast_count, step.branch_count)
+    step.occurrences, step.cast_count, step.branch_count = {}, 0, 0
+    factors = [None] * layout.count
+    try:
+        for kind, position, dtype, slots, edges in layout.events:
+            node = order[position]
+            fn = planner.callback(kind, node, [
+                (i, (order[n], k)) for i, (n, k) in edges])
+            grads = [None] * (max(i for i, _ in slots) + 1 if slots else 0)
+            for i, slot in slots:
+                grads[i] = Symbolic([(slot, 1.0)], dtype)
+            if kind == 'contribute':
+                result = fn(tuple(grads), ())
+            else:
+                result = fn(tuple(grads))
+            if result is None:  # (passed on unchanged)
+                for _, slot in slots:
+                    factors[slot] = 1.0
+                continue
+            for g in result:
+                if isinstance(g, Symbolic):
+                    for slot, factor in g.terms:
+                        factors[slot] = factor
+        if None in factors:
+            return None  # (a contribution never summed)
+        leaves = [(current.plan.index[node], planner.slot_scale(node, 0))
+                  for node in current.plan.accumulators]
+        counters = (step.occurrences, step.cast_count, step.branch_count)
+    except _Miss:
+        return None
+    finally:
+        step.occurrences, step.cast_count, step.branch_count = saved
+    accumulators = current.plan.accumulators
+    unit = current.hook.unit_set([accumulators[order[p]]
+                                  for p, scale in leaves if scale == 1.0])
+    return _Entry(factors, tuple(planner.chosen_casts), counters, leaves,
+                  unit)
+
+
+class PlannedRun(object):
+
+    """A planned pass's callbacks: the cast sites' in Python, the others
+    native, multiplying by the factors of a ``PlannedTable``
+    (:func:`~gradient_scaling.torch.native.planned_table_class`)."""
+
+    def __init__(self, current, layout, entry):
+        self.current, self.layout, self.entry = current, layout, entry
+        self.table = current.hook.planned_table()
+        self._callbacks = {}
+
+    def register(self):
+        current, layout, table = self.current, self.layout, self.table
+        order, hooks = current.plan.order, current.hooks
+        prefix = layout.prefix
+        for seq, (kind, position, _, slots, edges) in \
+                enumerate(layout.events):
+            node = order[position]
+            post = kind == 'contribute'
+            if seq >= prefix:
+                hooks.add_planned(node, table, post, seq - prefix, slots)
+                continue
+            fn = current.callback(kind, node, [
+                (i, (order[n], k)) for i, (n, k) in edges])
+            if seq == prefix - 1:
+                fn = self._then_start(fn)
+            (hooks.add_post if post else hooks.add_pre)(node, fn)
+
+    def _then_start(self, fn):
+        def last(*args):
+            result = fn(*args)
+            self.start()
+            return result
+        return last
+
+    def started(self):
+        """The pass started (its landing told): with no cast site, the
+        planned factors apply at once. A backward that runs only part of
+        the graph (``torch.autograd.grad``, ``inputs=``) runs the Python
+        callbacks: the order recorded is a whole graph's."""
+        current = self.current
+        order, events = current.plan.order, self.layout.events
+        if current.hook._capturing or not all(
+                internals.engine_runs(order[events[seq][1]])
+                for seq in range(self.layout.prefix)):
+            self.table.use_python(self.dispatch)
+        elif not self.layout.prefix:
+            self.start()
+
+    def start(self):
+        """The cast sites have run: the factors planned for the scales
+        they chose apply; where none can be planned, the Python callbacks
+        run instead (:meth:`dispatch`)."""
+        current, entry = self.current, self.entry
+        if self.table.mode == 2:
+            return  # (the Python callbacks run)
+        chosen = tuple(current.chosen_casts)
+        if chosen != entry.casts:  # a cap bound
+            entry = planned_entry(current, self.layout, chosen)
+            if entry is None:
+                self.table.use_python(self.dispatch)
+                return
+        step = current.step
+        step.occurrences = dict(entry.counters[0])
+        step.cast_count, step.branch_count = entry.counters[1:]
+        order = current.plan.order
+        current.leaf_scales = {order[p]: scale for p, scale in entry.leaves}
+        self.table.set(entry.factors)
+        hook = current.hook
+        if hook._running and hook._running[-1] is current:
+            hook.unit_landing(current, entry.unit)
+
+    def dispatch(self, seq, *args):
+        """A native hook's gradients, to its Python callback (a pass that
+        could not be planned for the scales its casts chose)."""
+        fn = self._callbacks.get(seq)
+        if fn is None:
+            order = self.current.plan.order
+            kind, position, _, _, edges = \
+                self.layout.events[self.layout.prefix + seq]
+            fn = self._callbacks[seq] = self.current.callback(
+                kind, order[position],
+                [(i, (order[n], k)) for i, (n, k) in edges])
+        return fn(*args)
+
+    def finished(self, current):
+        """The pass ended: a hook that ran out of the recorded order makes
+        the structure recorded again."""
+        if self.table.deviated:
+            current.plan.structure_memo.pop('layout', None)
+            current.plan.structure_memo.pop('planned', None)

@@ -1,0 +1,320 @@
+"""Planned cached passes (gradient_scaling/torch/planned_pass.py) against
+the Python callbacks they stand in for.
+
+A planned pass computes its factors before it runs from the callbacks'
+own decisions and applies them in native hooks: gradients, landed scales,
+reports and step results must be those of the Python callbacks bit for
+bit, across refreshes, on a transformer (branches, a split, a weight used
+by two GEMMs, the logits GEMM as the cast site), on a network with every
+construct (an explicit up-cast, a split with an unused output, a
+three-consumer tensor, cat, a transposed convolution) and in float16; a
+cast whose cap binds plans again, or hands the pass to the Python
+callbacks; a backward of part of the graph runs in Python; a hook out of
+the planned order is noticed, one reached before the casts refuses.
+"""
+
+import sys
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip('torch')
+
+from gradient_scaling.torch import GradientScaler  # NOQA: after the skip
+from gradient_scaling.torch import GradientScaling  # NOQA
+from gradient_scaling.torch import native  # NOQA
+from gradient_scaling.torch import planned_pass  # NOQA
+from gradient_scaling.torch.arrays import times_power_of_two  # NOQA
+
+from torch_nets import EveryConstructNet  # NOQA
+from torch_nets import every_construct_batch  # NOQA
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', 'scripts'))
+from benchmarking import torch_cases  # NOQA: scripts/ on the path
+
+
+@pytest.fixture
+def built():
+    module = native.module()
+    if module is None:
+        pytest.skip('native module not built: ' + native.reason())
+    return module
+
+
+@pytest.fixture
+def runs(monkeypatch):
+    """The modes of the planned passes' tables as each applied its
+    factors or handed its gradients to Python (1: native, 2: Python)."""
+    modes = []
+    start, started = planned_pass.PlannedRun.start, \
+        planned_pass.PlannedRun.started
+
+    def counted_start(self):
+        if self.table.mode != 2:  # (else counted as it started)
+            start(self)
+            modes.append(self.table.mode)
+
+    def counted_started(self):
+        started(self)
+        if self.table.mode == 2:
+            modes.append(2)
+    monkeypatch.setattr(planned_pass.PlannedRun, 'start', counted_start)
+    monkeypatch.setattr(planned_pass.PlannedRun, 'started', counted_started)
+    return modes
+
+
+def _gpt(dtype=torch.float32):
+    rng = np.random.default_rng(0)
+    torch.manual_seed(0)
+    net, batch = torch_cases.gpt(2, 16, rng)
+    return net.to(dtype), batch
+
+
+def _history(planned, make, steps=8, interval=3, between=None, **settings):
+    """Per step: gradients, landed scales, report, finiteness of GS (the
+    bare hook) with planned passes on or off."""
+    net, batch = make()
+    hook = GradientScaling(net, update_interval=interval, **settings)
+    hook.planned_passes = planned
+    history = []
+    for step in range(steps):
+        net.zero_grad(set_to_none=True)
+        loss = net(*batch(step)) * (1 + step % 3)
+        if between is not None:
+            between(hook, step)
+        with hook:
+            loss.backward()
+        history.append((
+            {n: p.grad.clone() for n, p in net.named_parameters()
+             if p.grad is not None},
+            {n: hook.landed_scales[p] for n, p in net.named_parameters()
+             if p in hook.landed_scales},
+            [(r.name, r.kind, r.local_scale, r.output_scale)
+             for r in hook.report()],
+            hook.last_result.finite))
+    return history
+
+
+def _assert_same(a, b):
+    assert len(a) == len(b)
+    for step, (x, y) in enumerate(zip(a, b)):
+        assert x[0].keys() == y[0].keys()
+        for name in x[0]:
+            assert torch.equal(x[0][name], y[0][name]), (step, name)
+        assert x[1:] == y[1:], step
+
+
+def _gpt_case(dtype=torch.float32):
+    def make():
+        net, (idx, targets) = _gpt(dtype)
+        return net, lambda step: (idx.roll(step, 1), targets.roll(step, 1))
+    return make
+
+
+def _every_construct():
+    torch.manual_seed(0)
+    net = EveryConstructNet().double()
+    rng = np.random.default_rng(0)
+    batches = [every_construct_batch(rng)[2:] for _ in range(4)]
+    return net, lambda step: batches[step % 4]
+
+
+@pytest.mark.parametrize('case', ['gpt', 'every_construct'])
+def test_planned_passes_are_the_python_callbacks(built, runs, case):
+    make = _gpt_case() if case == 'gpt' else _every_construct
+    planned = _history(True, make)
+    assert runs and set(runs) == {1}  # (planned, natively)
+    python = _history(False, make)
+    _assert_same(planned, python)
+    scales = set(planned[-1][1].values())
+    assert scales != {1.0}, scales
+
+
+def test_planned_passes_in_float16(built, runs):
+    planned = _history(True, _gpt_case(torch.float16), steps=6)
+    assert set(runs) == {1}
+    _assert_same(planned, _history(False, _gpt_case(torch.float16),
+                                   steps=6))
+
+
+def _inflated_cast(hook, step):
+    """The cast's cached scale far above what its cap allows (a cap
+    that binds on every cached pass)."""
+    table = hook.controller.table
+    for key in table.scales:
+        if key.startswith('cast#'):
+            table.scales[key] = 2.0 ** 100
+
+
+class _Chain(torch.nn.Module):
+    """GEMMs in a chain, an up-cast before the loss: no branch whose
+    cached signature a cast's scale could change."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 16)
+        self.b = torch.nn.Linear(16, 16)
+        self.c = torch.nn.Linear(16, 5)
+
+    def forward(self, x, t):
+        h = self.c(torch.tanh(self.b(torch.relu(self.a(x)))))
+        return 1e-4 * torch.nn.functional.cross_entropy(
+            h.float().double(), t)
+
+
+def _chain():
+    torch.manual_seed(0)
+    net = _Chain().double()
+    x = torch.randn(6, 8, dtype=torch.float64)
+    t = torch.arange(6) % 5
+    return net, lambda step: (x.roll(step, 0), t)
+
+
+@pytest.mark.parametrize('case', ['chain', 'every_construct'])
+def test_a_binding_cap_plans_again_or_runs_in_python(built, runs, case):
+    """With a branch after the cast, the scales the binding cap leaves
+    give branch signatures the table has not cached: the pass runs in
+    Python; without, it is planned again."""
+    make = _chain if case == 'chain' else _every_construct
+    planned = _history(True, make, between=_inflated_cast)
+    assert runs and set(runs) == ({1} if case == 'chain' else {2})
+    _assert_same(planned, _history(False, make, between=_inflated_cast))
+
+
+def test_a_pass_that_cannot_be_planned_again_runs_in_python(
+        built, runs, monkeypatch):
+    entry = planned_pass.planned_entry
+
+    def no_replan(current, layout, casts=None):
+        return None if casts is not None else entry(current, layout)
+    monkeypatch.setattr(planned_pass, 'planned_entry', no_replan)
+    planned = _history(True, _chain, between=_inflated_cast)
+    assert runs and set(runs) == {2}
+    _assert_same(planned, _history(False, _chain, between=_inflated_cast))
+
+
+def test_autograd_grad_on_a_planned_structure_runs_in_python(built, runs):
+    net, (idx, targets) = _gpt()
+    hook = GradientScaling(net, update_interval=100)
+    params = list(net.parameters())
+    for _ in range(3):  # a refresh, the recorded pass, a planned one
+        net.zero_grad(set_to_none=True)
+        with hook:
+            net(idx, targets).backward()
+    assert runs == [1]
+    plain = torch.autograd.grad(net(idx, targets), params)
+    with hook:
+        scaled = torch.autograd.grad(net(idx, targets), params)
+    assert runs == [1, 2]
+    for a, b in zip(plain, scaled):
+        assert torch.equal(a, b)
+
+
+def test_planned_passes_under_the_scaler_with_an_optimizer(built, runs):
+    def train(planned):
+        net, (idx, targets) = _gpt()
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        scaler = GradientScaler(net, update_interval=4)
+        scaler.hook.planned_passes = planned
+        losses = []
+        for step in range(10):
+            optimizer.zero_grad(set_to_none=True)
+            loss = net(idx, targets)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            losses.append(loss.item())
+        return losses, [p.detach().clone() for p in net.parameters()]
+    a, b = train(True), train(False)
+    assert runs and set(runs) == {1}
+    assert a[0] == b[0] and a[0][-1] < a[0][0]
+    for x, y in zip(a[1], b[1]):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16,
+                                   torch.float32, torch.float64])
+def test_native_factors_multiply_as_python_does(built, dtype):
+    """Every factor a planned hook applies, including powers of two that
+    are no normal float32 number (two steps), against
+    ``times_power_of_two`` (the Python callbacks' multiplication)."""
+    factors = [2.0 ** e for e in (-150, -127, -126, -20, -1, 1, 15, 127,
+                                  128, 140)]
+    x = torch.randn(64, dtype=torch.float64).to(dtype)
+    x[:8] = torch.tensor([1e-30, 3e-38, 6e-8, 65504, 1e30, 1e-300, 0, -2.5],
+                         dtype=torch.float64).to(dtype)
+    for factor in factors:
+        table = built.PlannedTable()
+        hooks = built.HookSet()
+        leaf = x.clone().requires_grad_()
+        y = leaf * 1.0
+        hooks.add_planned(y.grad_fn, table, False, 0, [(0, 0)])
+        table.set([factor])
+        y.backward(x)
+        hooks.clear()
+        assert torch.equal(leaf.grad, times_power_of_two(x, factor)) or \
+            torch.equal(leaf.grad.isnan(), times_power_of_two(
+                x, factor).isnan()), (factor, dtype)
+
+
+def test_a_hook_out_of_the_planned_order_is_noticed(built):
+    table = built.PlannedTable()
+    hooks = built.HookSet()
+    leaf = torch.ones(3, requires_grad=True)
+    a = leaf * 2.0
+    b = a * 3.0
+    # b's node runs first: planned second, it is out of order.
+    hooks.add_planned(b.grad_fn, table, False, 1, [(0, 0)])
+    hooks.add_planned(a.grad_fn, table, False, 0, [(0, 1)])
+    table.set([2.0, 4.0])
+    assert not table.deviated
+    b.sum().backward()
+    assert table.deviated
+    assert torch.equal(leaf.grad, torch.full((3,), 48.0))
+
+
+def test_a_planned_hook_before_its_casts_refuses(built):
+    table = built.PlannedTable()
+    hooks = built.HookSet()
+    leaf = torch.ones(3, requires_grad=True)
+    y = leaf * 2.0
+    hooks.add_planned(y.grad_fn, table, False, 0, [(0, 0)])
+    with pytest.raises(RuntimeError, match='before its cast sites'):
+        y.sum().backward()
+
+
+def test_a_deviation_records_the_structure_again(built, runs, monkeypatch):
+    """A planned pass whose table saw a hook out of order drops the
+    structure's layout and plans: the next pass records again."""
+    net, (idx, targets) = _gpt()
+    hook = GradientScaling(net, update_interval=100)
+    finished = planned_pass.PlannedRun.finished
+    memos = []
+
+    class Deviated(object):
+        def __init__(self, table):
+            self.table = table
+
+        def __getattr__(self, name):
+            return getattr(self.table, name)
+        deviated = True
+
+    def deviating(self, current):
+        self.table = Deviated(self.table)
+        memos.append(current.plan.structure_memo)
+        finished(self, current)
+    monkeypatch.setattr(planned_pass.PlannedRun, 'finished', deviating)
+    for _ in range(5):
+        net.zero_grad(set_to_none=True)
+        with hook:
+            net(idx, targets).backward()
+    # refresh, recorded, planned (deviates), recorded, planned
+    assert runs == [1, 1]  # (not [1, 1, 1]: step 3 recorded again)
+    assert 'layout' not in memos[-1]
+
+
+def test_planned_passes_need_the_native_callbacks(runs, monkeypatch):
+    monkeypatch.setattr(native, '_loaded', [None])
+    _history(True, _gpt_case(), steps=5)
+    assert runs == []
