@@ -318,3 +318,31 @@ def test_planned_passes_need_the_native_callbacks(runs, monkeypatch):
     monkeypatch.setattr(native, '_loaded', [None])
     _history(True, _gpt_case(), steps=5)
     assert runs == []
+
+
+def test_a_backward_inside_a_planned_pass_refuses(built, runs):
+    """A tensor hook that runs a backward from inside a planned pass: its
+    factors assumed none (a nested backward may change the scale its
+    node returns), so it raises instead of landing a wrong gradient; the
+    Python callbacks scale it."""
+    net, batch = _chain()
+    extra = torch.ones(3, dtype=torch.float64, requires_grad=True)
+
+    def nested(grad):
+        (extra * 2.0).sum().backward()
+    hook = GradientScaling(net, update_interval=100)
+    for step in range(4):
+        net.zero_grad(set_to_none=True)
+        x, t = batch(step)
+        hidden = net.a(x)
+        if step == 3:
+            hidden.register_hook(nested)
+        loss = 1e-4 * torch.nn.functional.cross_entropy(net.c(torch.tanh(
+            net.b(torch.relu(hidden)))).float().double(), t)
+        with hook:
+            if step < 3:
+                loss.backward()
+                continue
+            with pytest.raises(RuntimeError, match='planned backward'):
+                loss.backward()
+    assert runs == [1, 1]

@@ -5,9 +5,12 @@
 // at a time (a RemovableHandle per callback, a tuple per next_functions, a
 // Python call per gradient landed even when nothing is to be done); here
 // they are one call each. What the callbacks do stays in Python
-// (gradient_scaling/torch/backward_rules.py); gradient_scaling/torch/
-// native.py builds this file once per PyTorch version and falls back to
-// the Python implementation where it cannot.
+// (gradient_scaling/torch/backward_rules.py), but for a planned cached
+// pass's: its factors, which the Python callbacks decided before the pass
+// (gradient_scaling/torch/planned_pass.py), are multiplied here
+// (PlannedTable, HookSet.add_planned). gradient_scaling/torch/native.py
+// builds this file once per PyTorch version and falls back to the Python
+// implementation where it cannot (passes are then not planned).
 
 #include <torch/extension.h>
 #include <pybind11/stl.h>
