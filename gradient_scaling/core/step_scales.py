@@ -148,9 +148,7 @@ class StepScales(object):
 
     def branch(self, scales, grads):
         """The common scale of contributions at different ``scales`` (line
-        17); ``grads`` are read (for their maxima) only when needed. With
-        ``grads`` None (a pass planned before it runs), only a cached
-        scale is given: None where there is none."""
+        17); ``grads`` are read (for their maxima) only when needed."""
         if len(set(scales)) == 1:
             return scales[0]
         key = self._next_key('branch')
@@ -160,8 +158,6 @@ class StepScales(object):
                                                   signature)
             if cached is not None:
                 return cached
-        if grads is None:
-            return None
         maxima = [self._max_abs(g) for g in grads]
         common = underflow.branch_scale(maxima, scales, self.recipe.fmt)
         if common is None:

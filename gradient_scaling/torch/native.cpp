@@ -311,46 +311,46 @@ variable_list planned_times(Planned& table, int64_t seq,
   return out;
 }
 
-struct PlannedPreHook : torch::autograd::FunctionPreHook {
+// What a planned pass's hook holds: the table, its place in the planned
+// order, the (gradient index, factor slot) pairs it multiplies; in mode
+// 2, ``dispatch(seq, *args)`` instead (the Python callback's result for
+// ``values``).
+struct PlannedHook {
   std::shared_ptr<Planned> table;
   int64_t seq;
   std::vector<std::pair<int64_t, int64_t>> slots;
-  PlannedPreHook(std::shared_ptr<Planned> t, int64_t s,
-                 std::vector<std::pair<int64_t, int64_t>> i)
+  PlannedHook(std::shared_ptr<Planned> t, int64_t s,
+              std::vector<std::pair<int64_t, int64_t>> i)
       : table(std::move(t)), seq(s), slots(std::move(i)) {}
-  variable_list operator()(const variable_list& grads) override {
-    if (table->mode == 2) {
-      py::gil_scoped_acquire gil;
-      py::object args = py::reinterpret_steal<py::object>(wrap(grads));
-      PyObject* result = PyObject_CallFunctionObjArgs(
-          table->dispatch->obj, py::int_(seq).ptr(), args.ptr(), nullptr);
-      if (result == nullptr) throw python_error();
-      return taken(result, grads, "backward pre-hook");
-    }
-    return planned_times(*table, seq, slots, grads);
+
+  variable_list apply(const variable_list& values, const char* what,
+                      const variable_list* second = nullptr) {
+    if (table->mode != 2) return planned_times(*table, seq, slots, values);
+    py::gil_scoped_acquire gil;
+    py::object a = py::reinterpret_steal<py::object>(wrap(values));
+    py::object b = second == nullptr
+        ? py::object()
+        : py::reinterpret_steal<py::object>(wrap(*second));
+    PyObject* result = PyObject_CallFunctionObjArgs(
+        table->dispatch->obj, py::int_(seq).ptr(), a.ptr(),
+        second == nullptr ? nullptr : b.ptr(), nullptr);
+    if (result == nullptr) throw python_error();
+    return taken(result, values, what);
   }
 };
 
-struct PlannedPostHook : torch::autograd::FunctionPostHook {
-  std::shared_ptr<Planned> table;
-  int64_t seq;
-  std::vector<std::pair<int64_t, int64_t>> slots;
-  PlannedPostHook(std::shared_ptr<Planned> t, int64_t s,
-                  std::vector<std::pair<int64_t, int64_t>> i)
-      : table(std::move(t)), seq(s), slots(std::move(i)) {}
+struct PlannedPreHook : torch::autograd::FunctionPreHook, PlannedHook {
+  using PlannedHook::PlannedHook;
+  variable_list operator()(const variable_list& grads) override {
+    return apply(grads, "backward pre-hook");
+  }
+};
+
+struct PlannedPostHook : torch::autograd::FunctionPostHook, PlannedHook {
+  using PlannedHook::PlannedHook;
   variable_list operator()(const variable_list& outputs,
                            const variable_list& inputs) override {
-    if (table->mode == 2) {
-      py::gil_scoped_acquire gil;
-      py::object a = py::reinterpret_steal<py::object>(wrap(outputs));
-      py::object b = py::reinterpret_steal<py::object>(wrap(inputs));
-      PyObject* result = PyObject_CallFunctionObjArgs(
-          table->dispatch->obj, py::int_(seq).ptr(), a.ptr(), b.ptr(),
-          nullptr);
-      if (result == nullptr) throw python_error();
-      return taken(result, outputs, "backward hook");
-    }
-    return planned_times(*table, seq, slots, outputs);
+    return apply(outputs, "backward hook", &inputs);
   }
 };
 

@@ -79,6 +79,18 @@ class _Miss(Exception):
     """A site whose scale a cached pass cannot know before it runs."""
 
 
+class _NoGradients(object):
+    """A branch's gradients, which a pass being planned does not have:
+    asked for them (the table has no scale for the branch, which would be
+    estimated from their maxima), it misses, before anything is staged."""
+
+    def __iter__(self):
+        raise _Miss('branch')
+
+
+_NO_GRADIENTS = _NoGradients()
+
+
 class _TableStep(object):
 
     """The open step as a planned pass asks it: the table's scales only
@@ -110,10 +122,7 @@ class _TableStep(object):
         return beta
 
     def branch(self, scales, grads):
-        common = self._step.branch(scales, None)
-        if common is None:
-            raise _Miss('branch')
-        return common
+        return self._step.branch(scales, _NO_GRADIENTS)
 
     def measure(self, key, grad):
         """(A cached site measures nothing.)"""
