@@ -259,6 +259,84 @@ def test_landing_hooks(built, kind):
     assert len(called) == 3 and len(record) == 1
 
 
+@pytest.mark.parametrize('kind', ['native', 'python'])
+@pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16,
+                                   torch.float32, torch.float64])
+def test_a_landing_set_divides_as_the_hook_does(built, kind, dtype):
+    """A parameter of a landing set lands divided by its scale as
+    ``hook.unscaled`` divides (a float16 gradient in float32), recorded
+    with its scale, ``fn`` not called; a scale that is no power of two
+    is refused."""
+    from gradient_scaling.torch.hook import unscaled
+    state = built.Landing() if kind == 'native' else native.PythonLanding()
+    w = nn.Parameter(torch.ones(64, dtype=dtype))
+    b = nn.Parameter(torch.ones(3, dtype=dtype))
+    called = []
+    for p in (w, b):
+        p.register_hook(state.hook(p, lambda g: called.append(g)))
+    g = torch.randn(64, dtype=torch.float64)
+    g[:4] = torch.tensor([3e-8, 6e-5, 65504.0, 1e-40], dtype=torch.float64)
+    g = g.to(dtype)
+    state.set_running(True)
+    for scale in (2.0 ** 20, 2.0 ** -3, 2.0 ** 130, 1.0):
+        record = []
+        state.set_unit(state.landing_set([(w, scale), (b, 1.0)]), record)
+        w.grad = b.grad = None
+        (w * g).sum().backward()
+        (b * 2.0).sum().backward()
+        assert torch.equal(w.grad, unscaled(g, scale) if scale != 1.0
+                           else g), scale
+        assert torch.equal(b.grad, torch.full_like(b, 2.0))
+        assert [(p is w, s) for p, s in record] == [(True, scale),
+                                                     (False, 1.0)]
+    assert called == []
+    with pytest.raises(ValueError, match='no power of two'):
+        state.landing_set([(w, 3.0)])
+
+
+@pytest.mark.parametrize('kind', ['native', 'python'])
+def test_a_landing_set_leaves_what_the_hook_would_leave_scaled(built, kind):
+    """With a ``pending`` list, a gradient of a landing set lands scaled
+    in an empty ``.grad`` (``(param, 1 / scale)`` pending) where the
+    hook's ``land`` would leave it so: not into a ``.grad`` that holds a
+    gradient, nor a float16 one, nor for a parameter of ``excluded``."""
+    from gradient_scaling.torch.hook import unscaled
+    state = built.Landing() if kind == 'native' else native.PythonLanding()
+    w, v = nn.Parameter(torch.ones(4)), nn.Parameter(torch.ones(4))
+    h = nn.Parameter(torch.ones(4, dtype=torch.float16))
+    for p in (w, v, h):
+        p.register_hook(state.hook(p, lambda g: None))
+    state.set_running(True)
+    g = torch.tensor([1.0, 2.0 ** -20, 3.0, -0.5])
+    record, pending = [], []
+    state.set_unit(state.landing_set([(w, 8.0), (v, 8.0), (h, 8.0)]),
+                   record, pending, [v])
+    (w * g).sum().backward()
+    (v * g).sum().backward()
+    (h * g.half()).sum().backward()
+    assert torch.equal(w.grad, g)  # left scaled: the adapter divides
+    assert [(p is w, i) for p, i in pending] == [(True, 0.125)]
+    assert torch.equal(v.grad, unscaled(g, 8.0))
+    assert torch.equal(h.grad, unscaled(g.half(), 8.0))
+    assert len(record) == 3
+    del pending[:]
+    state.set_unit(state.landing_set([(w, 8.0)]), record, pending, [])
+    (w * g).sum().backward()  # (.grad holds one: divided, then added)
+    assert pending == [] and torch.equal(w.grad, g + unscaled(g, 8.0))
+
+
+def test_a_second_gradient_on_a_left_scaled_parameter_refuses(built):
+    state = built.Landing()
+    w = nn.Parameter(torch.ones(3))
+    w.register_hook(state.hook(w, lambda g: None))
+    state.set_running(True)
+    state.set_unit(state.landing_set([(w, 4.0)]), [], [], [])
+    (w * 2.0).sum().backward()
+    w.grad = None
+    with pytest.raises(RuntimeError, match='second gradient'):
+        (w * 2.0).sum().backward()
+
+
 def test_a_landing_hook_dies_with_its_parameter(built):
     state = built.Landing()
     p = nn.Parameter(torch.ones(2))

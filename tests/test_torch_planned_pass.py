@@ -71,20 +71,25 @@ def _gpt(dtype=torch.float32):
     return net.to(dtype), batch
 
 
-def _history(planned, make, steps=8, interval=3, between=None, **settings):
+def _history(planned, make, steps=8, interval=3, between=None,
+             passes=1, setup=None, **settings):
     """Per step: gradients, landed scales, report, finiteness of GS (the
-    bare hook) with planned passes on or off."""
+    bare hook) with planned passes on or off; ``passes`` backward passes
+    accumulated per step; ``setup(net)`` once the hook is made."""
     net, batch = make()
     hook = GradientScaling(net, update_interval=interval, **settings)
     hook.planned_passes = planned
+    if setup is not None:
+        setup(net)
     history = []
     for step in range(steps):
         net.zero_grad(set_to_none=True)
-        loss = net(*batch(step)) * (1 + step % 3)
-        if between is not None:
-            between(hook, step)
-        with hook:
-            loss.backward()
+        for k in range(passes):
+            loss = net(*batch(step + k)) * (1 + step % 3)
+            if between is not None:
+                between(hook, step)
+            with hook:
+                loss.backward()
         history.append((
             {n: p.grad.clone() for n, p in net.named_parameters()
              if p.grad is not None},
@@ -129,6 +134,70 @@ def test_planned_passes_are_the_python_callbacks(built, runs, case):
     _assert_same(planned, python)
     scales = set(planned[-1][1].values())
     assert scales != {1.0}, scales
+
+
+def test_planned_passes_accumulate_as_python_ones(built, runs):
+    """Two backward passes per step into the same ``.grad`` (the second
+    lands into a gradient: divided as it lands, not left scaled)."""
+    planned = _history(True, _gpt_case(), passes=2)
+    assert runs and set(runs) == {1}
+    _assert_same(planned, _history(False, _gpt_case(), passes=2))
+
+
+def test_a_later_hook_sees_the_gradient_divided(built, runs):
+    """A user's tensor hook registered after GS's on a parameter: that
+    parameter's gradient lands divided at once (not left scaled), and
+    the hook sees what the Python callbacks give it."""
+    def hooked(seen):
+        def setup(net):
+            net.blocks[0].c_fc.weight.register_hook(
+                lambda g: seen.append(g.clone()))
+        return setup
+    seen_planned, seen_python = [], []
+    planned = _history(True, _gpt_case(), setup=hooked(seen_planned))
+    assert runs and set(runs) == {1}
+    _assert_same(planned, _history(False, _gpt_case(),
+                                   setup=hooked(seen_python)))
+    assert len(seen_planned) == len(seen_python) == 8
+    for a, b in zip(seen_planned, seen_python):
+        assert torch.equal(a, b)
+
+
+def test_a_pass_that_raises_leaves_what_landed_divided(built, runs):
+    """A backward that raises after some parameters' gradients landed
+    (left scaled in ``.grad`` by the native landing): they are divided,
+    as the Python callbacks leave them."""
+    def run(planned):
+        net, batch = _chain()
+        hook = GradientScaling(net, update_interval=100)
+        hook.planned_passes = planned
+        for step in range(4):
+            net.zero_grad(set_to_none=True)
+            x, t = batch(step)
+            hidden = net.a(x)
+            if step == 3:
+                hidden.register_hook(_boom)
+            loss = 1e-4 * torch.nn.functional.cross_entropy(net.c(
+                torch.tanh(net.b(torch.relu(hidden)))).float().double(), t)
+            with hook:
+                if step < 3:
+                    loss.backward()
+                    continue
+                with pytest.raises(ValueError, match='boom'):
+                    loss.backward()
+        return {n: None if p.grad is None else p.grad.clone()
+                for n, p in net.named_parameters()}
+    planned, python = run(True), run(False)
+    assert runs == [1, 1]
+    assert planned['c.weight'] is not None and planned['a.weight'] is None
+    for name in planned:
+        assert (planned[name] is None) == (python[name] is None), name
+        if planned[name] is not None:
+            assert torch.equal(planned[name], python[name]), name
+
+
+def _boom(grad):
+    raise ValueError('boom')
 
 
 def test_planned_passes_in_float16(built, runs):

@@ -102,6 +102,15 @@ def post_accumulate_hooks(tensor):
     return 0 if hooks is None else len(hooks)
 
 
+def leaves_with_other_hooks(leaves):
+    """The leaves of ``leaves`` with a tensor hook besides their first (a
+    GS landing hook) or a post-accumulate-grad hook: something that reads
+    the gradient after it lands."""
+    return [p for p in leaves
+            if getattr(p, '_post_accumulate_grad_hooks', None) or
+            p._backward_hooks is None or len(p._backward_hooks) != 1]
+
+
 def tensor_hooks(tensor):
     """The hooks ``tensor.register_hook`` gave ``tensor``, in the order
     they run (a view: ``len`` copies nothing)."""

@@ -101,19 +101,7 @@ class BackwardPass(object):
                         self._root_scale)
         self.sites = {}  # GEMM node -> what its pre-hook chose
         self.posts = set()  # GEMM nodes with a post-hook
-        self.stashes = {slot: _Stash(len(edges))
-                        for slot, edges in self.plan.branches.items()}
-        #: ``id(leaf)`` -> its accumulation node (the plan holds the leaves:
-        #: the ids stand for them while the pass lives; a tensor's hash is
-        #: a Python call).
-        shared = self.plan.shared
-        leaf_nodes = None if shared is None else shared.get('leaf_nodes')
-        if leaf_nodes is None:
-            leaf_nodes = {id(var): node for node, var in
-                          self.plan.accumulators.items()}
-            if shared is not None:  # (the same for the structure's plans)
-                shared['leaf_nodes'] = leaf_nodes
-        self.leaf_nodes = leaf_nodes
+        self._stashes = self._leaf_nodes = None
         #: Accumulation node -> the scale of the gradient reaching it, for
         #: the leaves fed by a compiled root region, once the region has
         #: returned (:meth:`region_left`): what :meth:`slot_scale` would
@@ -150,6 +138,31 @@ class BackwardPass(object):
         self.handles = []  # the hooks on leaves not the model's
         if not planning:
             self._register()
+
+    @property
+    def stashes(self):
+        """Branch slot -> its contributions so far (made when first
+        asked: a planned pass has its branches summed natively)."""
+        if self._stashes is None:
+            self._stashes = {slot: _Stash(len(edges))
+                             for slot, edges in self.plan.branches.items()}
+        return self._stashes
+
+    @property
+    def leaf_nodes(self):
+        """``id(leaf)`` -> its accumulation node (the plan holds the
+        leaves: the ids stand for them while the pass lives; a tensor's
+        hash is a Python call)."""
+        if self._leaf_nodes is None:
+            shared = self.plan.shared
+            leaf_nodes = None if shared is None else shared.get('leaf_nodes')
+            if leaf_nodes is None:
+                leaf_nodes = {id(var): node for node, var in
+                              self.plan.accumulators.items()}
+                if shared is not None:  # (the same for the structure's)
+                    shared['leaf_nodes'] = leaf_nodes
+            self._leaf_nodes = leaf_nodes
+        return self._leaf_nodes
 
     # -- scales ------------------------------------------------------------
 
@@ -263,6 +276,17 @@ class BackwardPass(object):
         for node, edges in self.consumer_edges().items():
             add('contribute', node, self._contribute(node, edges), True)
 
+    def take_left_scaled(self):
+        """``(leaf, inverse)`` of each gradient the native landing left
+        scaled in ``.grad`` in this pass so far (handed over once)."""
+        planned = self.planned
+        if not isinstance(planned, planned_pass.PlannedRun) or \
+                not planned.pending:
+            return ()
+        left = list(planned.pending)
+        del planned.pending[:]  # (the list the landing appends to)
+        return left
+
     def planned_natively(self):
         """Whether native hooks apply this pass's planned factors now."""
         return isinstance(self.planned, planned_pass.PlannedRun) and \
@@ -284,7 +308,7 @@ class BackwardPass(object):
         if kind == 'cast':
             return self._cast(node)
         if kind == 'gemm':
-            return self._gemm_in(node, self.plan.gemms[node])
+            return self._gemm_in(node, self.plan.gemm_site(node))
         if kind == 'unify':
             return self._unify_outputs(node)
         return self._contribute(node, edges)
@@ -294,7 +318,10 @@ class BackwardPass(object):
         model's (those have the hook's own)."""
         plan = self.plan
         lands, itself = self.hook.land, self.hook.landing_ids
-        shared = plan.shared
+        # (the same leaves for every graph of the structure: its signature
+        # names them, and the list keeps them alive)
+        shared = plan.shared if plan.shared is not None else \
+            plan.structure_memo
         foreign = None if shared is None else shared.get('foreign')
         if foreign is None:  # (not lands_itself: a call each)
             foreign = [leaf for leaf in plan.accumulators.values()

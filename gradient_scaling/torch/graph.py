@@ -247,6 +247,10 @@ class Plan(object):
         #: factors: :mod:`~gradient_scaling.torch.planned_pass`).
         self.structure_memo = None
 
+    def gemm_site(self, node):
+        """The :class:`GemmSite` of GEMM node ``node`` (``gemms[node]``)."""
+        return self.gemms[node]
+
     def consumers_of(self, slot):
         """The edges that feed ``slot``, or None."""
         if self.template is None:
@@ -767,39 +771,94 @@ class PlanCache(object):
     def _reused(template, order, index):
         """The plan of ``template`` on the graph of ``order`` (``index``:
         node -> its position), or None where a read differs (or another
-        kind's factory decides otherwise)."""
+        kind's factory decides otherwise). Its sites, branches and node
+        sets are made when first asked (:class:`_ReusedPlan`): a planned
+        pass asks few of them."""
         for i, reader, arg, value in template.reads:
             if reader(order[i], arg) != value:
                 return None
-        plan = Plan(template, order, index)
+        plan = _ReusedPlan(template, order, index)
         plan.roots = [order[i] for i in template.roots]
-        variables = {i: order[i].variable for i in template.accumulators}
+        variables = plan.variables = {i: order[i].variable
+                                      for i in template.accumulators}
         plan.accumulators = {order[i]: v for i, v in variables.items()}
-        gemms = plan.gemms
-        for (i, w, data, parameters, edge, part, weight_index,
-             edges) in template.gemms:
-            node = order[i]
-            gemms[node] = _gemm_site(
+        if template.extra:  # (another kind's factory decides now)
+            gemms = plan.gemms
+            for i in template.extra:
+                node = order[i]
+                site = _role(node)[1](node)
+                if (site is not None) != (i in template.extra_sites):
+                    return None
+                if site is not None:
+                    gemms[node] = site
+        return plan
+
+
+class _ReusedPlan(Plan):
+
+    """A :class:`Plan` reused on a graph of its template's structure: what
+    the walk found is the template's, in positions, turned into this
+    graph's nodes when first asked (``gemms``, ``casts``,
+    ``softmax_gemms``, ``branches``, ``multi_output``, ``compiled``,
+    ``softmax_gradients``)."""
+
+    def __init__(self, template, order, index):
+        super().__init__(template, order, index)
+        for name in _LAZY:
+            delattr(self, name)
+        self.extra_gemms = {}
+        self._sites = {}  # position -> a GEMM site made alone
+
+    @property
+    def gemms(self):
+        gemms = self.__dict__.get('_gemms')
+        if gemms is None:
+            gemms = self._gemms = dict(self.extra_gemms)
+            for entry in self.template.gemms:
+                gemms[self.order[entry[0]]] = self._site(entry)
+        return gemms
+
+    @gemms.setter
+    def gemms(self, value):
+        self.extra_gemms = value
+
+    def gemm_site(self, node):
+        entry = self.template.gemm_at.get(self.index[node])
+        return self.gemms[node] if entry is None else self._site(entry)
+
+    def _site(self, entry):
+        """The site of a template's GEMM entry on this graph (made once)."""
+        i, w, data, parameters, edge, part, weight_index, edges = entry
+        site = self._sites.get(i)
+        if site is None:
+            node, variables = self.order[i], self.variables
+            site = self._sites[i] = _gemm_site(
                 node, type(node).__name__, variables[w], data,
                 {e: variables[a] for e, a in parameters.items()}, edge,
                 part, weight_index, edges)
-        for i in template.extra:
-            node = order[i]
-            site = _role(node)[1](node)
-            if (site is not None) != (i in template.extra_sites):
-                return None
-            if site is not None:
-                gemms[node] = site
-        plan.casts = {order[i] for i in template.casts}
-        plan.softmax_gemms = {order[i] for i in template.softmax_gemms}
-        plan.branches = {
-            (order[n], k): [(order[c], e) for c, e in template.consumers[
-                n, k]] for n, k in template.branches}
-        plan.multi_output = {order[i] for i in template.multi_output}
-        plan.compiled = [order[i] for i in template.compiled]
-        plan.softmax_gradients = {order[i]
-                                  for i in template.softmax_gradients}
-        return plan
+        return site
+
+    def __getattr__(self, name):
+        make = _LAZY.get(name)
+        if make is None:
+            raise AttributeError(name)
+        value = make(self.template, self.order)
+        setattr(self, name, value)
+        return value
+
+
+#: What a reused plan makes when first asked: name -> f(template, order).
+_LAZY = {
+    'casts': lambda t, order: {order[i] for i in t.casts},
+    'softmax_gemms': lambda t, order: {order[i] for i in t.softmax_gemms},
+    'branches': lambda t, order: {
+        (order[n], k): [(order[c], e) for c, e in t.consumers[n, k]]
+        for n, k in t.branches},
+    'multi_output': lambda t, order: {order[i] for i in t.multi_output},
+    'compiled': lambda t, order: [order[i] for i in t.compiled],
+    'softmax_gradients': lambda t, order: {order[i]
+                                           for i in t.softmax_gradients},
+}
 
 
 class _Quick(object):
@@ -967,6 +1026,8 @@ class _Template(object):
         self.sources = {}
         #: What passes keep of this structure (:attr:`Plan.structure_memo`).
         self.memo = {}
+        #: Position -> its entry of :attr:`gemms`.
+        self.gemm_at = {entry[0]: entry for entry in self.gemms}
 
 
 def _scale_sources(template, n, k):

@@ -120,8 +120,10 @@ class GradientScaling(ControllerViews):
         #: (:func:`~gradient_scaling.torch.native.Landing`).
         self._landing_state = native.Landing()
         #: Parameters as the landing state takes them for
-        #: :meth:`unit_landing` (made once per plan).
+        #: :meth:`unit_landing` (made once per plan): at scale 1, or each
+        #: with its scale (``landing_set([(param, scale), ...])``).
         self.unit_set = self._landing_state.unit_set
+        self.landing_set = self._landing_state.landing_set
         #: The class of a pass's set of node callbacks (native or Python).
         self.hook_set = native.hook_set_class()
         #: Whether cached passes are planned before they run, their sites
@@ -129,8 +131,8 @@ class GradientScaling(ControllerViews):
         #: where the native callbacks are built): the same gradients and
         #: scales as the Python callbacks, bit for bit.
         self.planned_passes = True
-        #: The class of a planned pass's factor table (None: not built).
-        self.planned_table = native.planned_table_class()
+        #: What planned passes need natively (None: not built).
+        self.planned_native = native.planned()
         self._unit_on = False  # a unit set given to it
         self._running_told = False  # what it was told of running passes
         self._bare = False  # active as ``with hook:``
@@ -337,10 +339,15 @@ class GradientScaling(ControllerViews):
             current.checked_in_place.update(id(leaf) for leaf, _ in grads)
 
     def _unscale_pass(self, current):
-        """Divides the gradients of ``current`` still pending."""
+        """Divides the gradients of ``current`` still pending (left scaled
+        by :meth:`land`, or by the native landing of a planned pass)."""
+        mine = [(leaf, inverse, current)
+                for leaf, inverse in current.take_left_scaled()]
         if self._pending:
-            mine = [k for k, v in self._pending.items() if v[2] is current]
-            self._unscale_pending([self._pending.pop(k) for k in mine])
+            mine += [self._pending.pop(k) for k, v in
+                     list(self._pending.items()) if v[2] is current]
+        if mine:
+            self._unscale_pending(mine)
 
     def _lands_unscaled_in_nested(self, leaf):
         """In a nested backward, parameters land unscaled; the other
@@ -371,15 +378,20 @@ class GradientScaling(ControllerViews):
         if self._running:
             self._running[-1].region_left(node, scales)
 
-    def unit_landing(self, current, leaves):
-        """The innermost running pass ``current`` knows now that the
-        gradients of ``leaves`` (made by :attr:`unit_set`) reach them at
-        scale 1: each then
-        lands as it comes, recorded, with no lookup (until another pass
-        starts or this one ends). Not while gradients are checked on
-        landing (each needs its witness)."""
+    def unit_landing(self, current, leaves, pending=None, excluded=()):
+        """The innermost running pass ``current`` knows now the scale the
+        gradients of ``leaves`` (made by :attr:`unit_set`: 1, or by
+        :attr:`landing_set`) carry: each then lands in the native landing
+        hook, recorded and divided as :meth:`land` divides it (a new
+        tensor; at scale 1, unchanged), with no Python call (until another
+        pass starts or this one ends); with a list ``pending``, one that
+        :meth:`land` would leave scaled in an empty ``.grad`` is left so
+        (``excluded``: leaves with hooks of their own that read it), for
+        the pass to divide when it ends. Not while gradients are checked
+        on landing (each needs its witness)."""
         if not self.check_on_landing:
-            self._landing_state.set_unit(leaves, current.landed)
+            self._landing_state.set_unit(leaves, current.landed, pending,
+                                         excluded)
             self._unit_on = True
 
     def _unit_off(self):
@@ -649,6 +661,9 @@ class GradientScaling(ControllerViews):
 
     def abort(self):
         """The backward pass raised: forget its step."""
+        for current in self._running + [self._pass]:
+            if current is not None:
+                self._unscale_pass(current)
         self._set_running([])
         # (what landed is left divided, as the landing promises)
         pending, self._pending = list(self._pending.values()), {}

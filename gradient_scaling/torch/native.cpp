@@ -22,6 +22,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <algorithm>
+#include <tuple>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -354,6 +355,33 @@ struct PlannedPostHook : torch::autograd::FunctionPostHook, PlannedHook {
   }
 };
 
+// A planned pass's native hooks, as a layout lays them out (made once per
+// layout): each on the node at ``position`` of the graph's structure
+// order, a post-hook or a pre-hook, its place in the planned order, its
+// (gradient index, factor slot) pairs.
+struct PlannedEvent {
+  Py_ssize_t position;
+  bool post;
+  int64_t seq;
+  std::vector<std::pair<int64_t, int64_t>> slots;
+};
+
+struct PlannedEvents {
+  std::vector<PlannedEvent> events;
+};
+
+PlannedEvents planned_events(
+    std::vector<std::tuple<Py_ssize_t, bool, int64_t,
+                           std::vector<std::pair<int64_t, int64_t>>>>
+        events) {
+  PlannedEvents out;
+  for (auto& e : events) {
+    out.events.push_back({std::get<0>(e), std::get<1>(e), std::get<2>(e),
+                          std::move(std::get<3>(e))});
+  }
+  return out;
+}
+
 // The callbacks of one backward pass, taken off all at once.
 class HookSet {
  public:
@@ -388,6 +416,21 @@ class HookSet {
       add<PlannedPostHook>(node, table.state, seq, std::move(slots));
     } else {
       add<PlannedPreHook>(node, table.state, seq, std::move(slots));
+    }
+  }
+
+  // Every hook of ``events`` on its node of ``order`` (the graph's nodes
+  // in structure order), in one call.
+  void add_planned_events(py::list order, const PlannedTable& table,
+                          const PlannedEvents& events) {
+    Py_ssize_t size = PyList_GET_SIZE(order.ptr());
+    for (const auto& e : events.events) {
+      if (e.position < 0 || e.position >= size) {
+        throw py::index_error("gradient_scaling native: a planned hook's "
+                              "node is not in the graph");
+      }
+      add_planned(py::handle(PyList_GET_ITEM(order.ptr(), e.position)),
+                  table, e.post, e.seq, e.slots);
     }
   }
 
@@ -441,34 +484,72 @@ class HookSet {
   std::vector<Entry> entries_;
 };
 
-using UnitSet = std::unordered_set<const c10::TensorImpl*>;
+// Parameters -> the scale their gradients carry in a pass.
+using UnitSet = std::unordered_map<const c10::TensorImpl*, double>;
 
-// A set of parameters (Landing.unit_set, made once per plan: set_unit
-// swaps a pointer).
+// A set of parameters with the scale each one's gradient carries
+// (Landing.landing_set, or Landing.unit_set: all at 1; made once per
+// plan: set_unit swaps a pointer).
 struct Unit {
   std::shared_ptr<const UnitSet> set;
 };
 
+const c10::TensorImpl* tensor_impl(PyObject* obj) {
+  if (!THPVariable_Check(obj)) {
+    throw py::type_error("gradient_scaling native: not a tensor");
+  }
+  return THPVariable_Unpack(obj).unsafeGetTensorImpl();
+}
+
 Unit unit_set(py::iterable params) {
   auto set = std::make_shared<UnitSet>();
-  for (auto item : params) {
-    if (!THPVariable_Check(item.ptr())) {
-      throw py::type_error("gradient_scaling native: not a tensor");
+  for (auto item : params) set->emplace(tensor_impl(item.ptr()), 1.0);
+  return Unit{std::move(set)};
+}
+
+Unit landing_set(std::vector<std::pair<py::object, double>> pairs) {
+  auto set = std::make_shared<UnitSet>();
+  for (const auto& pair : pairs) {
+    double scale = pair.second;
+    int exponent = 0;
+    if (!(scale > 0.0) || std::frexp(scale, &exponent) != 0.5) {
+      throw py::value_error("gradient_scaling native: a landing scale "
+                            "that is no power of two");
     }
-    set->insert(THPVariable_Unpack(item.ptr()).unsafeGetTensorImpl());
+    set->emplace(tensor_impl(pair.first.ptr()), scale);
   }
   return Unit{std::move(set)};
 }
 
+// ``grad / scale`` as the adapter's Python landing divides it
+// (gradient_scaling.torch.hook.unscaled): a float16 or bfloat16 gradient
+// in float32, then back.
+at::Tensor unscaled(const at::Tensor& grad, double scale) {
+  auto dtype = grad.scalar_type();
+  if (dtype == at::kHalf || dtype == at::kBFloat16) {
+    return times_power_of_two(grad.to(at::kFloat), 1.0 / scale).to(dtype);
+  }
+  return times_power_of_two(grad, 1.0 / scale);
+}
+
 // What a parameter's landing hook needs to know without Python: whether a
 // pass of its GradientScaling runs, and the parameters whose gradients
-// reach them at scale 1 in it (each then only recorded).
+// reach them at a scale known before they land (each recorded, and
+// divided there).
 struct LandingState {
   bool running = false;
   std::shared_ptr<const UnitSet> unit;
-  PyObject* record = nullptr;  // a list: (param, 1.0) appended
+  PyObject* record = nullptr;  // a list: (param, scale) appended
+  // A list: (param, 1 / scale) appended for a gradient left scaled in an
+  // empty ``.grad`` (divided there when the pass ends); null: none is.
+  PyObject* pending = nullptr;
+  std::unordered_set<const c10::TensorImpl*> excluded;
+  std::unordered_set<const c10::TensorImpl*> deferred;  // (this pass's)
   ~LandingState() {
-    if (Py_IsInitialized()) Py_XDECREF(record);
+    if (Py_IsInitialized()) {
+      Py_XDECREF(record);
+      Py_XDECREF(pending);
+    }
   }
 };
 
@@ -480,16 +561,34 @@ class Landing {
 
   void set_running(bool running) { state->running = running; }
 
-  // The parameters of ``unit`` (a unit_set) then land at scale 1, each
-  // recorded in ``record`` (a list) as ``(param, 1.0)``; None: none does.
-  void set_unit(py::handle unit, py::handle record) {
+  // The parameters of ``unit`` (a unit_set or a landing_set) then land at
+  // their scale, each recorded in ``record`` (a list) as ``(param,
+  // scale)`` and divided by it; None: none does. With ``pending`` (a
+  // list), a gradient that may be left scaled in ``.grad`` is (appended
+  // as ``(param, 1 / scale)``, divided there when the pass ends, as the
+  // adapter's Python landing defers it): a float32 or float64 dense
+  // gradient whose ``.grad`` is empty, the inverse a normal float32
+  // number, grad mode off, the parameter not in ``excluded`` (those with
+  // another hook that would read it).
+  void set_unit(py::handle unit, py::handle record, py::handle pending,
+                py::iterable excluded) {
     Py_XDECREF(state->record);
-    state->record = nullptr;
+    Py_XDECREF(state->pending);
+    state->record = state->pending = nullptr;
     state->unit.reset();
+    state->excluded.clear();
+    state->deferred.clear();
     if (unit.is_none()) return;
     state->unit = unit.cast<const Unit&>().set;
     Py_INCREF(record.ptr());
     state->record = record.ptr();
+    if (!pending.is_none()) {
+      Py_INCREF(pending.ptr());
+      state->pending = pending.ptr();
+    }
+    for (auto item : excluded) {
+      state->excluded.insert(tensor_impl(item.ptr()));
+    }
   }
 
   std::shared_ptr<LandingState> state;
@@ -535,10 +634,62 @@ PyObject* landing_call(PyObject* self, PyObject* args, PyObject* kwargs) {
   auto* hook = reinterpret_cast<LandingHook*>(self);
   LandingState& state = **hook->state;
   if (!state.running) Py_RETURN_NONE;
-  if (state.unit && state.record != nullptr && hook->record != nullptr &&
-      state.unit->count(hook->impl) != 0) {
-    if (PyList_Append(state.record, hook->record) != 0) return nullptr;
-    Py_RETURN_NONE;
+  if (state.unit && state.record != nullptr && hook->record != nullptr) {
+    auto found = state.unit->find(hook->impl);
+    if (found != state.unit->end()) {
+      double scale = found->second;
+      if (scale == 1.0) {
+        if (PyList_Append(state.record, hook->record) != 0) return nullptr;
+        Py_RETURN_NONE;
+      }
+      HANDLE_TH_ERRORS
+      PyObject* grad = PyTuple_Size(args) == 1 ? PyTuple_GET_ITEM(args, 0)
+                                               : nullptr;
+      if (grad == nullptr || !THPVariable_Check(grad)) {
+        PyErr_SetString(PyExc_TypeError, "gradient_scaling native: a "
+                        "landing hook is called with one tensor");
+        return nullptr;
+      }
+      PyObject* param = PyTuple_GET_ITEM(hook->record, 0);
+      if (state.deferred.count(hook->impl) != 0) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "GradientScaling: a second gradient reached a "
+                        "parameter in one planned backward pass (its first "
+                        "is left scaled in .grad)");
+        return nullptr;
+      }
+      const at::Tensor& g = THPVariable_Unpack(grad);
+      double inverse = 1.0 / scale;
+      if (state.pending != nullptr &&
+          state.excluded.count(hook->impl) == 0 &&
+          (g.scalar_type() == at::kFloat ||
+           g.scalar_type() == at::kDouble) &&
+          !g.is_sparse() && inverse >= std::ldexp(1.0, -126) &&
+          inverse <= std::ldexp(1.0, 127) && !at::GradMode::is_enabled() &&
+          !THPVariable_Unpack(param).grad().defined()) {
+        PyObject* entry = Py_BuildValue("(Od)", param, inverse);
+        PyObject* record = Py_BuildValue("(Od)", param, scale);
+        bool failed = entry == nullptr || record == nullptr ||
+            PyList_Append(state.pending, entry) != 0 ||
+            PyList_Append(state.record, record) != 0;
+        Py_XDECREF(entry);
+        Py_XDECREF(record);
+        if (failed) return nullptr;
+        state.deferred.insert(hook->impl);
+        Py_RETURN_NONE;
+      }
+      PyObject* out = THPVariable_Wrap(unscaled(g, scale));
+      if (out == nullptr) return nullptr;
+      PyObject* record = Py_BuildValue("(Od)", param, scale);
+      if (record == nullptr || PyList_Append(state.record, record) != 0) {
+        Py_XDECREF(record);
+        Py_DECREF(out);
+        return nullptr;
+      }
+      Py_DECREF(record);
+      return out;
+      END_HANDLE_TH_ERRORS
+    }
   }
   if (hook->fn == nullptr) Py_RETURN_NONE;
   return PyObject_Call(hook->fn, args, kwargs);
@@ -677,6 +828,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_scaling_pre", &HookSet::add_scaling_pre)
       .def("add_scaling_post", &HookSet::add_scaling_post)
       .def("add_planned", &HookSet::add_planned)
+      .def("add_planned_events", &HookSet::add_planned_events)
       .def("clear", &HookSet::clear)
       .def("__len__", &HookSet::size);
   py::class_<PlannedTable>(m, "PlannedTable")
@@ -685,12 +837,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("use_python", &PlannedTable::use_python)
       .def_property_readonly("mode", &PlannedTable::mode)
       .def_property_readonly("deviated", &PlannedTable::deviated);
+  py::class_<PlannedEvents>(m, "PlannedEvents")
+      .def("__len__", [](const PlannedEvents& e) { return e.events.size(); });
+  m.def("planned_events", &planned_events);
   py::class_<Unit>(m, "UnitSet");
   py::class_<Landing>(m, "Landing")
       .def(py::init<>())
       .def_static("unit_set", &unit_set)
+      .def_static("landing_set", &landing_set)
       .def("set_running", &Landing::set_running)
-      .def("set_unit", &Landing::set_unit)
+      .def("set_unit", &Landing::set_unit, py::arg("unit"),
+           py::arg("record"), py::arg("pending") = py::none(),
+           py::arg("excluded") = py::tuple())
       .def("hook", &landing_hook);
   LandingHookType.tp_name = "gradient_scaling_native.LandingHook";
   LandingHookType.tp_basicsize = sizeof(LandingHook);

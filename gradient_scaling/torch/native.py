@@ -27,6 +27,7 @@ chooses the Python implementation without trying.
 
 import functools
 import hashlib
+import math
 import os
 import shutil
 import sys
@@ -36,7 +37,7 @@ import warnings
 import torch
 
 __all__ = ['module', 'reason', 'Hooks', 'Landing', 'hook_set_class',
-           'is_landing_hook', 'planned_table_class', 'structure_function']
+           'is_landing_hook', 'planned', 'structure_function']
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                        'native.cpp')
@@ -206,13 +207,15 @@ def hook_set_class():
     return PythonHooks if native is None else native.HookSet
 
 
-def planned_table_class():
-    """The class of a planned pass's factor table (``PlannedTable()``:
-    ``set(factors)``, ``use_python(dispatch)``, ``mode``, ``deviated``;
-    ``HookSet.add_planned`` puts its hooks on nodes), or None where the
-    native module is not built (passes are then not planned)."""
-    native = module()
-    return None if native is None else native.PlannedTable
+def planned():
+    """What a planned pass needs of the native module (the module), or None
+    where it is not built (passes are then not planned): ``PlannedTable()``
+    (a pass's factors: ``set(factors)``, ``use_python(dispatch)``,
+    ``mode``, ``deviated``), ``planned_events([(position, post, seq,
+    [(index, slot), ...]), ...])`` (a layout's native hooks, made once) and
+    ``HookSet.add_planned_events(order, table, events)`` (them on a
+    graph's nodes, in one call)."""
+    return module()
 
 
 def Hooks():
@@ -229,18 +232,29 @@ class PythonLanding(object):
 
     def __init__(self):
         self.running = False
-        self.unit = None  # ids of the parameters landing at scale 1
-        self.record = None  # where (param, 1.0) is appended for them
+        self.unit = None  # id of a parameter -> the scale it lands at
+        self.record = None  # where (param, scale) is appended for them
+        self.pending = None  # where (param, 1 / scale) is, for those left
+        self.excluded = frozenset()  # ids of those never left scaled
 
     def set_running(self, running):
         self.running = running
 
-    def set_unit(self, unit, record):
-        self.unit, self.record = unit, record
+    def set_unit(self, unit, record, pending=None, excluded=()):
+        self.unit, self.record, self.pending = unit, record, pending
+        self.excluded = frozenset(id(p) for p in excluded)
 
     @staticmethod
     def unit_set(params):
-        return frozenset(id(p) for p in params)
+        return {id(p): 1.0 for p in params}
+
+    @staticmethod
+    def landing_set(pairs):
+        for _, scale in pairs:
+            if not scale > 0 or math.frexp(scale)[0] != 0.5:
+                raise ValueError('gradient_scaling: a landing scale that is '
+                                 'no power of two')
+        return {id(p): scale for p, scale in pairs}
 
     def hook(self, param, fn):
         return functools.partial(_python_landing, self, id(param),
@@ -251,20 +265,42 @@ def _python_landing(state, key, record, fn, grad):
     if not state.running:
         return None
     unit = state.unit
-    if unit is not None and key in unit:
+    scale = None if unit is None else unit.get(key)
+    if scale is None:
+        return fn(grad)
+    if scale == 1.0:
         state.record.append(record)
         return None
-    return fn(grad)
+    from gradient_scaling.torch.hook import unscaled  # (imports this)
+    param, inverse = record[0], 1.0 / scale
+    state.record.append((param, scale))
+    if state.pending is not None and key not in state.excluded and \
+            grad.dtype in (torch.float32, torch.float64) and \
+            not grad.is_sparse and 2.0 ** -126 <= inverse <= 2.0 ** 127 \
+            and not torch.is_grad_enabled() and param.grad is None:
+        state.pending.append((param, inverse))
+        return None
+    return unscaled(grad, scale)
 
 
 def Landing():
     """The state of a hook's landing hooks: ``set_running(bool)``,
-    ``unit_set(params)`` (made once for a plan), ``set_unit(unit or None,
-    record)`` (the parameters of ``unit`` have their gradients land at
-    scale 1 in the running pass: each is only recorded, as ``(param,
-    1.0)`` appended to the list ``record``), and ``hook(param, fn)``: the
-    hook to register on ``param``, which returns None while no pass runs,
-    records a gradient at scale 1, else returns ``fn(grad)``."""
+    ``unit_set(params)`` and ``landing_set([(param, scale), ...])`` (made
+    once for a plan: parameters whose gradients reach them at scale 1, or
+    at the scale given, a power of two), ``set_unit(unit or None,
+    record, pending=None, excluded=())`` (the parameters of ``unit`` have
+    their gradients land at its scale in the running pass: each recorded
+    as ``(param, scale)`` appended to the list ``record``, and divided by
+    it as :func:`gradient_scaling.torch.hook.unscaled` divides, a new
+    tensor; at scale 1, only recorded; with a list ``pending``, one that
+    :meth:`~gradient_scaling.torch.hook.GradientScaling.land` would leave
+    scaled in an empty ``.grad`` is left so, ``(param, 1 / scale)``
+    appended there for the adapter to divide when the pass ends: a
+    float32 or float64 dense gradient, a normal float32 inverse, grad
+    mode off, ``.grad`` empty, the parameter not of ``excluded``), and
+    ``hook(param, fn)``: the hook to
+    register on ``param``, which returns None while no pass runs, lands a
+    gradient of ``unit`` so, else returns ``fn(grad)``."""
     native = module()
     return PythonLanding() if native is None else native.Landing()
 

@@ -62,6 +62,8 @@ class Symbolic(object):
         self.terms, self.dtype = terms, dtype
 
     def element_size(self):
+        if self.dtype is None:  # (recorded without a gradient)
+            raise _Miss('dtype')
         return self.dtype.itemsize
 
     def __mul__(self, factor):
@@ -178,6 +180,17 @@ class Layout(object):
 
     def __init__(self, events, prefix, count):
         self.events, self.prefix, self.count = events, prefix, count
+        #: The native hooks of the events after the prefix, as
+        #: ``HookSet.add_planned_events`` takes them (made by the first
+        #: planned pass: :meth:`make_native`).
+        self.native = None
+
+    def make_native(self, hook):
+        self.native = hook.planned_native.planned_events([
+            (position, kind == 'contribute', seq, list(slots))
+            for seq, (kind, position, _, slots, _) in enumerate(
+                self.events[self.prefix:])])
+        return self.native
 
     @classmethod
     def of(cls, current, recorder):
@@ -222,11 +235,12 @@ def _in_python(plan, kind, node):
 class _Entry(object):
     """A planned pass: the factors, the cast scales they assume, the step's
     key counters after it, each leaf's landing scale (by position) and the
-    leaves at scale 1 (a landing unit set)."""
+    same as the native landing hooks take it (``landing``: each lands
+    divided without a Python call)."""
 
-    def __init__(self, factors, casts, counters, leaves, unit):
+    def __init__(self, factors, casts, counters, leaves, landing):
         self.factors, self.casts = factors, casts
-        self.counters, self.leaves, self.unit = counters, leaves, unit
+        self.counters, self.leaves, self.landing = counters, leaves, landing
 
 
 def prepare(current):
@@ -237,7 +251,7 @@ def prepare(current):
     memo = plan.structure_memo
     if not hook.planned_passes or current.nested or memo is None or \
             plan.template is None or plan.compiled or plan.runs_python or \
-            hook.planned_table is None or step.refresh or \
+            hook.planned_native is None or step.refresh or \
             step.recipe.every_pass or step.staged is not None or \
             step.records or hook.controller.backoff.scales or \
             step.occurrences or step.cast_count or step.branch_count:
@@ -313,39 +327,41 @@ def _evaluate(current, layout, casts):
     finally:
         step.occurrences, step.cast_count, step.branch_count = saved
     accumulators = current.plan.accumulators
-    unit = current.hook.unit_set([accumulators[order[p]]
-                                  for p, scale in leaves if scale == 1.0])
+    landing = current.hook.landing_set([(accumulators[order[p]], scale)
+                                        for p, scale in leaves])
     return _Entry(factors, tuple(planner.chosen_casts), counters, leaves,
-                  unit)
+                  landing)
 
 
 class PlannedRun(object):
 
     """A planned pass's callbacks: the cast sites' in Python, the others
     native, multiplying by the factors of a ``PlannedTable``
-    (:func:`~gradient_scaling.torch.native.planned_table_class`)."""
+    (:func:`~gradient_scaling.torch.native.planned`)."""
 
     def __init__(self, current, layout, entry):
         self.current, self.layout, self.entry = current, layout, entry
-        self.table = current.hook.planned_table()
+        self.table = current.hook.planned_native.PlannedTable()
         self._callbacks = {}
+        self.pending = None  # (param, 1 / scale) left scaled in .grad
 
     def register(self):
-        current, layout, table = self.current, self.layout, self.table
+        current, layout = self.current, self.layout
         order, hooks = current.plan.order, current.hooks
         prefix = layout.prefix
         for seq, (kind, position, _, slots, edges) in \
-                enumerate(layout.events):
+                enumerate(layout.events[:prefix]):
             node = order[position]
-            post = kind == 'contribute'
-            if seq >= prefix:
-                hooks.add_planned(node, table, post, seq - prefix, slots)
-                continue
             fn = current.callback(kind, node, [
                 (i, (order[n], k)) for i, (n, k) in edges])
             if seq == prefix - 1:
                 fn = self._then_start(fn)
-            (hooks.add_post if post else hooks.add_pre)(node, fn)
+            (hooks.add_post if kind == 'contribute' else hooks.add_pre)(
+                node, fn)
+        native = layout.native
+        if native is None:
+            native = layout.make_native(current.hook)
+        hooks.add_planned_events(order, self.table, native)
 
     def _then_start(self, fn):
         def last(*args):
@@ -389,7 +405,17 @@ class PlannedRun(object):
         self.table.set(entry.factors)
         hook = current.hook
         if hook._running and hook._running[-1] is current:
-            hook.unit_landing(current, entry.unit)
+            # Gradients left scaled in ``.grad`` where the Python landing
+            # would leave them (divided at the pass's end, in place).
+            accumulators = current.plan.accumulators
+            if current.defers and accumulators and current.accumulates(
+                    next(iter(accumulators))):
+                self.pending = []
+                hook.unit_landing(current, entry.landing, self.pending,
+                                  internals.leaves_with_other_hooks(
+                                      accumulators.values()))
+            else:
+                hook.unit_landing(current, entry.landing)
 
     def dispatch(self, seq, *args):
         """A native hook's gradients, to its Python callback (a pass that
@@ -405,8 +431,10 @@ class PlannedRun(object):
         return fn(*args)
 
     def finished(self, current):
-        """The pass ended: a hook that ran out of the recorded order makes
-        the structure recorded again."""
+        """The pass ended (the gradients left scaled in ``.grad`` are
+        divided there by the hook, as the Python landing's are): a hook
+        that ran out of the recorded order makes the structure recorded
+        again."""
         if self.table.deviated:
             current.plan.structure_memo.pop('layout', None)
             current.plan.structure_memo.pop('planned', None)
