@@ -163,28 +163,37 @@ def test_a_later_hook_sees_the_gradient_divided(built, runs):
         assert torch.equal(a, b)
 
 
+def _hooked_fourth_step(hook_fn, error, match, planned=True):
+    """Four steps of the chain under GS at interval 100 (a refresh, the
+    recorded pass, two planned ones); on the fourth, ``hook_fn`` a tensor
+    hook on the first layer's output and the backward raising ``error``
+    (matching ``match``). Returns the net."""
+    net, batch = _chain()
+    hook = GradientScaling(net, update_interval=100)
+    hook.planned_passes = planned
+    for step in range(4):
+        net.zero_grad(set_to_none=True)
+        x, t = batch(step)
+        hidden = net.a(x)
+        if step == 3:
+            hidden.register_hook(hook_fn)
+        loss = 1e-4 * torch.nn.functional.cross_entropy(net.c(torch.tanh(
+            net.b(torch.relu(hidden)))).float().double(), t)
+        with hook:
+            if step < 3:
+                loss.backward()
+                continue
+            with pytest.raises(error, match=match):
+                loss.backward()
+    return net
+
+
 def test_a_pass_that_raises_leaves_what_landed_divided(built, runs):
     """A backward that raises after some parameters' gradients landed
     (left scaled in ``.grad`` by the native landing): they are divided,
     as the Python callbacks leave them."""
     def run(planned):
-        net, batch = _chain()
-        hook = GradientScaling(net, update_interval=100)
-        hook.planned_passes = planned
-        for step in range(4):
-            net.zero_grad(set_to_none=True)
-            x, t = batch(step)
-            hidden = net.a(x)
-            if step == 3:
-                hidden.register_hook(_boom)
-            loss = 1e-4 * torch.nn.functional.cross_entropy(net.c(
-                torch.tanh(net.b(torch.relu(hidden)))).float().double(), t)
-            with hook:
-                if step < 3:
-                    loss.backward()
-                    continue
-                with pytest.raises(ValueError, match='boom'):
-                    loss.backward()
+        net = _hooked_fourth_step(_boom, ValueError, 'boom', planned)
         return {n: None if p.grad is None else p.grad.clone()
                 for n, p in net.named_parameters()}
     planned, python = run(True), run(False)
@@ -394,24 +403,9 @@ def test_a_backward_inside_a_planned_pass_refuses(built, runs):
     factors assumed none (a nested backward may change the scale its
     node returns), so it raises instead of landing a wrong gradient; the
     Python callbacks scale it."""
-    net, batch = _chain()
     extra = torch.ones(3, dtype=torch.float64, requires_grad=True)
 
     def nested(grad):
         (extra * 2.0).sum().backward()
-    hook = GradientScaling(net, update_interval=100)
-    for step in range(4):
-        net.zero_grad(set_to_none=True)
-        x, t = batch(step)
-        hidden = net.a(x)
-        if step == 3:
-            hidden.register_hook(nested)
-        loss = 1e-4 * torch.nn.functional.cross_entropy(net.c(torch.tanh(
-            net.b(torch.relu(hidden)))).float().double(), t)
-        with hook:
-            if step < 3:
-                loss.backward()
-                continue
-            with pytest.raises(RuntimeError, match='planned backward'):
-                loss.backward()
+    _hooked_fourth_step(nested, RuntimeError, 'planned backward')
     assert runs == [1, 1]
