@@ -106,7 +106,9 @@ def _assert_same(a, b):
     for step, (x, y) in enumerate(zip(a, b)):
         assert x[0].keys() == y[0].keys()
         for name in x[0]:
-            assert torch.equal(x[0][name], y[0][name]), (step, name)
+            torch.testing.assert_close(x[0][name], y[0][name], rtol=0,
+                                       atol=0, equal_nan=True,
+                                       msg=str((step, name)))
         assert x[1:] == y[1:], step
 
 
@@ -247,6 +249,26 @@ def _chain():
     x = torch.randn(6, 8, dtype=torch.float64)
     t = torch.arange(6) % 5
     return net, lambda step: (x.roll(step, 0), t)
+
+
+def test_a_nonfinite_planned_pass_is_reported_as_python_ones(built, runs):
+    """A NaN in the input of a planned pass's step: the same non-finite
+    result, report and gradients as the Python callbacks', and the steps
+    after it too."""
+    def make():
+        net, batch = _chain()
+
+        def poisoned(step):
+            x, t = batch(step)
+            if step == 4:
+                x = x.clone()
+                x[0, 0] = float('nan')
+            return x, t
+        return net, poisoned
+    planned = _history(True, make, steps=8, interval=100)
+    assert planned[4][3] is False and planned[5][3] is True
+    assert 1 in runs
+    _assert_same(planned, _history(False, make, steps=8, interval=100))
 
 
 @pytest.mark.parametrize('case', ['chain', 'every_construct'])

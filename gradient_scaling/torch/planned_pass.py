@@ -36,7 +36,11 @@ Gradients, scales, landed scales and the step's state are those of the
 Python callbacks, bit for bit (``tests/test_torch_planned_pass.py``); a
 hook that runs out of the recorded order (which a graph on one device
 does not do) is noticed, and the structure recorded again; a planned hook
-reached before the cast sites ran raises one clear error.
+reached before the cast sites ran raises one clear error. A gradient the
+recorded pass had and this one lacks (a backward that returns None where
+it returned a tensor) leaves the others at their planned scales: the
+landed gradients stay exact, though the Python callbacks might have
+chosen another common scale for that branch.
 """
 
 from gradient_scaling.torch import _internals as internals
