@@ -382,6 +382,53 @@ def test_transformers_gradients_after_unscale_are_the_plain_ones(
 
 
 @pytest.mark.parametrize('name', sorted(MODELS))
+def test_transformers_planned_passes_are_the_python_callbacks(
+        transformers, name, monkeypatch):
+    """GS's cached passes planned (their sites and landing native:
+    gradient_scaling/torch/planned_pass.py) against the Python callbacks
+    on each model: 8 steps at interval 3 with an optimizer (refreshes,
+    the recorded passes, planned ones), float64, the gradients bit for
+    bit and the same report."""
+    from gradient_scaling.torch import native
+    from gradient_scaling.torch import planned_pass
+    if native.planned() is None:
+        pytest.skip('native module not built: ' + native.reason())
+    planned_runs = []
+    start = planned_pass.PlannedRun.start
+
+    def counted(self):
+        start(self)
+        planned_runs.append(self.table.mode)
+    monkeypatch.setattr(planned_pass.PlannedRun, 'start', counted)
+
+    def run(planned):
+        torch.manual_seed(0)
+        model = MODELS[name](transformers).double()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        scaler = make(GS, model, update_interval=3)
+        scaler.hook.planned_passes = planned
+        grads = []
+        for step in range(8):
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(model(**transformers_batch(name, step)).loss) \
+                .backward()
+            grads.append({n: p.grad.clone()
+                          for n, p in model.named_parameters()
+                          if p.grad is not None})
+            scaler.step(optimizer)
+            scaler.update()
+        return grads, [(r.name, r.local_scale, r.output_scale)
+                       for r in scaler.report()]
+    planned, python = run(True), run(False)
+    assert planned_runs == [1, 1, 1, 1]  # steps 2, 4, 5, 7
+    assert planned[1] == python[1]
+    for step, (a, b) in enumerate(zip(planned[0], python[0])):
+        assert a.keys() == b.keys()
+        for n in a:
+            assert torch.equal(a[n], b[n]), (step, n)
+
+
+@pytest.mark.parametrize('name', sorted(MODELS))
 def test_transformers_every_matrix_product_weight_is_a_site(transformers,
                                                            name):
     """GS in mode 'gs': every Linear and Conv1D weight (GPT-2's addmm with
