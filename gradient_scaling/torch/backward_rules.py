@@ -318,10 +318,7 @@ class BackwardPass(object):
         model's (those have the hook's own)."""
         plan = self.plan
         lands, itself = self.hook.land, self.hook.landing_ids
-        # (the same leaves for every graph of the structure: its signature
-        # names them, and the list keeps them alive)
-        shared = plan.shared if plan.shared is not None else \
-            plan.structure_memo
+        shared = plan.shared
         foreign = None if shared is None else shared.get('foreign')
         if foreign is None:  # (not lands_itself: a call each)
             foreign = [leaf for leaf in plan.accumulators.values()
