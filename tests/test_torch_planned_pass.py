@@ -431,3 +431,28 @@ def test_a_backward_inside_a_planned_pass_refuses(built, runs):
         (extra * 2.0).sum().backward()
     _hooked_fourth_step(nested, RuntimeError, 'planned backward')
     assert runs == [1, 1]
+
+
+def test_a_backward_with_inputs_runs_in_python(built, runs):
+    """``scaler.scale(loss).backward(inputs=...)``: only the inputs' paths
+    run, not the recorded order; the Python callbacks scale it, exactly,
+    and it is not recorded."""
+    net, (idx, targets) = _gpt()
+    scaler = GradientScaler(net, update_interval=100)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.0)
+    head = [net.blocks[1].c_fc.weight, net.blocks[1].c_proj.weight]
+    for step in range(4):
+        net.zero_grad(set_to_none=True)
+        loss = net(idx, targets)
+        if step < 3:
+            scaler.scale(loss).backward()
+        else:
+            plain = torch.autograd.grad(net(idx, targets), head)
+            scaler.scale(loss).backward(inputs=head)
+            for p, g in zip(head, plain):
+                assert torch.equal(p.grad, g)
+            assert all(p.grad is None for p in net.parameters()
+                       if all(p is not q for q in head))
+        scaler.step(optimizer)
+        scaler.update()
+    assert runs == [1, 2]

@@ -130,6 +130,8 @@ class BackwardPass(object):
         self.self_scaled = set()
         #: The scales the cast sites chose, in order.
         self.chosen_casts = []
+        #: A backward with ``inputs``: only their paths run.
+        self.partial = False
         #: A planned pass's callbacks (:class:`~gradient_scaling.torch.
         #: planned_pass.PlannedRun`), or what records them (a
         #: ``Recorder``); None: the Python callbacks.

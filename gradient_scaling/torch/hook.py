@@ -475,6 +475,8 @@ class GradientScaling(ControllerViews):
         if not self._bare:  # a scaler attached the pass: run it as called
             self._root_at(tensors)
             extra = {} if inputs is None else {'inputs': inputs}
+            if inputs is not None and self._pass is not None:
+                self._pass.partial = True  # (only the inputs' paths run)
             try:
                 return original(tensors, grad_tensors, retain_graph,
                                 create_graph, grad_variables, **extra)

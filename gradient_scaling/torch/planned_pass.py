@@ -158,7 +158,7 @@ class Recorder(object):
         """The pass ended: its :class:`Layout` is kept with the structure
         (False where it cannot be planned); not of a backward that ran
         only part of the graph (``torch.autograd.grad``)."""
-        if current.hook._capturing:
+        if current.hook._capturing or current.partial:
             return
         layout = Layout.of(current, self)
         current.plan.structure_memo['layout'] = \
@@ -381,7 +381,7 @@ class PlannedRun(object):
         callbacks: the order recorded is a whole graph's."""
         current = self.current
         order, events = current.plan.order, self.layout.events
-        if current.hook._capturing or not all(
+        if current.hook._capturing or current.partial or not all(
                 internals.engine_runs(order[events[seq][1]])
                 for seq in range(self.layout.prefix)):
             self.table.use_python(self.dispatch)
