@@ -107,8 +107,7 @@ def leaves_with_other_hooks(leaves):
     GS landing hook) or a post-accumulate-grad hook: something that reads
     the gradient after it lands."""
     return [p for p in leaves
-            if getattr(p, '_post_accumulate_grad_hooks', None) or
-            p._backward_hooks is None or len(p._backward_hooks) != 1]
+            if post_accumulate_hooks(p) or len(tensor_hooks(p)) != 1]
 
 
 def tensor_hooks(tensor):

@@ -800,27 +800,13 @@ class _ReusedPlan(Plan):
     the walk found is the template's, in positions, turned into this
     graph's nodes when first asked (``gemms``, ``casts``,
     ``softmax_gemms``, ``branches``, ``multi_output``, ``compiled``,
-    ``softmax_gradients``)."""
+    ``softmax_gradients``; a GEMM's site alone: :meth:`gemm_site`)."""
 
     def __init__(self, template, order, index):
         super().__init__(template, order, index)
         for name in _LAZY:
             delattr(self, name)
-        self.extra_gemms = {}
         self._sites = {}  # position -> a GEMM site made alone
-
-    @property
-    def gemms(self):
-        gemms = self.__dict__.get('_gemms')
-        if gemms is None:
-            gemms = self._gemms = dict(self.extra_gemms)
-            for entry in self.template.gemms:
-                gemms[self.order[entry[0]]] = self._site(entry)
-        return gemms
-
-    @gemms.setter
-    def gemms(self, value):
-        self.extra_gemms = value
 
     def gemm_site(self, node):
         entry = self.template.gemm_at.get(self.index[node])
@@ -842,22 +828,25 @@ class _ReusedPlan(Plan):
         make = _LAZY.get(name)
         if make is None:
             raise AttributeError(name)
-        value = make(self.template, self.order)
+        value = make(self, self.template, self.order)
         setattr(self, name, value)
         return value
 
 
-#: What a reused plan makes when first asked: name -> f(template, order).
+#: What a reused plan makes when first asked: name -> f(plan, its
+#: template, its order).
 _LAZY = {
-    'casts': lambda t, order: {order[i] for i in t.casts},
-    'softmax_gemms': lambda t, order: {order[i] for i in t.softmax_gemms},
-    'branches': lambda t, order: {
+    'gemms': lambda p, t, order: {order[e[0]]: p._site(e) for e in t.gemms},
+    'casts': lambda p, t, order: {order[i] for i in t.casts},
+    'softmax_gemms': lambda p, t, order: {order[i]
+                                          for i in t.softmax_gemms},
+    'branches': lambda p, t, order: {
         (order[n], k): [(order[c], e) for c, e in t.consumers[n, k]]
         for n, k in t.branches},
-    'multi_output': lambda t, order: {order[i] for i in t.multi_output},
-    'compiled': lambda t, order: [order[i] for i in t.compiled],
-    'softmax_gradients': lambda t, order: {order[i]
-                                           for i in t.softmax_gradients},
+    'multi_output': lambda p, t, order: {order[i] for i in t.multi_output},
+    'compiled': lambda p, t, order: [order[i] for i in t.compiled],
+    'softmax_gradients': lambda p, t, order: {order[i] for i in
+                                              t.softmax_gradients},
 }
 
 

@@ -286,8 +286,9 @@ class GradientScaling(ControllerViews):
             # hook on the leaf, no post-accumulate hook, no process group:
             # no reducer; no Python code in the backward; the next
             # backward pass of these leaves finds them divided, and a
-            # gradient that lands on one again first divides it). Not where the gradient is returned, not
-            # accumulated (torch.autograd.grad, however it was called).
+            # gradient that lands on one again first divides it). Not
+            # where the gradient is returned, not accumulated
+            # (torch.autograd.grad, however it was called).
             self._pending[key] = (leaf, 1.0 / scale, current)
             return None
         grad = unscaled(grad, scale) if grad.dtype in _LOW else \

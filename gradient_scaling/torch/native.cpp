@@ -250,8 +250,8 @@ at::Tensor times_power_of_two(const at::Tensor& x, double ratio) {
   return result;
 }
 
-// The factors of a planned cached pass (backward_rules.py's planned
-// passes), shared by its hooks: set once its cast sites have chosen
+// The factors of a planned cached pass (gradient_scaling/torch/
+// planned_pass.py), shared by its hooks: set once its cast sites have chosen
 // (mode 1); or, where the plan could not be made for what they chose,
 // every hook hands its gradients to ``dispatch`` (mode 2, the Python
 // callbacks); before either (mode 0) a hook refuses to run.

@@ -294,7 +294,7 @@ def _evaluate(current, layout, casts):
     """The callbacks asked in the layout's order on symbolic gradients by
     a pass of their own (the step's counters as at a pass's start, put
     back after)."""
-    step, order = current.step, current.plan.order
+    step = current.step
     planner = type(current)(current.hook, current.roots, current.loss_scale,
                             [], plan=current.plan, planning=True)
     planner.step = _TableStep(step, casts)
@@ -302,10 +302,9 @@ def _evaluate(current, layout, casts):
     step.occurrences, step.cast_count, step.branch_count = {}, 0, 0
     factors = [None] * layout.count
     try:
-        for kind, position, dtype, slots, edges in layout.events:
-            node = order[position]
-            fn = planner.callback(kind, node, [
-                (i, (order[n], k)) for i, (n, k) in edges])
+        for event in layout.events:
+            kind, _, dtype, slots, _ = event
+            fn = _callback(planner, event)
             grads = [None] * (max(i for i, _ in slots) + 1 if slots else 0)
             for i, slot in slots:
                 grads[i] = Symbolic([(slot, 1.0)], dtype)
@@ -330,11 +329,19 @@ def _evaluate(current, layout, casts):
         return None
     finally:
         step.occurrences, step.cast_count, step.branch_count = saved
-    accumulators = current.plan.accumulators
+    accumulators, order = current.plan.accumulators, current.plan.order
     landing = current.hook.landing_set([(accumulators[order[p]], scale)
                                         for p, scale in leaves])
     return _Entry(factors, tuple(planner.chosen_casts), counters, leaves,
                   landing)
+
+
+def _callback(current, event):
+    """The callback of pass ``current`` for a layout's ``event``."""
+    kind, position, _, _, edges = event
+    order = current.plan.order
+    return current.callback(kind, order[position],
+                            [(i, (order[n], k)) for i, (n, k) in edges])
 
 
 class PlannedRun(object):
@@ -353,15 +360,13 @@ class PlannedRun(object):
         current, layout = self.current, self.layout
         order, hooks = current.plan.order, current.hooks
         prefix = layout.prefix
-        for seq, (kind, position, _, slots, edges) in \
-                enumerate(layout.events[:prefix]):
-            node = order[position]
-            fn = current.callback(kind, node, [
-                (i, (order[n], k)) for i, (n, k) in edges])
+        for seq, event in enumerate(layout.events[:prefix]):
+            fn = _callback(current, event)
             if seq == prefix - 1:
                 fn = self._then_start(fn)
+            kind, position = event[:2]
             (hooks.add_post if kind == 'contribute' else hooks.add_pre)(
-                node, fn)
+                order[position], fn)
         native = layout.native
         if native is None:
             native = layout.make_native(current.hook)
@@ -426,12 +431,8 @@ class PlannedRun(object):
         could not be planned for the scales its casts chose)."""
         fn = self._callbacks.get(seq)
         if fn is None:
-            order = self.current.plan.order
-            kind, position, _, _, edges = \
-                self.layout.events[self.layout.prefix + seq]
-            fn = self._callbacks[seq] = self.current.callback(
-                kind, order[position],
-                [(i, (order[n], k)) for i, (n, k) in edges])
+            fn = self._callbacks[seq] = _callback(
+                self.current, self.layout.events[self.layout.prefix + seq])
         return fn(*args)
 
     def finished(self, current):
