@@ -10,7 +10,8 @@ construct (an explicit up-cast, a split with an unused output, a
 three-consumer tensor, cat, a transposed convolution) and in float16; a
 cast whose cap binds plans again, or hands the pass to the Python
 callbacks; a backward of part of the graph runs in Python; a hook out of
-the planned order is noticed, one reached before the casts refuses.
+the planned order is noticed, one reached before the pass started
+refuses.
 """
 
 import sys
@@ -42,25 +43,40 @@ def built():
     return module
 
 
+class _Modes(object):
+    """The modes of the planned passes' tables that started, as they are
+    now (1: their factors applied natively, 2: their gradients handed to
+    Python from some hook on): compared as a list."""
+
+    def __init__(self):
+        self.runs = []
+
+    def _modes(self):
+        return [run.table.mode for run in self.runs]
+
+    def __eq__(self, other):
+        return self._modes() == list(other)
+
+    def __iter__(self):
+        return iter(self._modes())
+
+    def __len__(self):
+        return len(self.runs)
+
+    def __repr__(self):
+        return repr(self._modes())
+
+
 @pytest.fixture
 def runs(monkeypatch):
-    """The modes of the planned passes' tables as each applied its
-    factors or handed its gradients to Python (1: native, 2: Python)."""
-    modes = []
-    start, started = planned_pass.PlannedRun.start, \
-        planned_pass.PlannedRun.started
+    """:class:`_Modes` of the planned passes run in the test."""
+    modes = _Modes()
+    started = planned_pass.PlannedRun.started
 
-    def counted_start(self):
-        if self.table.mode != 2:  # (else counted as it started)
-            start(self)
-            modes.append(self.table.mode)
-
-    def counted_started(self):
+    def counted(self):
+        modes.runs.append(self)
         started(self)
-        if self.table.mode == 2:
-            modes.append(2)
-    monkeypatch.setattr(planned_pass.PlannedRun, 'start', counted_start)
-    monkeypatch.setattr(planned_pass.PlannedRun, 'started', counted_started)
+    monkeypatch.setattr(planned_pass.PlannedRun, 'started', counted)
     return modes
 
 
@@ -282,12 +298,77 @@ def test_a_binding_cap_plans_again_or_runs_in_python(built, runs, case):
     _assert_same(planned, _history(False, make, between=_inflated_cast))
 
 
+class _TwoHeads(torch.nn.Module):
+    """Two heads, each up-cast before its loss: two cast sites, both run
+    before any GEMM (the second head's first); no branch (each head has
+    a trunk of its own)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ta, self.tb = torch.nn.Linear(8, 16), torch.nn.Linear(8, 16)
+        self.a, self.b = torch.nn.Linear(16, 5), torch.nn.Linear(16, 5)
+
+    def forward(self, x, t):
+        ha = self.a(torch.tanh(self.ta(x)))
+        hb = self.b(torch.tanh(self.tb(x)))
+        cross_entropy = torch.nn.functional.cross_entropy
+        return 1e-4 * (cross_entropy(ha.float().double(), t) +
+                       cross_entropy(hb.float().double(), t))
+
+
+def _two_heads():
+    torch.manual_seed(0)
+    net = _TwoHeads().double()
+    x = torch.randn(6, 8, dtype=torch.float64)
+    t = torch.arange(6) % 5
+    return net, lambda step: (x.roll(step, 0), t)
+
+
+@pytest.mark.parametrize('inflated', [('cast#1',), ('cast#0', 'cast#1')])
+@pytest.mark.parametrize('replans', [True, False])
+def test_caps_binding_after_a_native_cast_site(built, runs, monkeypatch,
+                                               inflated, replans):
+    """Two cast sites first, their cached scales above what their caps
+    allow (which vary: the loss is multiplied by 1, 2, 3 in turn): the
+    second's cap, binding after the first ran natively, plans the pass
+    again with the caps so far; where that misses, the first is played
+    again symbolically and the pass goes on in Python. The Python
+    callbacks' gradients, scales and reports either way."""
+    told = {'bound': [], '_to_python': []}
+    for name in told:
+        original = getattr(planned_pass.PlannedRun, name)
+
+        def counted(self, seq, *args, _name=name, _original=original):
+            told[_name].append(seq)
+            return _original(self, seq, *args)
+        monkeypatch.setattr(planned_pass.PlannedRun, name, counted)
+    if not replans:
+        entry = planned_pass.planned_entry
+
+        def no_replan(current, layout, caps=None):
+            return None if caps is not None else entry(current, layout)
+        monkeypatch.setattr(planned_pass, 'planned_entry', no_replan)
+
+    def inflate(hook, step):
+        table = hook.controller.table
+        for key in inflated:
+            if key in table.scales:
+                table.scales[key] = 2.0 ** 100
+    planned = _history(True, _two_heads, between=inflate)
+    assert runs and set(runs) == ({1} if replans else {2})
+    # The first cast binding (where inflated) goes first.
+    assert set(told['bound']) == ({1} if len(inflated) == 1 else
+                                  {0, 1} if replans else {0})
+    assert told['_to_python'] == ([] if replans else told['bound'])
+    _assert_same(planned, _history(False, _two_heads, between=inflate))
+
+
 def test_a_pass_that_cannot_be_planned_again_runs_in_python(
         built, runs, monkeypatch):
     entry = planned_pass.planned_entry
 
-    def no_replan(current, layout, casts=None):
-        return None if casts is not None else entry(current, layout)
+    def no_replan(current, layout, caps=None):
+        return None if caps is not None else entry(current, layout)
     monkeypatch.setattr(planned_pass, 'planned_entry', no_replan)
     planned = _history(True, _chain, between=_inflated_cast)
     assert runs and set(runs) == {2}
@@ -358,6 +439,47 @@ def test_native_factors_multiply_as_python_does(built, dtype):
                 x, factor).isnan()), (factor, dtype)
 
 
+INF = float('inf')
+
+
+@pytest.mark.parametrize('largest, checked, told', [
+    (1.0, (1.0, INF), False),           # 65504 >= 1: the cached scale
+    (1.0, (2.0 ** 20, INF), True),      # the cap binds below 2**20
+    (1.0, (2.0 ** 15, 2.0 ** 16), False),  # capped at 2**15, as planned
+    (0.5, (2.0 ** 15, 2.0 ** 16), True),   # the cap is 2**17 now
+    (0.0, (2.0 ** 15, 2.0 ** 16), True),   # no cap: the cached scale
+    (0.0, (2.0 ** 15, INF), False),
+    (float('nan'), (2.0 ** 15, 2.0 ** 16), True),
+    (1.0, (0.0, INF), False),            # no cast site: never read
+])
+def test_a_cast_sites_cap_is_checked_natively(built, largest, checked,
+                                              told):
+    """A cast site's hook reads ``max|g|`` of its incoming gradient and
+    tells ``bound`` (before multiplying, with the factors ``bound`` sets)
+    exactly where ``fmt_max / max|g|`` leaves the planned range."""
+    calls = []
+    table = built.PlannedTable()
+
+    def bound(seq, value):
+        calls.append((seq, value))
+        table.set([4.0], [checked])
+    table.checked_by(bound, 65504.0)
+    hooks = built.HookSet()
+    leaf = torch.ones(3, requires_grad=True)
+    y = leaf * 1.0
+    hooks.add_planned(y.grad_fn, table, False, 0, [(0, 0)])
+    table.set([2.0], [checked])
+    g = torch.tensor([largest, -largest / 4, 0.0])
+    y.backward(g)
+    hooks.clear()
+    assert len(calls) == told
+    if told:
+        assert calls[0][0] == 0 and (calls[0][1] == largest or
+                                     largest != largest)
+    torch.testing.assert_close(leaf.grad, g * (4.0 if told else 2.0),
+                               rtol=0, atol=0, equal_nan=True)
+
+
 def test_a_hook_out_of_the_planned_order_is_noticed(built):
     table = built.PlannedTable()
     hooks = built.HookSet()
@@ -374,13 +496,13 @@ def test_a_hook_out_of_the_planned_order_is_noticed(built):
     assert torch.equal(leaf.grad, torch.full((3,), 48.0))
 
 
-def test_a_planned_hook_before_its_casts_refuses(built):
+def test_a_planned_hook_before_its_pass_started_refuses(built):
     table = built.PlannedTable()
     hooks = built.HookSet()
     leaf = torch.ones(3, requires_grad=True)
     y = leaf * 2.0
     hooks.add_planned(y.grad_fn, table, False, 0, [(0, 0)])
-    with pytest.raises(RuntimeError, match='before its cast sites'):
+    with pytest.raises(RuntimeError, match='before it started'):
         y.sum().backward()
 
 

@@ -251,27 +251,42 @@ at::Tensor times_power_of_two(const at::Tensor& x, double ratio) {
 }
 
 // The factors of a planned cached pass (gradient_scaling/torch/
-// planned_pass.py), shared by its hooks: set once its cast sites have chosen
-// (mode 1); or, where the plan could not be made for what they chose,
+// planned_pass.py), shared by its hooks: set as the pass starts (mode 1);
+// or, where the plan could not be made for what its cast sites chose,
 // every hook hands its gradients to ``dispatch`` (mode 2, the Python
-// callbacks); before either (mode 0) a hook refuses to run.
+// callbacks); before either (mode 0) a hook refuses to run. ``checks``: for
+// each hook that is a cast site (by its place in the planned order), the
+// ``[low, high)`` its ``fmt_max / max|g|`` (of its incoming gradient) must
+// be in for the scale planned; where it is not, ``bound(seq, max|g|)`` is
+// told first (it plans the pass again, or hands it to Python).
 struct Planned {
   std::vector<double> factors;
+  std::vector<std::pair<double, double>> checks;
+  double fmt_max = 0.0;
   int mode = 0;
   int64_t next = 0;  // the sequence number the next hook should have
   bool deviated = false;  // a hook ran out of the planned order
   std::shared_ptr<PyRef> dispatch;
+  std::shared_ptr<PyRef> bound;
 };
 
 class PlannedTable {
  public:
   PlannedTable() : state(std::make_shared<Planned>()) {}
 
-  void set(std::vector<double> factors) {
+  // The pass's factors and cast checks (as it starts, or planned again
+  // while it runs: the order checked goes on).
+  void set(std::vector<double> factors,
+           std::vector<std::pair<double, double>> checks) {
     state->factors = std::move(factors);
+    state->checks = std::move(checks);
     state->mode = 1;
-    state->next = 0;
-    state->deviated = false;
+  }
+
+  // Where a cast's cap binds (the format's largest value ``fmt_max``).
+  void checked_by(py::handle bound, double fmt_max) {
+    state->bound = std::make_shared<PyRef>(bound.ptr());
+    state->fmt_max = fmt_max;
   }
 
   void use_python(py::handle dispatch) {
@@ -285,6 +300,26 @@ class PlannedTable {
   std::shared_ptr<Planned> state;
 };
 
+// Whether the cast site of hook ``seq`` chooses another scale than
+// planned (gradient_scaling.core.rules.cached_cast_scale: the cached scale,
+// capped by the power of two at most ``fmt_max / max|g|`` where
+// ``0 < max|g| < inf``): ``largest`` set to its ``max|g|``.
+bool deviates(const Planned& table, int64_t seq, const variable_list& grads,
+              double* largest) {
+  if (seq < 0 || static_cast<size_t>(seq) >= table.checks.size()) {
+    return false;
+  }
+  const auto& range = table.checks[static_cast<size_t>(seq)];
+  const double inf = std::numeric_limits<double>::infinity();
+  if (range.first <= 0 || grads.empty() || !grads[0].defined()) return false;
+  *largest = grads[0].numel() == 0
+      ? 0.0 : grads[0].abs().max().item<double>();
+  if (!(*largest > 0 && *largest < inf)) return range.second < inf;
+  double quotient = table.fmt_max / *largest;
+  return quotient < range.first ||
+         (range.second < inf && quotient >= range.second);
+}
+
 // The planned factors applied to ``grads``: gradient ``index`` times
 // factor ``slot`` for each ``(index, slot)``; checks the hook's place in
 // the planned order.
@@ -295,9 +330,9 @@ variable_list planned_times(Planned& table, int64_t seq,
   if (table.mode != 1) {
     throw std::runtime_error(
         "GradientScaling: a planned backward pass reached a node before "
-        "its cast sites had run (the engine ran the graph's nodes in "
-        "another order than the pass recorded; GRADIENT_SCALING_NATIVE=0 "
-        "avoids planned passes)");
+        "it started (the engine ran the graph's nodes in another order "
+        "than the pass recorded; GRADIENT_SCALING_NATIVE=0 avoids planned "
+        "passes)");
   }
   if (seq != table.next) table.deviated = true;
   table.next = seq + 1;
@@ -326,6 +361,15 @@ struct PlannedHook {
 
   variable_list apply(const variable_list& values, const char* what,
                       const variable_list* second = nullptr) {
+    double largest = 0;
+    if (table->mode == 1 && table->bound &&
+        deviates(*table, seq, values, &largest)) {
+      py::gil_scoped_acquire gil;
+      PyObject* told = PyObject_CallFunction(
+          table->bound->obj, "Ld", static_cast<long long>(seq), largest);
+      if (told == nullptr) throw python_error();
+      Py_DECREF(told);
+    }
     if (table->mode != 2) return planned_times(*table, seq, slots, values);
     py::gil_scoped_acquire gil;
     py::object a = py::reinterpret_steal<py::object>(wrap(values));
@@ -833,7 +877,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("__len__", &HookSet::size);
   py::class_<PlannedTable>(m, "PlannedTable")
       .def(py::init<>())
-      .def("set", &PlannedTable::set)
+      .def("set", &PlannedTable::set, py::arg("factors"),
+           py::arg("checks") = std::vector<std::pair<double, double>>())
+      .def("checked_by", &PlannedTable::checked_by)
       .def("use_python", &PlannedTable::use_python)
       .def_property_readonly("mode", &PlannedTable::mode)
       .def_property_readonly("deviated", &PlannedTable::deviated);

@@ -210,8 +210,9 @@ def hook_set_class():
 def planned():
     """What a planned pass needs of the native module (the module), or None
     where it is not built (passes are then not planned): ``PlannedTable()``
-    (a pass's factors: ``set(factors)``, ``use_python(dispatch)``,
-    ``mode``, ``deviated``), ``planned_events([(position, post, seq,
+    (a pass's factors: ``set(factors, checks)``, its cast sites' checks
+    ``checked_by(bound, fmt_max)``, ``use_python(dispatch)``, ``mode``,
+    ``deviated``), ``planned_events([(position, post, seq,
     [(index, slot), ...]), ...])`` (a layout's native hooks, made once) and
     ``HookSet.add_planned_events(order, table, events)`` (them on a
     graph's nodes, in one call)."""

@@ -21,28 +21,31 @@ planned pass uses that, where the native callbacks are built
    memoised per structure, entering scale, cast scales and the table's
    content. They are the Python callbacks' own decisions, not a second
    implementation of them.
-3. *Run*: the cast sites, which come first in such a pass (or the pass is
-   not planned), run in Python; the other callbacks are native hooks
-   multiplying by the planned factors (``HookSet.add_planned``: no Python
-   frame, no dict lookup); a branch's contributions are each brought to
-   the common scale by their own consumer and summed by the engine, in
-   arrival order as the Python callbacks sum them. Once the casts have
-   run, a cast whose cap bound (its scale is not the planned one) makes
-   the pass planned again with the scales they chose; where that misses,
-   every native hook hands its gradients to the Python callbacks, and the
-   pass is the Python one (:meth:`PlannedRun.start`).
+3. *Run*: every callback is a native hook multiplying by the planned
+   factors (``HookSet.add_planned``: no Python frame, no dict lookup); a
+   branch's contributions are each brought to the common scale by their
+   own consumer and summed by the engine, in arrival order as the Python
+   callbacks sum them. A cast site's hook (they come first in such a
+   pass, or it is not planned) reads its cap natively, ``max|g|`` of its
+   gradient: where the cap binds, the pass is planned again with the caps
+   known so far (:meth:`PlannedRun.bound`; the hooks that ran are
+   upstream of the cast, their factors unchanged); where that misses, the
+   callbacks that ran are played again on symbolic gradients (the pass's
+   Python state, as if they had run in Python) and every hook from there
+   on hands its gradients to the Python callbacks.
 
 Gradients, scales, landed scales and the step's state are those of the
 Python callbacks, bit for bit (``tests/test_torch_planned_pass.py``); a
 hook that runs out of the recorded order (which a graph on one device
 does not do) is noticed, and the structure recorded again; a planned hook
-reached before the cast sites ran raises one clear error. A gradient the
+reached before the pass started raises one clear error. A gradient the
 recorded pass had and this one lacks (a backward that returns None where
 it returned a tensor) leaves the others at their planned scales: the
 landed gradients stay exact, though the Python callbacks might have
 chosen another common scale for that branch.
 """
 
+from gradient_scaling.core import rules
 from gradient_scaling.torch import _internals as internals
 
 __all__ = ['Layout', 'PlannedRun', 'Recorder', 'Symbolic', 'prepare',
@@ -50,6 +53,7 @@ __all__ = ['Layout', 'PlannedRun', 'Recorder', 'Symbolic', 'prepare',
 
 #: Planned entries kept per structure (the least recently made dropped).
 _ENTRIES = 16
+_INF = float('inf')
 
 
 class Symbolic(object):
@@ -100,13 +104,16 @@ _NO_GRADIENTS = _NoGradients()
 class _TableStep(object):
 
     """The open step as a planned pass asks it: the table's scales only
-    (a site not in it is a :class:`_Miss`); the cast scales ``casts`` (in
-    order) where given, else the cached ones, uncapped. Key counters and
-    everything else are the step's."""
+    (a site not in it is a :class:`_Miss`); a cast site's capped by
+    ``caps`` (the pass's caps by cast site, in order: None where there
+    is none), as the step caps it; the uncapped scales kept
+    (:attr:`uncapped`). Key counters and everything else are the
+    step's."""
 
-    def __init__(self, step, casts):
+    def __init__(self, step, caps):
         self._step = step
-        self._casts = None if casts is None else list(casts)
+        self._caps = caps or ()
+        self.uncapped = []
 
     def __getattr__(self, name):
         return getattr(self._step, name)
@@ -118,14 +125,13 @@ class _TableStep(object):
         return beta, None
 
     def cast(self, key, grad, alpha):
-        if self._casts is not None:
-            if not self._casts:
-                raise _Miss(key)
-            return self._casts.pop(0)
         beta = self._step.cached(key, alpha)
         if beta is None:
             raise _Miss(key)
-        return beta
+        i = len(self.uncapped)
+        self.uncapped.append(beta)
+        cap = self._caps[i] if i < len(self._caps) else None
+        return beta if cap is None else min(beta, cap)
 
     def branch(self, scales, grads):
         return self._step.branch(scales, _NO_GRADIENTS)
@@ -160,6 +166,7 @@ class Recorder(object):
         only part of the graph (``torch.autograd.grad``)."""
         if current.hook._capturing or current.partial:
             return
+        _keep_caps(current, current.chosen_casts)
         layout = Layout.of(current, self)
         current.plan.structure_memo['layout'] = \
             layout if layout is not None else False
@@ -176,15 +183,15 @@ class Layout(object):
             incoming gradients for a pre-hook, returned ones for a
             post-hook); ``edges`` a branch consumer's ``(input, (producer
             position, slot))``.
-        prefix (int): How many come first that run in Python (the cast
-            sites, a logits GEMM that is one).
+        prefix (int): How many come first that may be cast sites (a
+            cast, a logits GEMM that is one): no other may be.
         count (int): Factor slots.
 
     """
 
     def __init__(self, events, prefix, count):
         self.events, self.prefix, self.count = events, prefix, count
-        #: The native hooks of the events after the prefix, as
+        #: The native hooks of the events, as
         #: ``HookSet.add_planned_events`` takes them (made by the first
         #: planned pass: :meth:`make_native`).
         self.native = None
@@ -193,7 +200,7 @@ class Layout(object):
         self.native = hook.planned_native.planned_events([
             (position, kind == 'contribute', seq, list(slots))
             for seq, (kind, position, _, slots, _) in enumerate(
-                self.events[self.prefix:])])
+                self.events)])
         return self.native
 
     @classmethod
@@ -208,9 +215,9 @@ class Layout(object):
                 len({(k, n) for k, n, _ in events}) != len(events) or \
                 any(site.scales_itself for site in plan.gemms.values()):
             return None
-        python = [_in_python(plan, kind, node) for kind, node, _ in events]
-        prefix = python.count(True)
-        if any(python[prefix:]):
+        casts = [_may_cast(plan, kind, node) for kind, node, _ in events]
+        prefix = casts.count(True)
+        if any(casts[prefix:]):
             return None
         consumers = current.consumer_edges()
         laid, count = [], 0
@@ -230,20 +237,24 @@ class Layout(object):
         return cls(laid, prefix, count)
 
 
-def _in_python(plan, kind, node):
-    """Whether a callback runs in Python on a planned pass: a cast site's
-    (its cap reads the pass's gradient)."""
+def _may_cast(plan, kind, node):
+    """Whether a callback may be a cast site's (its cap reads the pass's
+    gradient)."""
     return kind == 'cast' or (kind == 'gemm' and node in plan.softmax_gemms)
 
 
 class _Entry(object):
-    """A planned pass: the factors, the cast scales they assume, the step's
-    key counters after it, each leaf's landing scale (by position) and the
-    same as the native landing hooks take it (``landing``: each lands
-    divided without a Python call)."""
+    """A planned pass: the factors; per event of the layout's prefix, what
+    its cast site's ``fmt_max / max|g|`` must be for the scale planned
+    (``[low, high)``: a power of two below ``high``, at least the scale;
+    ``(0, inf)``: anything, no cast site or none capped) and the site's
+    place among the casts (``checks``, ``casts``); the step's key counters
+    after it, each leaf's landing scale (by position) and the same as the
+    native landing hooks take it (``landing``: each lands divided without
+    a Python call)."""
 
-    def __init__(self, factors, casts, counters, leaves, landing):
-        self.factors, self.casts = factors, casts
+    def __init__(self, factors, checks, casts, counters, leaves, landing):
+        self.factors, self.checks, self.casts = factors, checks, casts
         self.counters, self.leaves, self.landing = counters, leaves, landing
 
 
@@ -266,23 +277,48 @@ def prepare(current):
     if layout is False or len({leaf.device for leaf in
                                plan.accumulators.values()}) > 1:
         return None  # (nodes on several devices run on several threads)
-    entry = planned_entry(current, layout)
-    return None if entry is None else PlannedRun(current, layout, entry)
+    # The casts are planned with the caps the last pass chose (checked as
+    # each runs), else uncapped.
+    caps = memo.get('caps')
+    entry = planned_entry(current, layout, caps)
+    if entry is None and caps is not None:
+        caps, entry = None, planned_entry(current, layout)
+    if entry is None:
+        return _CapsKept()
+    return PlannedRun(current, layout, entry, caps)
 
 
-def planned_entry(current, layout, casts=None):
+def _keep_caps(current, caps):
+    """The caps a whole pass on the structure chose, the next pass's
+    guess (not of a backward of part of the graph)."""
+    if not current.hook._capturing and not current.partial:
+        current.plan.structure_memo['caps'] = tuple(caps)
+
+
+class _CapsKept(object):
+    """A cached pass on a recorded structure that could not be planned
+    (run by the Python callbacks): the caps its cast sites chose kept, the
+    next pass planned with them."""
+
+    wrap = None  # (its callbacks are not recorded)
+
+    def finished(self, current):
+        _keep_caps(current, current.chosen_casts)
+
+
+def planned_entry(current, layout, caps=None):
     """The :class:`_Entry` of pass ``current`` on ``layout`` (memoised),
-    its cast sites choosing the planned (cached) scales or ``casts``; None
-    where a site's scale is not in the table."""
+    its cast sites' scales capped by ``caps`` (see :class:`_TableStep`);
+    None where a site's scale is not in the table."""
     step, memo = current.step, current.plan.structure_memo
     table = step.controller.table
     entries = memo.setdefault('planned', {})
-    key = (current.loss_scale, casts, id(step.recipe))
+    key = (current.loss_scale, caps, id(step.recipe))
     known = entries.get(key)
     if known is not None and known[1] == table.scales and \
             known[2] == table.signatures:
         return known[0]
-    entry = _evaluate(current, layout, casts)
+    entry = _evaluate(current, layout, caps)
     entries.pop(key, None)
     if len(entries) >= _ENTRIES:
         del entries[next(iter(entries))]
@@ -290,28 +326,29 @@ def planned_entry(current, layout, casts=None):
     return entry
 
 
-def _evaluate(current, layout, casts):
+def _evaluate(current, layout, caps):
     """The callbacks asked in the layout's order on symbolic gradients by
     a pass of their own (the step's counters as at a pass's start, put
     back after)."""
     step = current.step
     planner = type(current)(current.hook, current.roots, current.loss_scale,
                             [], plan=current.plan, planning=True)
-    planner.step = _TableStep(step, casts)
+    planner.step = table_step = _TableStep(step, caps)
     saved = (step.occurrences, step.cast_count, step.branch_count)
     step.occurrences, step.cast_count, step.branch_count = {}, 0, 0
     factors = [None] * layout.count
+    checks, casts = [], []
+    capped = step.recipe.apply_scales  # (the step caps only then)
     try:
-        for event in layout.events:
-            kind, _, dtype, slots, _ = event
-            fn = _callback(planner, event)
-            grads = [None] * (max(i for i, _ in slots) + 1 if slots else 0)
-            for i, slot in slots:
-                grads[i] = Symbolic([(slot, 1.0)], dtype)
-            if kind == 'contribute':
-                result = fn(tuple(grads), ())
-            else:
-                result = fn(tuple(grads))
+        for seq, event in enumerate(layout.events):
+            kind, _, _, slots, _ = event
+            before = len(planner.chosen_casts)
+            result = _play(planner, event)
+            if seq < layout.prefix:
+                chosen = planner.chosen_casts[before:]
+                casts.append(before if chosen else None)
+                checks.append(_range(chosen[0], table_step.uncapped[
+                    before]) if chosen and capped else (0.0, _INF))
             if result is None:  # (passed on unchanged)
                 for _, slot in slots:
                     factors[slot] = 1.0
@@ -332,8 +369,27 @@ def _evaluate(current, layout, casts):
     accumulators, order = current.plan.accumulators, current.plan.order
     landing = current.hook.landing_set([(accumulators[order[p]], scale)
                                         for p, scale in leaves])
-    return _Entry(factors, tuple(planner.chosen_casts), counters, leaves,
-                  landing)
+    return _Entry(factors, checks, casts, counters, leaves, landing)
+
+
+def _range(beta, uncapped):
+    """The ``fmt_max / max|g|`` for which a cast site chooses ``beta``
+    (of its cached scale ``uncapped``: the step's cap is the power of two
+    at most that quotient, where below the cached scale)."""
+    return beta, _INF if beta == uncapped else 2.0 * beta
+
+
+def _play(current, event):
+    """The callback of ``event`` of pass ``current`` on symbolic
+    gradients (each of its factor slots its own): its result."""
+    kind, _, dtype, slots, _ = event
+    fn = _callback(current, event)
+    grads = [None] * (max(i for i, _ in slots) + 1 if slots else 0)
+    for i, slot in slots:
+        grads[i] = Symbolic([(slot, 1.0)], dtype)
+    if kind == 'contribute':
+        return fn(tuple(grads), ())
+    return fn(tuple(grads))
 
 
 def _callback(current, event):
@@ -346,72 +402,51 @@ def _callback(current, event):
 
 class PlannedRun(object):
 
-    """A planned pass's callbacks: the cast sites' in Python, the others
-    native, multiplying by the factors of a ``PlannedTable``
-    (:func:`~gradient_scaling.torch.native.planned`)."""
+    """A planned pass's callbacks: native hooks multiplying by the factors
+    of a ``PlannedTable`` (:func:`~gradient_scaling.torch.native.planned`),
+    its cast sites' caps read natively."""
 
-    def __init__(self, current, layout, entry):
+    def __init__(self, current, layout, entry, caps=None):
         self.current, self.layout, self.entry = current, layout, entry
         self.table = current.hook.planned_native.PlannedTable()
         self._callbacks = {}
         self.pending = None  # (param, 1 / scale) left scaled in .grad
+        self.caps = caps or ()  # the caps planned for, by cast site
 
     def register(self):
         current, layout = self.current, self.layout
-        order, hooks = current.plan.order, current.hooks
-        prefix = layout.prefix
-        for seq, event in enumerate(layout.events[:prefix]):
-            fn = _callback(current, event)
-            if seq == prefix - 1:
-                fn = self._then_start(fn)
-            kind, position = event[:2]
-            (hooks.add_post if kind == 'contribute' else hooks.add_pre)(
-                order[position], fn)
         native = layout.native
         if native is None:
             native = layout.make_native(current.hook)
-        hooks.add_planned_events(order, self.table, native)
-
-    def _then_start(self, fn):
-        def last(*args):
-            result = fn(*args)
-            self.start()
-            return result
-        return last
+        if layout.prefix:
+            self.table.checked_by(self.bound, current.step.controller.fmt.max)
+        current.hooks.add_planned_events(current.plan.order, self.table,
+                                         native)
 
     def started(self):
-        """The pass started (its landing told): with no cast site, the
-        planned factors apply at once. A backward that runs only part of
-        the graph (``torch.autograd.grad``, ``inputs=``) runs the Python
-        callbacks: the order recorded is a whole graph's."""
+        """The pass started (its landing told): the planned factors apply.
+        A backward that runs only part of the graph (``torch.autograd.
+        grad``, ``inputs=``) runs the Python callbacks: the order recorded
+        is a whole graph's."""
         current = self.current
         order, events = current.plan.order, self.layout.events
         if current.hook._capturing or current.partial or not all(
                 internals.engine_runs(order[events[seq][1]])
                 for seq in range(self.layout.prefix)):
             self.table.use_python(self.dispatch)
-        elif not self.layout.prefix:
+        else:
             self.start()
 
     def start(self):
-        """The cast sites have run: the factors planned for the scales
-        they chose apply; where none can be planned, the Python callbacks
-        run instead (:meth:`dispatch`)."""
+        """The factors of :attr:`entry` apply: the step's counters as after
+        the pass, the leaves' landing scales, the native landing."""
         current, entry = self.current, self.entry
-        if self.table.mode == 2:
-            return  # (the Python callbacks run)
-        chosen = tuple(current.chosen_casts)
-        if chosen != entry.casts:  # a cap bound
-            entry = planned_entry(current, self.layout, chosen)
-            if entry is None:
-                self.table.use_python(self.dispatch)
-                return
         step = current.step
         step.occurrences = dict(entry.counters[0])
         step.cast_count, step.branch_count = entry.counters[1:]
         order = current.plan.order
         current.leaf_scales = {order[p]: scale for p, scale in entry.leaves}
-        self.table.set(entry.factors)
+        self.table.set(entry.factors, entry.checks)
         hook = current.hook
         if hook._running and hook._running[-1] is current:
             # Gradients left scaled in ``.grad`` where the Python landing
@@ -419,12 +454,53 @@ class PlannedRun(object):
             accumulators = current.plan.accumulators
             if current.defers and accumulators and current.accumulates(
                     next(iter(accumulators))):
-                self.pending = []
+                if self.pending is None:
+                    self.pending = []
                 hook.unit_landing(current, entry.landing, self.pending,
                                   internals.leaves_with_other_hooks(
                                       accumulators.values()))
             else:
                 hook.unit_landing(current, entry.landing)
+
+    def bound(self, seq, largest):
+        """The cast site of event ``seq`` chooses another scale than
+        planned (its cap, from its incoming gradient's ``max|g|``,
+        ``largest``), before its hook multiplies: the pass planned again
+        with it (the events before are upstream of it, their factors the
+        same); where that misses, the pass goes on in Python."""
+        current, entry = self.current, self.entry
+        caps = list(self.caps)
+        index = entry.casts[seq]
+        caps += [None] * (index + 1 - len(caps))
+        caps[index] = rules.pow2_floor(
+            current.step.controller.fmt.max / largest) \
+            if 0 < largest < _INF else None
+        self.caps = tuple(caps)
+        replanned = planned_entry(current, self.layout, self.caps)
+        if replanned is None:
+            self._to_python(seq)
+            return
+        self.entry = replanned
+        self.start()
+
+    def _to_python(self, ran):
+        """The events before ``ran`` ran natively (cast sites, every one:
+        they come first): their callbacks played again on symbolic
+        gradients, as the Python callbacks would have run them (the
+        pass's scales, the step's counters), the landing the Python one;
+        from ``ran`` on, every hook hands its gradients to Python."""
+        current = self.current
+        step = current.step
+        step.occurrences, step.cast_count, step.branch_count = {}, 0, 0
+        current.leaf_scales = {}
+        current.hook._unit_off()
+        current.step = _TableStep(step, self.caps)
+        try:
+            for event in self.layout.events[:ran]:
+                _play(current, event)
+        finally:
+            current.step = step
+        self.table.use_python(self.dispatch)
 
     def dispatch(self, seq, *args):
         """A native hook's gradients, to its Python callback (a pass that
@@ -432,7 +508,7 @@ class PlannedRun(object):
         fn = self._callbacks.get(seq)
         if fn is None:
             fn = self._callbacks[seq] = _callback(
-                self.current, self.layout.events[self.layout.prefix + seq])
+                self.current, self.layout.events[seq])
         return fn(*args)
 
     def finished(self, current):
@@ -443,3 +519,6 @@ class PlannedRun(object):
         if self.table.deviated:
             current.plan.structure_memo.pop('layout', None)
             current.plan.structure_memo.pop('planned', None)
+        else:
+            _keep_caps(current, self.caps if self.table.mode == 1 else
+                       current.chosen_casts)
