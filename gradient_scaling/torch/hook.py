@@ -707,11 +707,13 @@ class GradientScaling(ControllerViews):
         else:
             # (a gradient divided in place was checked in that read)
             done, unread = current.checked_in_place, []
-            for p in current.checked_leaves():
-                if id(p) not in done:
-                    grad = p.grad
-                    if grad is not None:
-                        unread.append(grad)
+            leaves = current.checked_leaves()
+            if not done.issuperset(map(id, leaves)):
+                for p in leaves:
+                    if id(p) not in done:
+                        grad = p.grad
+                        if grad is not None:
+                            unread.append(grad)
             flags = list(current.in_place_flags.values())
         # The gradients landed unscaled: one fused read checks them and the
         # losses (GradScaler's check, with nothing left to divide).
