@@ -134,7 +134,9 @@ class BackwardPass(object):
         self.partial = False
         #: A planned pass's callbacks (:class:`~gradient_scaling.torch.
         #: planned_pass.PlannedRun`), or what records them (a
-        #: ``Recorder``); None: the Python callbacks.
+        #: ``Recorder``) or the caps they chose (the Python callbacks of a
+        #: structure that could not be planned this time); None: the
+        #: Python callbacks.
         self.planned = None
         self.hooks = hook.hook_set()  # the callbacks on the graph's nodes
         self.handles = []  # the hooks on leaves not the model's
