@@ -325,6 +325,68 @@ def test_a_landing_set_leaves_what_the_hook_would_leave_scaled(built, kind):
     assert pending == [] and torch.equal(w.grad, g + unscaled(g, 8.0))
 
 
+def _left_scaled(seed):
+    """Parameters whose ``.grad`` holds gradients left scaled: float32
+    ones at two inverses, two that are views of one buffer (one storage),
+    a float64 one, one with a NaN, one with no gradient; the pairs in the
+    order they landed."""
+    torch.manual_seed(seed)
+    params = [nn.Parameter(torch.zeros(5)) for _ in range(5)] + [
+        nn.Parameter(torch.zeros(5, dtype=torch.float64)),
+        nn.Parameter(torch.zeros(5))]
+    shared = torch.randn(10) * 1e3
+    grads = [torch.randn(5), torch.randn(5) * 2.0 ** 60, shared[:5],
+             shared[5:], torch.randn(5), torch.randn(5, dtype=torch.float64),
+             None]
+    grads[4][2] = float('nan')
+    for p, g in zip(params, grads):
+        p.grad = g
+    inverses = [2.0 ** -4, 2.0 ** -60, 2.0 ** -10, 2.0 ** -3, 2.0 ** -4,
+                2.0 ** -7, 0.5]
+    return params, list(zip(params, inverses))
+
+
+@pytest.mark.parametrize('seed', [0, 1])
+def test_the_native_division_of_left_scaled_gradients_is_the_hooks(
+        built, seed):
+    """``divide_left_scaled`` against the hook's Python division
+    (``_unscale_pending``): the same ``.grad`` bit for bit (a storage
+    shared by two divided once, the second read before), the same flags,
+    the parameters it checked; the float64 one handed back."""
+    from gradient_scaling.torch.hook import _division_tensors
+
+    class Pass(object):
+        def __init__(self):
+            self.in_place_flags, self.checked_in_place = {}, set()
+    hook = GradientScaling(nn.Linear(2, 2))
+    results = []
+    for kind in ('native', 'python'):
+        params, pairs = _left_scaled(seed)
+        current = Pass()
+        if kind == 'native':
+            divided, rest = built.divide_left_scaled(
+                pairs, lambda g, i: _division_tensors(current, g, i))
+            assert [p is params[5] for p, _ in rest] == [True]
+            current.checked_in_place.update(map(id, divided))
+            hook._unscale_pending([(p, i, current) for p, i in rest])
+        else:
+            hook._unscale_pending([(p, i, current) for p, i in pairs])
+        results.append(([None if p.grad is None else p.grad.clone()
+                          for p in params],
+                         {d: f.item() for d, f in
+                          current.in_place_flags.items()},
+                         [k for k, p in enumerate(params)
+                          if id(p) in current.checked_in_place]))
+    (native_grads, native_flags, native_checked), python = results
+    for a, b in zip(native_grads, python[0]):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.equal(a.isnan(), b.isnan())
+            assert torch.equal(a.nan_to_num(), b.nan_to_num())
+    assert native_flags == python[1] and list(native_flags.values()) == [1]
+    assert native_checked == python[2] == [0, 1, 2, 4]
+
+
 def test_a_second_gradient_on_a_left_scaled_parameter_refuses(built):
     state = built.Landing()
     w = nn.Parameter(torch.ones(3))

@@ -133,6 +133,9 @@ class GradientScaling(ControllerViews):
         self.planned_passes = True
         #: What planned passes need natively (None: not built).
         self.planned_native = native.planned()
+        #: The division of the gradients left scaled in ``.grad``, native
+        #: (None: :meth:`_unscale_pending` alone).
+        self._divide = native.left_scaled_division()
         self._unit_on = False  # a unit set given to it
         self._running_told = False  # what it was told of running passes
         self._bare = False  # active as ``with hook:``
@@ -331,24 +334,28 @@ class GradientScaling(ControllerViews):
                 for _, grad in grads:
                     grad.mul_(factor)
                 continue
-            found = current.in_place_flags.get(device)
-            if found is None:
-                found = current.in_place_flags[device] = torch.zeros(
-                    1, device=device)
             internals.check_and_unscale_into(
-                [g for _, g in grads], found, _inverse_on(inverse, device))
+                [g for _, g in grads], *_division_tensors(current, grads[0][1],
+                                                          inverse))
             current.checked_in_place.update(id(leaf) for leaf, _ in grads)
 
     def _unscale_pass(self, current):
         """Divides the gradients of ``current`` still pending (left scaled
-        by :meth:`land`, or by the native landing of a planned pass)."""
-        mine = [(leaf, inverse, current)
-                for leaf, inverse in current.take_left_scaled()]
+        by :meth:`land`, or by the native landing of a planned pass), in
+        the order they landed: natively where the module is built
+        (``divide_left_scaled``, :meth:`_unscale_pending`'s twin, which
+        hands back what is not float32)."""
+        mine = list(current.take_left_scaled())
         if self._pending:
-            mine += [self._pending.pop(k) for k, v in
+            mine += [self._pending.pop(k)[:2] for k, v in
                      list(self._pending.items()) if v[2] is current]
+        if mine and self._divide is not None:
+            divided, mine = self._divide(mine, functools.partial(
+                _division_tensors, current))
+            current.checked_in_place.update(map(id, divided))
         if mine:
-            self._unscale_pending(mine)
+            self._unscale_pending([(leaf, inverse, current)
+                                   for leaf, inverse in mine])
 
     def _lands_unscaled_in_nested(self, leaf):
         """In a nested backward, parameters land unscaled; the other
@@ -843,6 +850,17 @@ def unscaled(grad, scale):
 
 def _times(tensor, ratio):
     return arrays.ops_for(tensor).scaled(tensor, ratio)
+
+
+def _division_tensors(current, grad, inverse):
+    """``(found, inverse)`` for GradScaler's kernel dividing gradients
+    like ``grad`` by ``1 / inverse`` in pass ``current``: its flag for
+    their device (made once per pass) and the inverse as a tensor there."""
+    device = grad.device
+    found = current.in_place_flags.get(device)
+    if found is None:
+        found = current.in_place_flags[device] = torch.zeros(1, device=device)
+    return found, _inverse_on(inverse, device)
 
 
 def _inverse_on(inverse, device):

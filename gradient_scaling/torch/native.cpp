@@ -250,6 +250,74 @@ at::Tensor times_power_of_two(const at::Tensor& x, double ratio) {
   return result;
 }
 
+// The float32 gradients left scaled in ``.grad`` (``pairs``: ``(param,
+// inverse)`` each, in the order they landed) divided in place as
+// GradScaler.unscale_ divides them: by its fused kernel, those of one
+// device and inverse at once, checked in the same read into the flag that
+// ``tensors(grad, inverse)`` gives (with the inverse as a one-element
+// tensor on the gradient's device); one whose storage an earlier one's
+// shares (the engine made the two ``.grad`` views of one gradient) into
+// a new tensor, read before that one is divided. Returns ``(divided,
+// rest)``: the parameters the kernel divided, and the pairs whose gradient
+// is not float32 and dense (for the caller, with the storages it may
+// share among them). gradient_scaling.torch.hook's _unscale_pending is
+// its Python twin.
+py::tuple divide_left_scaled(py::iterable pairs, py::handle tensors) {
+  struct Group {
+    at::Device device;
+    double inverse;
+    std::vector<at::Tensor> grads;
+    py::list params;
+  };
+  std::vector<Group> groups;
+  std::unordered_set<const void*> storages;
+  py::list rest;
+  for (py::handle item : pairs) {
+    auto pair = py::reinterpret_borrow<py::tuple>(item);
+    PyObject* param = pair[0].ptr();
+    double inverse = pair[1].cast<double>();
+    const at::Tensor& variable = THPVariable_Unpack(param);
+    at::Tensor grad = variable.grad();
+    if (!grad.defined()) continue;
+    if (grad.scalar_type() != at::kFloat || grad.layout() != at::kStrided) {
+      rest.append(pair);
+      continue;
+    }
+    if (!storages.insert(grad.storage().data()).second) {
+      at::Tensor divided = times_power_of_two(grad, inverse);
+      THPVariable_Unpack(param).mutable_grad() = divided;
+      continue;
+    }
+    Group* group = nullptr;
+    for (auto& g : groups) {
+      if (g.device == grad.device() && g.inverse == inverse) {
+        group = &g;
+        break;
+      }
+    }
+    if (group == nullptr) {
+      groups.push_back({grad.device(), inverse, {}, py::list()});
+      group = &groups.back();
+    }
+    group->grads.push_back(grad);
+    group->params.append(pair[0]);
+  }
+  py::list divided;
+  for (auto& g : groups) {
+    py::tuple made = py::reinterpret_steal<py::tuple>(PyObject_CallFunction(
+        tensors.ptr(), "Od",
+        py::reinterpret_steal<py::object>(THPVariable_Wrap(g.grads[0]))
+            .ptr(),
+        g.inverse));
+    if (!made) throw python_error();
+    at::Tensor found = THPVariable_Unpack(made[0].ptr());
+    at::Tensor inverse = THPVariable_Unpack(made[1].ptr());
+    at::_amp_foreach_non_finite_check_and_unscale_(g.grads, found, inverse);
+    for (py::handle p : g.params) divided.append(p);
+  }
+  return py::make_tuple(divided, rest);
+}
+
 // The factors of a planned cached pass (gradient_scaling/torch/
 // planned_pass.py), shared by its hooks: set as the pass starts (mode 1);
 // or, where the plan could not be made for what its cast sites chose,
@@ -886,6 +954,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<PlannedEvents>(m, "PlannedEvents")
       .def("__len__", [](const PlannedEvents& e) { return e.events.size(); });
   m.def("planned_events", &planned_events);
+  m.def("divide_left_scaled", &divide_left_scaled);
   py::class_<Unit>(m, "UnitSet");
   py::class_<Landing>(m, "Landing")
       .def(py::init<>())

@@ -37,7 +37,8 @@ import warnings
 import torch
 
 __all__ = ['module', 'reason', 'Hooks', 'Landing', 'hook_set_class',
-           'is_landing_hook', 'planned', 'structure_function']
+           'is_landing_hook', 'left_scaled_division', 'planned',
+           'structure_function']
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                        'native.cpp')
@@ -217,6 +218,16 @@ def planned():
     ``HookSet.add_planned_events(order, table, events)`` (them on a
     graph's nodes, in one call)."""
     return module()
+
+
+def left_scaled_division():
+    """``divide_left_scaled(pairs, tensors)`` of the native module (the
+    gradients left scaled in ``.grad`` divided in place as
+    :meth:`~gradient_scaling.torch.hook.GradientScaling._unscale_pending`
+    divides them, the float32 ones; the others handed back), or None where
+    it is not built."""
+    native = module()
+    return None if native is None else native.divide_left_scaled
 
 
 def Hooks():
