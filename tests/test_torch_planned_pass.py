@@ -259,12 +259,17 @@ class _Chain(torch.nn.Module):
             h.float().double(), t)
 
 
-def _chain():
+def _small_case(net_class):
+    """A net of ``net_class`` in float64 and its batches (rolled by step)."""
     torch.manual_seed(0)
-    net = _Chain().double()
+    net = net_class().double()
     x = torch.randn(6, 8, dtype=torch.float64)
     t = torch.arange(6) % 5
     return net, lambda step: (x.roll(step, 0), t)
+
+
+def _chain():
+    return _small_case(_Chain)
 
 
 def test_a_nonfinite_planned_pass_is_reported_as_python_ones(built, runs):
@@ -317,11 +322,7 @@ class _TwoHeads(torch.nn.Module):
 
 
 def _two_heads():
-    torch.manual_seed(0)
-    net = _TwoHeads().double()
-    x = torch.randn(6, 8, dtype=torch.float64)
-    t = torch.arange(6) % 5
-    return net, lambda step: (x.roll(step, 0), t)
+    return _small_case(_TwoHeads)
 
 
 @pytest.mark.parametrize('inflated', [('cast#1',), ('cast#0', 'cast#1')])
