@@ -286,7 +286,7 @@ class BackwardPass(object):
         planned = self.planned
         if not isinstance(planned, planned_pass.PlannedRun) or \
                 not planned.pending:
-            return ()
+            return []
         left = list(planned.pending)
         del planned.pending[:]  # (the list the landing appends to)
         return left

@@ -345,7 +345,7 @@ class GradientScaling(ControllerViews):
         the order they landed: natively where the module is built
         (``divide_left_scaled``, :meth:`_unscale_pending`'s twin, which
         hands back what is not float32)."""
-        mine = list(current.take_left_scaled())
+        mine = current.take_left_scaled()  # (a new list)
         if self._pending:
             mine += [self._pending.pop(k)[:2] for k, v in
                      list(self._pending.items()) if v[2] is current]

@@ -310,9 +310,9 @@ def Landing():
     appended there for the adapter to divide when the pass ends: a
     float32 or float64 dense gradient, a normal float32 inverse, grad
     mode off, ``.grad`` empty, the parameter not of ``excluded``), and
-    ``hook(param, fn)``: the hook to
-    register on ``param``, which returns None while no pass runs, lands a
-    gradient of ``unit`` so, else returns ``fn(grad)``."""
+    ``hook(param, fn)``: the hook to register on ``param``, which returns
+    None while no pass runs, lands a gradient of ``unit`` so, else returns
+    ``fn(grad)``."""
     native = module()
     return PythonLanding() if native is None else native.Landing()
 

@@ -247,7 +247,8 @@ class _Entry(object):
     """A planned pass: the factors; per event of the layout's prefix, what
     its cast site's ``fmt_max / max|g|`` must be for the scale planned
     (``[low, high)``: a power of two below ``high``, at least the scale;
-    ``(0, inf)``: anything, no cast site or none capped) and the site's
+    ``(0, inf)``: not checked, no cast site there or a recipe whose casts
+    are not capped) and the site's
     place among the casts (``checks``, ``casts``); the step's key counters
     after it, each leaf's landing scale (by position) and the same as the
     native landing hooks take it (``landing``: each lands divided without
@@ -260,8 +261,9 @@ class _Entry(object):
 
 def prepare(current):
     """What pass ``current`` (registering its callbacks) does: None (the
-    Python callbacks), a :class:`Recorder` (them, recorded), or a
-    :class:`PlannedRun`."""
+    Python callbacks), a :class:`Recorder` (them, recorded), a
+    ``_CapsKept`` (them, on a recorded structure the table could not plan
+    this time: the caps they choose kept) or a :class:`PlannedRun`."""
     hook, plan, step = current.hook, current.plan, current.step
     memo = plan.structure_memo
     if not hook.planned_passes or current.nested or memo is None or \
