@@ -102,9 +102,28 @@ def test_the_structure_read_natively_is_the_python_one(built, case):
     order, index, signature = graph.python_structure(roots)
     n_order, n_index, n_signature = built.structure(roots)
     assert len(n_order) == len(order), name
+    # (asked in another order than made: each object is the node's own)
+    assert [n_order[i] for i in reversed(range(len(order)))] == \
+        order[::-1], name
     assert all(p is q for p, q in zip(n_order, order)), name
-    assert n_index == index, name
-    assert type(n_signature) is bytes and type(n_index) is dict
+    assert dict(n_index.items()) == index, name
+    assert all(n_index[node] == i and n_index.get(node) == i and
+               node in n_index for node, i in index.items()), name
+    assert n_order.take([len(order) - 1, 0]) == [order[-1], order[0]]
+    assert n_order[-1] is order[-1] and n_order[1:] == order[1:]
+    accumulators = [i for i, n in enumerate(order)
+                    if type(n).__name__ == 'AccumulateGrad']
+    assert all(a is b for a, b in zip(
+        n_order.variables(accumulators),
+        [order[i].variable for i in accumulators])), name
+    other = torch.ones(1, requires_grad=True).sum().grad_fn
+    assert other not in n_index and n_index.get(other, -1) == -1
+    assert n_index.get(3) is None
+    with pytest.raises(KeyError):
+        n_index[other]
+    with pytest.raises(IndexError):
+        n_order[len(order)]
+    assert type(n_signature) is bytes
     assert type(signature) is tuple  # (its equality: the test below)
 
 
@@ -547,7 +566,29 @@ def test_native_calls_refuse_what_is_not_a_node_or_a_tensor(built):
         landing.hook(3, lambda g: None)
     with pytest.raises(TypeError, match='not a tensor'):
         landing.unit_set([None])
+    with pytest.raises(TypeError, match='not a tensor'):
+        built.leaves_with_other_hooks([torch.ones(1), 3])
     assert len(hooks) == 0
+
+
+def test_leaves_with_other_hooks_natively_as_in_python(built):
+    """Read from the tensors' fields: no hook, the landing hook alone (1),
+    two tensor hooks, one removed again, a post-accumulate hook, a
+    parameter and a plain leaf."""
+    leaves = [nn.Parameter(torch.ones(2)) for _ in range(5)] + \
+        [torch.ones(2, requires_grad=True) for _ in range(2)]
+    landing = built.Landing()
+    for leaf in leaves[1:]:
+        leaf.register_hook(landing.hook(leaf, lambda g: None))
+    leaves[2].register_hook(lambda g: None)
+    leaves[3].register_hook(lambda g: None).remove()
+    leaves[4].register_post_accumulate_grad_hook(lambda p: None)
+    leaves[6].register_hook(lambda g: g)
+    expected = internals.leaves_with_other_hooks(leaves)
+    ids = [id(p) for p in leaves]
+    assert [ids.index(id(p)) for p in expected] == [0, 2, 4, 6]
+    found = built.leaves_with_other_hooks(iter(leaves))
+    assert len(found) == 4 and all(a is b for a, b in zip(found, expected))
 
 
 @pytest.mark.parametrize('kind', ['native', 'python'])

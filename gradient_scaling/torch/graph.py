@@ -778,10 +778,11 @@ class PlanCache(object):
             if reader(order[i], arg) != value:
                 return None
         plan = _ReusedPlan(template, order, index)
-        plan.roots = [order[i] for i in template.roots]
-        variables = plan.variables = {i: order[i].variable
-                                      for i in template.accumulators}
-        plan.accumulators = {order[i]: v for i, v in variables.items()}
+        plan.roots = order.take(template.roots)
+        positions = template.accumulators
+        tensors = order.variables(positions)
+        plan.variables = dict(zip(positions, tensors))
+        plan.accumulators = dict(zip(order.take(positions), tensors))
         if template.extra:  # (another kind's factory decides now)
             gemms = plan.gemms
             for i in template.extra:
@@ -915,6 +916,22 @@ def structure(roots):
     return (native.structure_function() or python_structure)(roots)
 
 
+class NodeList(list):
+    """A graph's nodes in :func:`structure`'s order (a list), with the
+    native order's bulk reads (``gradient_scaling.torch.native``'s
+    ``NodeOrder``, whose node objects are made when asked)."""
+
+    __slots__ = ()
+
+    def take(self, positions):
+        """The nodes at ``positions``."""
+        return [self[i] for i in positions]
+
+    def variables(self, positions):
+        """The tensors of the accumulation nodes at ``positions``."""
+        return [self[i].variable for i in positions]
+
+
 def python_structure(roots):
     """``(nodes, index, signature)`` of the graph below ``roots``: its
     nodes in the order first met (breadth first), node -> its position,
@@ -923,7 +940,7 @@ def python_structure(roots):
     slot), and accumulate into tensors of the same ids and classes (what
     a walk reads of a tensor beyond them, its shape, is a :class:`Reads`
     read; the plan's tensors are the new graph's own)."""
-    index, order, signature = {}, [], []
+    index, order, signature = {}, NodeList(), []
     add = signature.append
     # The roots first, as the edges of a node before the graph's first;
     # then each node met, in order, with its edges (order grows while

@@ -23,6 +23,8 @@
 
 #include <algorithm>
 #include <tuple>
+#include <typeindex>
+#include <typeinfo>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -532,19 +534,9 @@ class HookSet {
   }
 
   // Every hook of ``events`` on its node of ``order`` (the graph's nodes
-  // in structure order), in one call.
-  void add_planned_events(py::list order, const PlannedTable& table,
-                          const PlannedEvents& events) {
-    Py_ssize_t size = PyList_GET_SIZE(order.ptr());
-    for (const auto& e : events.events) {
-      if (e.position < 0 || e.position >= size) {
-        throw py::index_error("gradient_scaling native: a planned hook's "
-                              "node is not in the graph");
-      }
-      add_planned(py::handle(PyList_GET_ITEM(order.ptr(), e.position)),
-                  table, e.post, e.seq, e.slots);
-    }
-  }
+  // in structure order: a NodeOrder, or a list of them), in one call.
+  void add_planned_events(py::handle order, const PlannedTable& table,
+                          const PlannedEvents& events);
 
   // Takes every callback off the nodes still alive (never while the
   // engine runs one of those nodes: the adapter removes a pass's callbacks
@@ -575,7 +567,11 @@ class HookSet {
   // its kind, kept to be taken off.
   template <typename Hook, typename... Args>
   void add(py::handle node, Args&&... args) {
-    auto n = node_of(node.ptr());
+    add_on<Hook>(node_of(node.ptr()), std::forward<Args>(args)...);
+  }
+
+  template <typename Hook, typename... Args>
+  void add_on(const c10::intrusive_ptr<Node>& n, Args&&... args) {
     auto hook = std::make_unique<Hook>(std::forward<Args>(args)...);
     void* key = hook.get();
     constexpr bool pre =
@@ -843,43 +839,109 @@ int64_t class_code(PyTypeObject* type) {
 
 constexpr int64_t kNone = std::numeric_limits<int64_t>::min();
 
-// graph.python_structure(roots), read in one call: (nodes in the order
-// first met, breadth first; node -> position; the signature). The nodes and
-// positions are the Python function's; the signature is its tuple written
-// as int64 numbers in bytes (None, a class, a number each its own code):
-// two graphs' signatures are equal exactly when the Python ones are.
-py::tuple structure(py::sequence roots) {
-  std::unordered_map<const Node*, Py_ssize_t> index;
+// The nodes of a graph in structure order, their Python objects made only
+// when asked (making one for each of a graph's nodes cost about half of
+// the read). A node's object, once made, is kept: the node's own, so that
+// every way to it (``grad_fn``, ``next_functions``, this) gives the same.
+struct NodeList {
   std::vector<c10::intrusive_ptr<Node>> nodes;
+  std::vector<py::object> objects;  // (null until asked)
+  std::unordered_map<const Node*, Py_ssize_t> index;
+
+  Py_ssize_t size() const { return static_cast<Py_ssize_t>(nodes.size()); }
+
+  py::object object(Py_ssize_t i) {
+    py::object& known = objects[static_cast<size_t>(i)];
+    if (!known) {
+      PyObject* obj = torch::autograd::functionToPyObject(nodes[i]);
+      if (obj == nullptr) throw python_error();
+      known = py::reinterpret_steal<py::object>(obj);
+    }
+    return known;
+  }
+
+  Py_ssize_t checked(Py_ssize_t i) const {
+    Py_ssize_t n = size();
+    if (i < 0) i += n;
+    if (i < 0 || i >= n) throw py::index_error("node position out of range");
+    return i;
+  }
+
+  // The position of the node of Python object ``obj``, or -1.
+  Py_ssize_t position(py::handle obj) const {
+    PyObject* o = obj.ptr();
+    const Node* node = nullptr;
+    if (torch::autograd::THPCppFunction_Check(o)) {
+      node = reinterpret_cast<torch::autograd::THPCppFunction*>(o)->cdata
+                 .get();
+    } else if (THPFunction_Check(o)) {
+      node = reinterpret_cast<THPFunction*>(o)->cdata.get();
+    }
+    if (node == nullptr) return -1;
+    auto found = index.find(node);
+    return found == index.end() ? -1 : found->second;
+  }
+};
+
+// The Python class of node ``node``'s object, without making the object
+// where it need not be: a C++ node's class is its C++ type's (PyTorch's
+// table of them, filled as its module loads), read from the first object
+// of that type made; a Python function's node (a THPFunction's: one C++
+// type for all, a class per function) has its object already, read each
+// time. ``made``: an object read, kept.
+PyTypeObject* node_class(const c10::intrusive_ptr<Node>& node,
+                         py::object* made) {
+  // C++ type -> its nodes' class, or null: Python functions' nodes
+  static std::unordered_map<std::type_index, PyTypeObject*> classes;
+  std::type_index type(typeid(*node));
+  auto found = classes.find(type);
+  if (found != classes.end() && found->second != nullptr) {
+    return found->second;
+  }
+  PyObject* obj = torch::autograd::functionToPyObject(node);
+  if (obj == nullptr) throw python_error();
+  *made = py::reinterpret_steal<py::object>(obj);
+  PyTypeObject* cls = Py_TYPE(obj);
+  if (found == classes.end()) {
+    bool python = THPFunction_Check(obj);
+    if (!python) Py_INCREF(reinterpret_cast<PyObject*>(cls));  // (kept)
+    classes.emplace(type, python ? nullptr : cls);
+  }
+  return cls;
+}
+
+// A NodeList as a sequence (``order``)...
+struct NodeOrder {
+  std::shared_ptr<NodeList> list;
+};
+
+// ... and as a mapping node -> position (``index``).
+struct NodePositions {
+  std::shared_ptr<NodeList> list;
+};
+
+// graph.python_structure(roots), read in one call: (nodes in the order
+// first met, breadth first; node -> position; the signature). The nodes
+// and positions are the Python function's, as a NodeOrder and a
+// NodePositions (their objects made when asked); the signature is its
+// tuple written as int64 numbers in bytes (None, a class, a number each its
+// own code): two graphs' signatures are equal exactly when the Python ones
+// are.
+py::tuple structure(py::sequence roots) {
+  auto list = std::make_shared<NodeList>();
+  auto& index = list->index;
+  auto& nodes = list->nodes;
+  auto& objects = list->objects;
   std::vector<int64_t> signature;
-  PyObject* order = PyList_New(0);
-  if (order == nullptr) throw python_error();
-  py::object order_ref = py::reinterpret_steal<py::object>(order);
-  PyObject* positions = PyDict_New();
-  if (positions == nullptr) throw python_error();
-  py::object positions_ref = py::reinterpret_steal<py::object>(positions);
 
   auto visit = [&](const c10::intrusive_ptr<Node>& producer,
-                   PyObject* known) -> Py_ssize_t {
+                   py::handle known) -> Py_ssize_t {
     auto found = index.find(producer.get());
     if (found != index.end()) return found->second;
     Py_ssize_t i = static_cast<Py_ssize_t>(nodes.size());
     index.emplace(producer.get(), i);
     nodes.push_back(producer);
-    PyObject* obj = known;
-    if (obj != nullptr) {
-      Py_INCREF(obj);
-    } else {
-      obj = torch::autograd::functionToPyObject(producer);
-      if (obj == nullptr) throw python_error();
-    }
-    int failed = PyList_Append(order, obj);
-    PyObject* position = failed ? nullptr : PyLong_FromSsize_t(i);
-    failed = position == nullptr ||
-        PyDict_SetItem(positions, obj, position) != 0;
-    Py_XDECREF(position);
-    Py_DECREF(obj);
-    if (failed) throw python_error();
+    objects.emplace_back(py::reinterpret_borrow<py::object>(known));
     return i;
   };
 
@@ -888,15 +950,16 @@ py::tuple structure(py::sequence roots) {
       signature.push_back(kNone);
       continue;
     }
-    signature.push_back(visit(node_of(root.ptr()), root.ptr()));
+    signature.push_back(visit(node_of(root.ptr()), root));
     signature.push_back(kNone);  // (a root's slot is None)
   }
   size_t following = 0;
   while (following < nodes.size()) {
-    auto node = nodes[following];
-    PyObject* obj = PyList_GET_ITEM(order, static_cast<Py_ssize_t>(following));
+    auto node = nodes[following];  // (a copy: visits grow the vectors)
+    py::object& obj = objects[following];
     ++following;
-    signature.push_back(class_code(Py_TYPE(obj)));
+    signature.push_back(class_code(
+        obj ? Py_TYPE(obj.ptr()) : node_class(node, &obj)));
     const auto& edges = node->next_edges();
     if (edges.empty()) {
       auto* accumulate =
@@ -917,7 +980,7 @@ py::tuple structure(py::sequence roots) {
         signature.push_back(kNone);
         continue;
       }
-      signature.push_back(visit(edge.function, nullptr));
+      signature.push_back(visit(edge.function, py::handle()));
       signature.push_back(static_cast<int64_t>(edge.input_nr));
     }
   }
@@ -925,8 +988,100 @@ py::tuple structure(py::sequence roots) {
       reinterpret_cast<const char*>(signature.data()),
       static_cast<Py_ssize_t>(signature.size() * sizeof(int64_t)));
   if (bytes == nullptr) throw python_error();
-  return py::make_tuple(order_ref, positions_ref,
+  return py::make_tuple(NodeOrder{list}, NodePositions{list},
                         py::reinterpret_steal<py::object>(bytes));
+}
+
+// internals.leaves_with_other_hooks: the tensors of ``leaves`` with a
+// tensor hook besides their first (a GS landing hook) or a
+// post-accumulate-grad hook, read from each tensor's own fields.
+py::list leaves_with_other_hooks(py::iterable leaves) {
+  py::list out;
+  for (auto leaf : leaves) {
+    if (!THPVariable_Check(leaf.ptr())) {
+      throw py::type_error("gradient_scaling native: a leaf that is not a "
+                           "tensor");
+    }
+    auto* variable = reinterpret_cast<THPVariable*>(leaf.ptr());
+    Py_ssize_t hooks = 0, post = 0;
+    if (variable->backward_hooks != nullptr &&
+        variable->backward_hooks != Py_None) {
+      hooks = PyObject_Length(variable->backward_hooks);
+    }
+    if (variable->post_accumulate_grad_hooks != nullptr &&
+        variable->post_accumulate_grad_hooks != Py_None) {
+      post = PyObject_Length(variable->post_accumulate_grad_hooks);
+    }
+    if (hooks < 0 || post < 0) throw python_error();
+    if (post != 0 || hooks != 1) out.append(leaf);
+  }
+  return out;
+}
+
+// The objects of the nodes at ``positions``.
+py::list take(NodeOrder& order, const std::vector<Py_ssize_t>& positions) {
+  py::list out(positions.size());
+  size_t k = 0;
+  for (Py_ssize_t i : positions) {
+    out[k++] = order.list->object(order.list->checked(i));
+  }
+  return out;
+}
+
+// The tensors of the accumulation nodes at ``positions``.
+py::list variables(NodeOrder& order,
+                   const std::vector<Py_ssize_t>& positions) {
+  py::list out(positions.size());
+  size_t k = 0;
+  for (Py_ssize_t i : positions) {
+    const auto& node = order.list->nodes[order.list->checked(i)];
+    auto* accumulate =
+        dynamic_cast<torch::autograd::AccumulateGrad*>(node.get());
+    if (accumulate == nullptr) {
+      throw py::value_error("gradient_scaling native: not an accumulation "
+                            "node");
+    }
+    PyObject* variable = THPVariable_Wrap(accumulate->variable);
+    if (variable == nullptr) throw python_error();
+    out[k++] = py::reinterpret_steal<py::object>(variable);
+  }
+  return out;
+}
+
+py::list all_objects(NodeList& list) {
+  py::list out(list.nodes.size());
+  for (Py_ssize_t i = 0; i < list.size(); ++i) out[i] = list.object(i);
+  return out;
+}
+
+void HookSet::add_planned_events(py::handle order, const PlannedTable& table,
+                                 const PlannedEvents& events) {
+  if (!py::isinstance<NodeOrder>(order)) {
+    // (a list of node objects: the Python structure's)
+    py::list nodes = py::reinterpret_borrow<py::list>(order);
+    Py_ssize_t size = static_cast<Py_ssize_t>(nodes.size());
+    for (const auto& e : events.events) {
+      if (e.position < 0 || e.position >= size) {
+        throw py::index_error("gradient_scaling native: a planned hook's "
+                              "node is not in the graph");
+      }
+      add_planned(nodes[e.position], table, e.post, e.seq, e.slots);
+    }
+    return;
+  }
+  const NodeList& list = *order.cast<NodeOrder&>().list;
+  for (const auto& e : events.events) {
+    if (e.position < 0 || e.position >= list.size()) {
+      throw py::index_error("gradient_scaling native: a planned hook's "
+                            "node is not in the graph");
+    }
+    const auto& node = list.nodes[e.position];
+    if (e.post) {
+      add_on<PlannedPostHook>(node, table.state, e.seq, e.slots);
+    } else {
+      add_on<PlannedPreHook>(node, table.state, e.seq, e.slots);
+    }
+  }
 }
 
 }  // namespace
@@ -978,4 +1133,44 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("LandingHook") = py::handle(
       reinterpret_cast<PyObject*>(&LandingHookType));
   m.def("structure", &structure);
+  m.def("leaves_with_other_hooks", &leaves_with_other_hooks);
+  py::class_<NodeOrder>(m, "NodeOrder")
+      .def("__len__", [](const NodeOrder& o) { return o.list->size(); })
+      .def("__getitem__", [](NodeOrder& o, Py_ssize_t i) {
+        return o.list->object(o.list->checked(i));
+      })
+      .def("__getitem__", [](NodeOrder& o, py::slice slice) -> py::object {
+        py::list all = all_objects(*o.list);
+        return all[slice];
+      })
+      .def("__iter__", [](NodeOrder& o) {
+        return py::iter(all_objects(*o.list));
+      })
+      .def("take", &take)
+      .def("variables", &variables);
+  py::class_<NodePositions>(m, "NodePositions")
+      .def("__len__", [](const NodePositions& p) { return p.list->size(); })
+      .def("__getitem__", [](const NodePositions& p, py::handle node) {
+        Py_ssize_t i = p.list->position(node);
+        if (i < 0) throw py::key_error(py::repr(node).cast<std::string>());
+        return i;
+      })
+      .def("get", [](const NodePositions& p, py::handle node,
+                     py::object otherwise) -> py::object {
+        Py_ssize_t i = p.list->position(node);
+        return i < 0 ? otherwise : py::int_(i);
+      }, py::arg("node"), py::arg("default") = py::none())
+      .def("__contains__", [](const NodePositions& p, py::handle node) {
+        return p.list->position(node) >= 0;
+      })
+      .def("__iter__", [](NodePositions& p) {
+        return py::iter(all_objects(*p.list));
+      })
+      .def("items", [](NodePositions& p) {
+        py::list out(p.list->nodes.size());
+        for (Py_ssize_t i = 0; i < p.list->size(); ++i) {
+          out[i] = py::make_tuple(p.list->object(i), i);
+        }
+        return out;
+      });
 }

@@ -216,7 +216,9 @@ def planned():
     ``deviated``), ``planned_events([(position, post, seq,
     [(index, slot), ...]), ...])`` (a layout's native hooks, made once) and
     ``HookSet.add_planned_events(order, table, events)`` (them on a
-    graph's nodes, in one call)."""
+    graph's nodes, in one call), ``leaves_with_other_hooks(leaves)``
+    (:func:`~gradient_scaling.torch._internals.leaves_with_other_hooks`,
+    read from the tensors' fields)."""
     return module()
 
 

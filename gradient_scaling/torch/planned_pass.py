@@ -458,9 +458,10 @@ class PlannedRun(object):
                     next(iter(accumulators))):
                 if self.pending is None:
                     self.pending = []
+                others = hook.planned_native.leaves_with_other_hooks(
+                    accumulators.values())
                 hook.unit_landing(current, entry.landing, self.pending,
-                                  internals.leaves_with_other_hooks(
-                                      accumulators.values()))
+                                  others)
             else:
                 hook.unit_landing(current, entry.landing)
 
