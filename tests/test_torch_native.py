@@ -29,6 +29,7 @@ from gradient_scaling.torch import GradientScaling  # NOQA
 from gradient_scaling.torch import graph  # NOQA
 from gradient_scaling.torch import native  # NOQA
 from gradient_scaling.torch import _internals as internals  # NOQA
+from gradient_scaling.torch import hook as hook_module  # NOQA
 
 from test_torch_compile_backend import NETS  # NOQA
 from test_torch_compile_quick import _run  # NOQA
@@ -569,6 +570,55 @@ def test_native_calls_refuse_what_is_not_a_node_or_a_tensor(built):
     with pytest.raises(TypeError, match='not a tensor'):
         built.leaves_with_other_hooks([torch.ones(1), 3])
     assert len(hooks) == 0
+
+
+def test_the_dtype_of_a_slot_natively_as_in_python(built):
+    """``input_dtype`` on the nodes of a graph with every construct, in
+    float64 and with a float32 part: the Python read's dtype; a slot that
+    is not there raises as the Python read does."""
+    torch.manual_seed(0)
+    net = EveryConstructNet().double()
+    _, _, x, t = every_construct_batch(np.random.default_rng(0))
+    loss = net(x, t) + (net.logits(x).float() ** 2).sum()
+    order, _, _ = graph.python_structure([loss.grad_fn])
+    seen = set()
+    for node in order:
+        for k in range(len(node._input_metadata)):
+            dtype = internals.input_dtype(node, k)
+            assert built.input_dtype(node, k) is dtype
+            seen.add(dtype)
+        with pytest.raises(IndexError):
+            built.input_dtype(node, len(node._input_metadata))
+    assert seen == {torch.float64, torch.float32}
+
+
+def test_leaf_devices_and_the_final_check_natively(built, monkeypatch):
+    """``leaf_devices``: how many devices; ``finite_into``: the pass's
+    final check into the division's flag, as the Python one (a NaN in a
+    gradient or a loss, an infinite loss, nothing but the flag, a flag
+    already set), None where another device's tensor is among them."""
+    a, b = torch.ones(2), torch.ones(2, dtype=torch.float64)
+    meta = torch.ones(2, device='meta')
+    assert built.leaf_devices([a, b, a]) == 1
+    assert built.leaf_devices([a, meta]) == 2
+    one, nan = torch.ones(1), torch.tensor([1.0, float('nan')])
+    loss = torch.tensor(2.0, requires_grad=True) * 3
+    cases = [([a], [loss], 0.0), ([a, nan], [loss], 0.0),
+             ([a], [loss * float('inf')], 0.0), ([], [], 0.0),
+             ([], [], 1.0), ([a], [loss, loss * float('nan')], 0.0)]
+    monkeypatch.setattr(native, 'finite_check', lambda: None)  # (Python)
+    results = []
+    for tensors, losses, flag in cases:
+        found, again = torch.full((1,), flag), torch.full((1,), flag)
+        result = built.finite_into(tensors, losses, found, one)
+        expected = hook_module._all_finite(
+            [t.clone() for t in tensors], losses, [again])
+        assert result is expected and torch.equal(found, again)
+        results.append(result)
+        assert loss.grad_fn is not None and loss.item() == 6.0
+    assert results == [True, False, False, True, False, False]
+    assert torch.equal(a, torch.ones(2))  # (multiplied by 1)
+    assert built.finite_into([meta], [], torch.zeros(1), one) is None
 
 
 def test_leaves_with_other_hooks_natively_as_in_python(built):

@@ -322,8 +322,19 @@ class BackwardPass(object):
         model's (those have the hook's own)."""
         plan = self.plan
         lands, itself = self.hook.land, self.hook.landing_ids
-        shared = plan.shared
+        shared, variables = plan.shared, getattr(plan, 'variables', None)
         foreign = None if shared is None else shared.get('foreign')
+        memo = plan.structure_memo
+        if foreign is None and variables is not None and memo is not None:
+            # A reused plan: the positions of its leaves not the model's,
+            # kept per structure (a position's tensor has the same id on
+            # every graph of the structure: whether it is the model's).
+            positions = memo.get('foreign')
+            if positions is None:
+                positions = memo['foreign'] = [
+                    i for i, leaf in variables.items()
+                    if id(leaf) not in itself]
+            foreign = [variables[i] for i in positions]
         if foreign is None:  # (not lands_itself: a call each)
             foreign = [leaf for leaf in plan.accumulators.values()
                        if id(leaf) not in itself]

@@ -296,8 +296,10 @@ class Reads(object):
     only where ``reader(node, arg)`` gives the same answer on the new
     graph's node for every logged read."""
 
-    def __init__(self, log=None):
+    def __init__(self, log=None, dtype_reader=None):
         self.log = log
+        # (the native reader where the plan cache has it: the same dtype)
+        self._dtype_reader = dtype_reader or internals.input_dtype
 
     def _read(self, reader, node, arg):
         value = reader(node, arg)
@@ -306,7 +308,7 @@ class Reads(object):
         return value
 
     def dtype(self, node, k):
-        return self._read(internals.input_dtype, node, k)
+        return self._read(self._dtype_reader, node, k)
 
     def shape(self, node, k):
         return self._read(internals.input_shape, node, k)
@@ -712,6 +714,7 @@ class PlanCache(object):
         self.reused = self.walked = 0
         # (the structure read natively where it is built: asked once)
         self._structure = native.structure_function() or python_structure
+        self._dtype_reader = native.dtype_reader()
 
     def plan(self, roots, cast_rule='softmax'):
         """The :class:`Plan` of the graph below ``roots``, as
@@ -743,7 +746,7 @@ class PlanCache(object):
                 self._templates.move_to_end(key)
                 self.reused += 1
         if plan is None:
-            reads = Reads([])
+            reads = Reads([], self._dtype_reader)
             plan = walk(roots, cast_rule, reads)
             self.walked += 1
             template = self._templates[key] = _Template(plan, reads.log,

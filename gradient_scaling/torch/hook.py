@@ -781,6 +781,13 @@ def _all_finite(tensors, losses, flags=()):
     them (several devices, a sparse gradient), :func:`~gradient_scaling.
     torch.unscaling.unscale`'s check."""
     flags = list(flags)
+    if len(flags) == 1:  # (the division's flag: the common case natively)
+        fast = native.finite_check()
+        found = flags[0]
+        finite = None if fast is None else fast(
+            tensors, losses, found, _inverse_on(1.0, found.device))
+        if finite is not None:
+            return finite
     if flags and len({f.device for f in flags}) > 1:  # (one read each)
         if any(f.item() != 0 for f in flags):
             return False

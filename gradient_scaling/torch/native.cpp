@@ -1018,6 +1018,58 @@ py::list leaves_with_other_hooks(py::iterable leaves) {
   return out;
 }
 
+// How many devices the tensors of ``leaves`` are on.
+size_t leaf_devices(py::iterable leaves) {
+  std::vector<at::Device> devices;
+  for (auto leaf : leaves) {
+    if (!THPVariable_Check(leaf.ptr())) {
+      throw py::type_error("gradient_scaling native: a leaf that is not a "
+                           "tensor");
+    }
+    at::Device device = THPVariable_Unpack(leaf.ptr()).device();
+    if (std::find(devices.begin(), devices.end(), device) == devices.end()) {
+      devices.push_back(device);
+    }
+  }
+  return devices.size();
+}
+
+// internals.input_dtype: the dtype of gradient slot ``slot`` of ``node``.
+at::ScalarType input_dtype(py::handle node, int64_t slot) {
+  auto n = node_of(node.ptr());
+  if (slot < 0 || static_cast<uint32_t>(slot) >= n->num_inputs()) {
+    throw py::index_error("gradient_scaling native: no such gradient slot");
+  }
+  return c10::typeMetaToScalarType(n->input_metadata(slot).dtype());
+}
+
+// The common case of gradient_scaling.torch.hook's _all_finite, in one
+// call: ``tensors`` and a copy of each of ``losses`` checked by GradScaler's
+// kernel into ``found`` (the flag of the division in place, on the device
+// of all of them: multiplied by ``one``, which is 1), then ``found`` read.
+// None where the kernel refuses them (another device, dtype or layout):
+// the caller checks them as it would have.
+py::object finite_into(std::vector<at::Tensor> tensors,
+                       const std::vector<at::Tensor>& losses,
+                       at::Tensor found, const at::Tensor& one) {
+  for (const auto& loss : losses) {
+    tensors.push_back(loss.reshape(-1).clone());
+  }
+  for (const auto& t : tensors) {
+    if (t.device() != found.device() || t.layout() != at::kStrided) {
+      return py::none();
+    }
+  }
+  if (!tensors.empty()) {
+    try {
+      at::_amp_foreach_non_finite_check_and_unscale_(tensors, found, one);
+    } catch (const c10::Error&) {
+      return py::none();
+    }
+  }
+  return py::bool_(found.item<double>() == 0);
+}
+
 // The objects of the nodes at ``positions``.
 py::list take(NodeOrder& order, const std::vector<Py_ssize_t>& positions) {
   py::list out(positions.size());
@@ -1134,6 +1186,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       reinterpret_cast<PyObject*>(&LandingHookType));
   m.def("structure", &structure);
   m.def("leaves_with_other_hooks", &leaves_with_other_hooks);
+  m.def("leaf_devices", &leaf_devices);
+  m.def("input_dtype", &input_dtype);
+  m.def("finite_into", &finite_into);
   py::class_<NodeOrder>(m, "NodeOrder")
       .def("__len__", [](const NodeOrder& o) { return o.list->size(); })
       .def("__getitem__", [](NodeOrder& o, Py_ssize_t i) {

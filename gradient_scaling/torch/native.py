@@ -38,7 +38,7 @@ import torch
 
 __all__ = ['module', 'reason', 'Hooks', 'Landing', 'hook_set_class',
            'is_landing_hook', 'left_scaled_division', 'planned',
-           'structure_function']
+           'structure_function', 'finite_check', 'dtype_reader']
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                        'native.cpp')
@@ -218,7 +218,8 @@ def planned():
     ``HookSet.add_planned_events(order, table, events)`` (them on a
     graph's nodes, in one call), ``leaves_with_other_hooks(leaves)``
     (:func:`~gradient_scaling.torch._internals.leaves_with_other_hooks`,
-    read from the tensors' fields)."""
+    read from the tensors' fields) and ``leaf_devices(leaves)`` (how many
+    devices they are on)."""
     return module()
 
 
@@ -230,6 +231,23 @@ def left_scaled_division():
     it is not built."""
     native = module()
     return None if native is None else native.divide_left_scaled
+
+
+def finite_check():
+    """``finite_into(tensors, losses, found, one)`` of the native module
+    (the common case of the pass's final check,
+    :func:`~gradient_scaling.torch.hook._all_finite`, in one call: None
+    where it does not apply), or None where it is not built."""
+    native = module()
+    return None if native is None else native.finite_into
+
+
+def dtype_reader():
+    """``input_dtype(node, slot)`` of the native module (:func:`~
+    gradient_scaling.torch._internals.input_dtype`, without making every
+    slot's metadata object), or None where it is not built."""
+    native = module()
+    return None if native is None else native.input_dtype
 
 
 def Hooks():

@@ -276,8 +276,8 @@ def prepare(current):
     layout = memo.get('layout')
     if layout is None:
         return Recorder()
-    if layout is False or len({leaf.device for leaf in
-                               plan.accumulators.values()}) > 1:
+    if layout is False or hook.planned_native.leaf_devices(
+            plan.accumulators.values()) > 1:
         return None  # (nodes on several devices run on several threads)
     # The casts are planned with the caps the last pass chose (checked as
     # each runs), else uncapped.
