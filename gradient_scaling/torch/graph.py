@@ -218,18 +218,22 @@ class Plan(object):
 
     """
 
+    #: Whether the attributes of :data:`_LAZY` are made when first asked.
+    made_when_asked = False
+
     def __init__(self, template=None, order=None, index=None):
         self.roots = []
-        self.gemms = {}
-        self.casts = set()
-        self.softmax_gemms = set()
+        if not self.made_when_asked:
+            self.gemms = {}
+            self.casts = set()
+            self.softmax_gemms = set()
+            self.branches = {}
+            self.multi_output = set()
+            self.compiled = []
+            self.softmax_gradients = set()
         self.consumers = {}
-        self.branches = {}
-        self.multi_output = set()
         self.accumulators = {}
         self.used_slots = {}
-        self.compiled = []
-        self.softmax_gradients = set()
         self.template, self.order, self.index = template, order, index
         #: Whether the backward runs Python code of its own that may read
         #: a ``.grad`` (set by :class:`PlanCache`; True where unknown).
@@ -728,7 +732,9 @@ class PlanCache(object):
         leaf's accumulation node lives while referenced); the plan is the
         last one's, on the new root."""
         roots = [r for r in roots if r is not None]
-        if len(roots) == 1:
+        quick_key = None
+        if len(roots) == 1 and _role(roots[0]) == _COMPILED:
+            # (an eager graph's root is no compiled region: not asked)
             root = roots[0]
             edges = root.next_functions
             quick_key = (cast_rule, _GENERATION[0], type(root), edges)
@@ -756,8 +762,7 @@ class PlanCache(object):
                 self._templates.popitem(last=False)
         plan.runs_python = template.runs_python
         plan.structure_memo = template.memo
-        if len(roots) == 1 and _role(order[0]) == _COMPILED:
-            # (an eager graph's root is no compiled region: not asked)
+        if quick_key is not None:
             quick = _Quick.of(template, plan, order, index, edges)
             if quick is not None:
                 self._quick[quick_key] = quick
@@ -806,10 +811,12 @@ class _ReusedPlan(Plan):
     ``softmax_gemms``, ``branches``, ``multi_output``, ``compiled``,
     ``softmax_gradients``; a GEMM's site alone: :meth:`gemm_site`)."""
 
+    made_when_asked = True
+
     def __init__(self, template, order, index):
         super().__init__(template, order, index)
-        for name in _LAZY:
-            delattr(self, name)
+        if not template.compiled:  # (asked of every pass)
+            self.compiled = []
         self._sites = {}  # position -> a GEMM site made alone
 
     def gemm_site(self, node):
@@ -841,16 +848,15 @@ class _ReusedPlan(Plan):
 #: template, its order).
 _LAZY = {
     'gemms': lambda p, t, order: {order[e[0]]: p._site(e) for e in t.gemms},
-    'casts': lambda p, t, order: {order[i] for i in t.casts},
-    'softmax_gemms': lambda p, t, order: {order[i]
-                                          for i in t.softmax_gemms},
+    'casts': lambda p, t, order: set(order.take(t.casts)),
+    'softmax_gemms': lambda p, t, order: set(order.take(t.softmax_gemms)),
     'branches': lambda p, t, order: {
         (order[n], k): [(order[c], e) for c, e in t.consumers[n, k]]
         for n, k in t.branches},
-    'multi_output': lambda p, t, order: {order[i] for i in t.multi_output},
-    'compiled': lambda p, t, order: [order[i] for i in t.compiled],
-    'softmax_gradients': lambda p, t, order: {order[i] for i in
-                                              t.softmax_gradients},
+    'multi_output': lambda p, t, order: set(order.take(t.multi_output)),
+    'compiled': lambda p, t, order: order.take(t.compiled),
+    'softmax_gradients': lambda p, t, order: set(order.take(
+        t.softmax_gradients)),
 }
 
 

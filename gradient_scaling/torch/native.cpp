@@ -883,31 +883,46 @@ struct NodeList {
   }
 };
 
-// The Python class of node ``node``'s object, without making the object
-// where it need not be: a C++ node's class is its C++ type's (PyTorch's
-// table of them, filled as its module loads), read from the first object
-// of that type made; a Python function's node (a THPFunction's: one C++
-// type for all, a class per function) has its object already, read each
-// time. ``made``: an object read, kept.
-PyTypeObject* node_class(const c10::intrusive_ptr<Node>& node,
-                         py::object* made) {
-  // C++ type -> its nodes' class, or null: Python functions' nodes
-  static std::unordered_map<std::type_index, PyTypeObject*> classes;
-  std::type_index type(typeid(*node));
-  auto found = classes.find(type);
-  if (found != classes.end() && found->second != nullptr) {
-    return found->second;
+// What the structure read needs of a node's C++ type, kept per type (its
+// vtable's address: one per most-derived class): its Python class's code
+// (PyTorch's table gives a C++ node type its class, filled as its module
+// loads; read from the first object of that type made), whether it is a
+// Python function's node (a THPFunction's: one C++ type for all, a class
+// per function, read from its object each time), whether it accumulates.
+struct NodeType {
+  int64_t code;
+  bool python;
+  bool accumulate;
+};
+
+const void* vtable_of(const Node* node) {
+  return *reinterpret_cast<const void* const*>(node);
+}
+
+// The code of node ``node``'s Python class, without making its object
+// where it need not be (``made``: an object made or read, kept); whether
+// it accumulates into a leaf (``accumulate``).
+int64_t node_code(const c10::intrusive_ptr<Node>& node, py::object* made,
+                  bool* accumulate) {
+  static std::unordered_map<const void*, NodeType> types;
+  const void* vtable = vtable_of(node.get());
+  auto found = types.find(vtable);
+  if (found != types.end() && !found->second.python) {
+    *accumulate = found->second.accumulate;
+    return found->second.code;
   }
   PyObject* obj = torch::autograd::functionToPyObject(node);
   if (obj == nullptr) throw python_error();
   *made = py::reinterpret_steal<py::object>(obj);
-  PyTypeObject* cls = Py_TYPE(obj);
-  if (found == classes.end()) {
-    bool python = THPFunction_Check(obj);
-    if (!python) Py_INCREF(reinterpret_cast<PyObject*>(cls));  // (kept)
-    classes.emplace(type, python ? nullptr : cls);
+  int64_t code = class_code(Py_TYPE(obj));
+  bool is_accumulate =
+      dynamic_cast<torch::autograd::AccumulateGrad*>(node.get()) != nullptr;
+  if (found == types.end()) {
+    types.emplace(vtable, NodeType{code, THPFunction_Check(obj) != 0,
+                                   is_accumulate});
   }
-  return cls;
+  *accumulate = is_accumulate;
+  return code;
 }
 
 // A NodeList as a sequence (``order``)...
@@ -933,16 +948,16 @@ py::tuple structure(py::sequence roots) {
   auto& nodes = list->nodes;
   auto& objects = list->objects;
   std::vector<int64_t> signature;
+  index.reserve(256);
+  nodes.reserve(256);
+  signature.reserve(1024);
+  std::vector<std::pair<size_t, py::object>> known;  // (roots' objects)
 
-  auto visit = [&](const c10::intrusive_ptr<Node>& producer,
-                   py::handle known) -> Py_ssize_t {
-    auto found = index.find(producer.get());
-    if (found != index.end()) return found->second;
-    Py_ssize_t i = static_cast<Py_ssize_t>(nodes.size());
-    index.emplace(producer.get(), i);
-    nodes.push_back(producer);
-    objects.emplace_back(py::reinterpret_borrow<py::object>(known));
-    return i;
+  auto visit = [&](const c10::intrusive_ptr<Node>& producer) -> Py_ssize_t {
+    auto inserted = index.emplace(producer.get(),
+                                  static_cast<Py_ssize_t>(nodes.size()));
+    if (inserted.second) nodes.push_back(producer);
+    return inserted.first->second;
   };
 
   for (auto root : roots) {
@@ -950,29 +965,35 @@ py::tuple structure(py::sequence roots) {
       signature.push_back(kNone);
       continue;
     }
-    signature.push_back(visit(node_of(root.ptr()), root));
+    size_t before = nodes.size();
+    signature.push_back(visit(node_of(root.ptr())));
+    if (nodes.size() > before) {
+      known.emplace_back(before, py::reinterpret_borrow<py::object>(root));
+    }
     signature.push_back(kNone);  // (a root's slot is None)
   }
-  size_t following = 0;
-  while (following < nodes.size()) {
-    auto node = nodes[following];  // (a copy: visits grow the vectors)
-    py::object& obj = objects[following];
-    ++following;
-    signature.push_back(class_code(
-        obj ? Py_TYPE(obj.ptr()) : node_class(node, &obj)));
+  objects.resize(nodes.size());
+  for (auto& k : known) objects[k.first] = std::move(k.second);
+  for (size_t following = 0; following < nodes.size(); ++following) {
+    Node* node = nodes[following].get();  // (kept by nodes: the vector may
+                                          // grow, the node stays)
+    bool accumulate = false;
+    py::object made;
+    signature.push_back(node_code(nodes[following], &made, &accumulate));
+    if (made && (following >= objects.size() || !objects[following])) {
+      objects.resize(nodes.size());  // (a root's object is the one given)
+      objects[following] = std::move(made);
+    }
     const auto& edges = node->next_edges();
-    if (edges.empty()) {
-      auto* accumulate =
-          dynamic_cast<torch::autograd::AccumulateGrad*>(node.get());
-      if (accumulate != nullptr) {
-        PyObject* variable = THPVariable_Wrap(accumulate->variable);
-        if (variable == nullptr) throw python_error();
-        signature.push_back(static_cast<int64_t>(
-            reinterpret_cast<uintptr_t>(variable)));
-        signature.push_back(class_code(Py_TYPE(variable)));
-        Py_DECREF(variable);
-        continue;
-      }
+    if (edges.empty() && accumulate) {
+      auto* acc = static_cast<torch::autograd::AccumulateGrad*>(node);
+      PyObject* variable = THPVariable_Wrap(acc->variable);
+      if (variable == nullptr) throw python_error();
+      signature.push_back(static_cast<int64_t>(
+          reinterpret_cast<uintptr_t>(variable)));
+      signature.push_back(class_code(Py_TYPE(variable)));
+      Py_DECREF(variable);
+      continue;
     }
     signature.push_back(static_cast<int64_t>(edges.size()));
     for (const auto& edge : edges) {
@@ -980,10 +1001,11 @@ py::tuple structure(py::sequence roots) {
         signature.push_back(kNone);
         continue;
       }
-      signature.push_back(visit(edge.function, py::handle()));
+      signature.push_back(visit(edge.function));
       signature.push_back(static_cast<int64_t>(edge.input_nr));
     }
   }
+  objects.resize(nodes.size());
   PyObject* bytes = PyBytes_FromStringAndSize(
       reinterpret_cast<const char*>(signature.data()),
       static_cast<Py_ssize_t>(signature.size() * sizeof(int64_t)));

@@ -191,6 +191,8 @@ class Layout(object):
 
     def __init__(self, events, prefix, count):
         self.events, self.prefix, self.count = events, prefix, count
+        #: The positions of the prefix's nodes.
+        self.prefix_positions = [e[1] for e in events[:prefix]]
         #: The native hooks of the events, as
         #: ``HookSet.add_planned_events`` takes them (made by the first
         #: planned pass: :meth:`make_native`).
@@ -257,6 +259,8 @@ class _Entry(object):
     def __init__(self, factors, checks, casts, counters, leaves, landing):
         self.factors, self.checks, self.casts = factors, checks, casts
         self.counters, self.leaves, self.landing = counters, leaves, landing
+        #: ``leaves`` as two lists: the positions, the scales.
+        self.leaf_columns = ([p for p, _ in leaves], [s for _, s in leaves])
 
 
 def prepare(current):
@@ -431,10 +435,10 @@ class PlannedRun(object):
         grad``, ``inputs=``) runs the Python callbacks: the order recorded
         is a whole graph's."""
         current = self.current
-        order, events = current.plan.order, self.layout.events
+        runs = internals.engine_runs
         if current.hook._capturing or current.partial or not all(
-                internals.engine_runs(order[events[seq][1]])
-                for seq in range(self.layout.prefix)):
+                runs(node) for node in current.plan.order.take(
+                    self.layout.prefix_positions)):
             self.table.use_python(self.dispatch)
         else:
             self.start()
@@ -446,8 +450,9 @@ class PlannedRun(object):
         step = current.step
         step.occurrences = dict(entry.counters[0])
         step.cast_count, step.branch_count = entry.counters[1:]
-        order = current.plan.order
-        current.leaf_scales = {order[p]: scale for p, scale in entry.leaves}
+        positions, scales = entry.leaf_columns
+        current.leaf_scales = dict(zip(current.plan.order.take(positions),
+                                       scales))
         self.table.set(entry.factors, entry.checks)
         hook = current.hook
         if hook._running and hook._running[-1] is current:
