@@ -373,8 +373,6 @@ def test_the_native_division_of_left_scaled_gradients_is_the_hooks(
     (``_unscale_pending``): the same ``.grad`` bit for bit (a storage
     shared by two divided once, the second read before), the same flags,
     the parameters it checked; the float64 one handed back."""
-    from gradient_scaling.torch.hook import _division_tensors
-
     class Pass(object):
         def __init__(self):
             self.in_place_flags, self.checked_in_place = {}, set()
@@ -385,7 +383,7 @@ def test_the_native_division_of_left_scaled_gradients_is_the_hooks(
         current = Pass()
         if kind == 'native':
             divided, rest = built.divide_left_scaled(
-                pairs, lambda g, i: _division_tensors(current, g, i))
+                pairs, current.in_place_flags)
             assert [p is params[5] for p, _ in rest] == [True]
             current.checked_in_place.update(map(id, divided))
             hook._unscale_pending([(p, i, current) for p, i in rest])
@@ -405,6 +403,33 @@ def test_the_native_division_of_left_scaled_gradients_is_the_hooks(
             assert torch.equal(a.nan_to_num(), b.nan_to_num())
     assert native_flags == python[1] and list(native_flags.values()) == [1]
     assert native_checked == python[2] == [0, 1, 2, 4]
+
+
+def test_the_native_division_checks_into_the_pass_flag(built):
+    """A pass's flag for a device, made by the Python division, is the one
+    the native division checks into (and a flag it made, the next one);
+    the inverse is exact: a power of two."""
+    from gradient_scaling.torch.hook import _division_tensors
+
+    class Pass(object):
+        in_place_flags = None
+    current = Pass()
+    current.in_place_flags = {}
+    a, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
+    a.grad = torch.tensor([8.0, float('inf')])
+    b.grad = torch.tensor([2.0 ** -20, 6.0])
+    python_flag, _ = _division_tensors(current, a.grad, 0.25)
+    divided, rest = built.divide_left_scaled([(a, 0.25)],
+                                             current.in_place_flags)
+    assert [p is a for p in divided] == [True] and rest == []
+    assert list(current.in_place_flags.values()) == [python_flag]
+    assert python_flag.item() == 1 and a.grad[0].item() == 2.0
+    flags = {}
+    built.divide_left_scaled([(b, 2.0 ** -3)], flags)
+    built.divide_left_scaled([(a, 1.0)], flags)
+    (flag,) = flags.values()
+    assert list(flags) == [torch.device('cpu')] and flag.item() == 1
+    assert b.grad.tolist() == [2.0 ** -23, 0.75]
 
 
 def test_a_second_gradient_on_a_left_scaled_parameter_refuses(built):

@@ -350,8 +350,7 @@ class GradientScaling(ControllerViews):
             mine += [self._pending.pop(k)[:2] for k, v in
                      list(self._pending.items()) if v[2] is current]
         if mine and self._divide is not None:
-            divided, mine = self._divide(mine, functools.partial(
-                _division_tensors, current))
+            divided, mine = self._divide(mine, current.in_place_flags)
             current.checked_in_place.update(map(id, divided))
         if mine:
             self._unscale_pending([(leaf, inverse, current)

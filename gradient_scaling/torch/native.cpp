@@ -28,6 +28,7 @@
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <map>
 #include <memory>
 #include <unordered_map>
 #include <unordered_set>
@@ -252,19 +253,35 @@ at::Tensor times_power_of_two(const at::Tensor& x, double ratio) {
   return result;
 }
 
+// ``inverse`` as a one-element float32 tensor on ``device`` (what
+// GradScaler's kernel multiplies by), made once (as the hook's
+// _inverse_on makes it).
+const at::Tensor& inverse_on(double inverse, at::Device device) {
+  static std::map<std::tuple<double, int, int>, at::Tensor> made;
+  auto key = std::make_tuple(inverse, static_cast<int>(device.type()),
+                             static_cast<int>(device.index()));
+  auto found = made.find(key);
+  if (found == made.end()) {
+    found = made.emplace(key, at::full({1}, inverse,
+                                       at::TensorOptions()
+                                           .dtype(at::kFloat)
+                                           .device(device))).first;
+  }
+  return found->second;
+}
+
 // The float32 gradients left scaled in ``.grad`` (``pairs``: ``(param,
 // inverse)`` each, in the order they landed) divided in place as
 // GradScaler.unscale_ divides them: by its fused kernel, those of one
-// device and inverse at once, checked in the same read into the flag that
-// ``tensors(grad, inverse)`` gives (with the inverse as a one-element
-// tensor on the gradient's device); one whose storage an earlier one's
-// shares (the engine made the two ``.grad`` views of one gradient) into
-// a new tensor, read before that one is divided. Returns ``(divided,
-// rest)``: the parameters the kernel divided, and the pairs whose gradient
-// is not float32 and dense (for the caller, with the storages it may
-// share among them). gradient_scaling.torch.hook's _unscale_pending is
-// its Python twin.
-py::tuple divide_left_scaled(py::iterable pairs, py::handle tensors) {
+// device and inverse at once, checked in the same read into the pass's
+// flag for their device (``flags``: device -> a one-element tensor, made
+// there where missing); one whose storage an earlier one's shares (the
+// engine made the two ``.grad`` views of one gradient) into a new tensor,
+// read before that one is divided. Returns ``(divided, rest)``: the
+// parameters the kernel divided, and the pairs whose gradient is not
+// float32 and dense (for the caller, with the storages it may share among
+// them). gradient_scaling.torch.hook's _unscale_pending is its Python twin.
+py::tuple divide_left_scaled(py::iterable pairs, py::dict flags) {
   struct Group {
     at::Device device;
     double inverse;
@@ -306,15 +323,20 @@ py::tuple divide_left_scaled(py::iterable pairs, py::handle tensors) {
   }
   py::list divided;
   for (auto& g : groups) {
-    py::tuple made = py::reinterpret_steal<py::tuple>(PyObject_CallFunction(
-        tensors.ptr(), "Od",
-        py::reinterpret_steal<py::object>(THPVariable_Wrap(g.grads[0]))
-            .ptr(),
-        g.inverse));
-    if (!made) throw python_error();
-    at::Tensor found = THPVariable_Unpack(made[0].ptr());
-    at::Tensor inverse = THPVariable_Unpack(made[1].ptr());
-    at::_amp_foreach_non_finite_check_and_unscale_(g.grads, found, inverse);
+    py::object device = py::cast(g.device);
+    PyObject* known = PyDict_GetItemWithError(flags.ptr(), device.ptr());
+    if (known == nullptr && PyErr_Occurred()) throw python_error();
+    at::Tensor found;
+    if (known != nullptr) {
+      found = THPVariable_Unpack(known);
+    } else {
+      found = at::zeros({1}, at::TensorOptions().dtype(at::kFloat)
+                                 .device(g.device));
+      flags[device] = py::reinterpret_steal<py::object>(
+          THPVariable_Wrap(found));
+    }
+    at::_amp_foreach_non_finite_check_and_unscale_(
+        g.grads, found, inverse_on(g.inverse, g.device));
     for (py::handle p : g.params) divided.append(p);
   }
   return py::make_tuple(divided, rest);

@@ -224,11 +224,12 @@ def planned():
 
 
 def left_scaled_division():
-    """``divide_left_scaled(pairs, tensors)`` of the native module (the
+    """``divide_left_scaled(pairs, flags)`` of the native module (the
     gradients left scaled in ``.grad`` divided in place as
     :meth:`~gradient_scaling.torch.hook.GradientScaling._unscale_pending`
-    divides them, the float32 ones; the others handed back), or None where
-    it is not built."""
+    divides them, the float32 ones, checked into ``flags``, the pass's
+    flag per device, made there where missing; the others handed back),
+    or None where it is not built."""
     native = module()
     return None if native is None else native.divide_left_scaled
 
