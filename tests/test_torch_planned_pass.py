@@ -579,3 +579,53 @@ def test_a_backward_with_inputs_runs_in_python(built, runs):
         scaler.step(optimizer)
         scaler.update()
     assert runs == [1, 2]
+
+
+class _Probe(object):
+    pass
+
+
+def test_each_pass_is_freed_as_its_step_ends(built, runs):
+    """With the cyclic collector off, every pass (refreshing, recorded,
+    planned natively, planned but handed to Python: a backward of part of
+    the graph), its planned run and its graph's nodes are freed by
+    reference counting once the step is over and the loss dropped: no
+    cycle keeps them (the native table calls its run's methods through
+    weak references; the run holds its pass weakly)."""
+    import gc
+    import weakref
+    net, (idx, targets) = _gpt()
+    scaler = GradientScaler(net, update_interval=3)
+    optimizer = torch.optim.SGD(net.parameters(), lr=1e-3)
+    kept = []
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for step in range(8):
+            optimizer.zero_grad(set_to_none=True)
+            loss = net(idx.roll(step, 1), targets.roll(step, 1))
+            scaler.scale(loss)
+            current = scaler.hook._pass
+            probe = _Probe()  # (lives as long as the loss's node)
+            loss.grad_fn.metadata['probe'] = probe
+            kept.append([weakref.ref(current), weakref.ref(current.plan),
+                         weakref.ref(probe)])
+            if step == 5:  # (only the parameters of one block)
+                scaler.scale(loss).backward(
+                    inputs=list(net.blocks[0].parameters()))
+            else:
+                scaler.scale(loss).backward()
+            if current.planned is not None and \
+                    hasattr(current.planned, 'table'):
+                kept[-1].append(weakref.ref(current.planned))
+            del current, loss, probe
+            scaler.step(optimizer)
+            scaler.update()
+        alive = [(step, k) for step, refs in enumerate(kept)
+                 for k, ref in enumerate(refs) if ref() is not None]
+    finally:
+        if enabled:
+            gc.enable()
+    assert list(runs) == [1, 1, 2, 1], list(runs)
+    assert [len(refs) for refs in kept] == [3, 3, 4, 3, 4, 4, 3, 4]
+    assert alive == []

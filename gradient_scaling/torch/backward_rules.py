@@ -97,8 +97,9 @@ class BackwardPass(object):
         self.slot_scales = {slot: loss_scale for slot in roots}
         self.edge_scales = {}
         self.node_scales = {}
-        self._set_at = (self.slot_scales.get, self.edge_scales.get, None,
-                        self._root_scale)
+        # (by a scale source's kind; kind 3, a root node's own slot:
+        # _root_scale, not kept here, where it would make a cycle)
+        self._set_at = (self.slot_scales.get, self.edge_scales.get)
         self.sites = {}  # GEMM node -> what its pre-hook chose
         self.posts = set()  # GEMM nodes with a post-hook
         self._stashes = self._leaf_nodes = None
@@ -179,8 +180,9 @@ class BackwardPass(object):
         order = plan.order
         if order is not None:
             for kind, a, b in plan.scale_sources(node, k):
-                scale = self._set_at[kind]((order[a], b)) if kind != 2 \
-                    else self.node_scales.get(order[a])
+                scale = self._set_at[kind]((order[a], b)) if kind < 2 \
+                    else self.node_scales.get(order[a]) if kind == 2 \
+                    else self._root_scale((order[a], b))
                 if scale is not None:
                     return scale
         path, slot = [], (node, k)

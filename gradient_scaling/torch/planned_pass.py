@@ -45,6 +45,8 @@ landed gradients stay exact, though the Python callbacks might have
 chosen another common scale for that branch.
 """
 
+import weakref
+
 from gradient_scaling.core import rules
 from gradient_scaling.torch import _internals as internals
 
@@ -406,6 +408,22 @@ def _callback(current, event):
                             [(i, (order[n], k)) for i, (n, k) in edges])
 
 
+def _weakly(method):
+    """``method``, a :class:`PlannedRun`'s, through a weak reference: its
+    native table keeps the callable, and the run keeps the table (a cycle
+    through C++, which the collector cannot see: the pass, its plan and
+    its graph's nodes would never be freed)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args):
+        bound = ref()
+        if bound is None:
+            raise RuntimeError('GradientScaling: a planned pass\'s hook ran '
+                               'after the pass was freed')
+        return bound(*args)
+    return call
+
+
 class PlannedRun(object):
 
     """A planned pass's callbacks: native hooks multiplying by the factors
@@ -413,11 +431,19 @@ class PlannedRun(object):
     its cast sites' caps read natively."""
 
     def __init__(self, current, layout, entry, caps=None):
-        self.current, self.layout, self.entry = current, layout, entry
+        # (the pass, held weakly: it holds this run)
+        self._current = weakref.ref(current)
+        self.layout, self.entry = layout, entry
         self.table = current.hook.planned_native.PlannedTable()
         self._callbacks = {}
         self.pending = None  # (param, 1 / scale) left scaled in .grad
         self.caps = caps or ()  # the caps planned for, by cast site
+
+    @property
+    def current(self):
+        """The pass (:class:`~gradient_scaling.torch.backward_rules.
+        BackwardPass`) whose callbacks these are."""
+        return self._current()
 
     def register(self):
         current, layout = self.current, self.layout
@@ -425,7 +451,8 @@ class PlannedRun(object):
         if native is None:
             native = layout.make_native(current.hook)
         if layout.prefix:
-            self.table.checked_by(self.bound, current.step.controller.fmt.max)
+            self.table.checked_by(_weakly(self.bound),
+                                  current.step.controller.fmt.max)
         current.hooks.add_planned_events(current.plan.order, self.table,
                                          native)
 
@@ -439,7 +466,7 @@ class PlannedRun(object):
         if current.hook._capturing or current.partial or not all(
                 runs(node) for node in current.plan.order.take(
                     self.layout.prefix_positions)):
-            self.table.use_python(self.dispatch)
+            self.table.use_python(_weakly(self.dispatch))
         else:
             self.start()
 
@@ -508,7 +535,7 @@ class PlannedRun(object):
                 _play(current, event)
         finally:
             current.step = step
-        self.table.use_python(self.dispatch)
+        self.table.use_python(_weakly(self.dispatch))
 
     def dispatch(self, seq, *args):
         """A native hook's gradients, to its Python callback (a pass that
@@ -523,7 +550,9 @@ class PlannedRun(object):
         """The pass ended (the gradients left scaled in ``.grad`` are
         divided there by the hook, as the Python landing's are): a hook
         that ran out of the recorded order makes the structure recorded
-        again."""
+        again. The Python callbacks it made are dropped (each holds the
+        pass, which holds this run)."""
+        self._callbacks = {}
         if self.table.deviated:
             current.plan.structure_memo.pop('layout', None)
             current.plan.structure_memo.pop('planned', None)
