@@ -356,8 +356,12 @@ struct Planned {
   std::vector<std::pair<double, double>> checks;
   double fmt_max = 0.0;
   int mode = 0;
-  int64_t next = 0;  // the sequence number the next hook should have
+  int64_t next = 0;  // the sequence number after the last hook's
   bool deviated = false;  // a hook ran out of the planned order
+  // Per sequence number, whether a hook of it is on the graph (a pass
+  // puts hooks only where they multiply or check, and more where it is
+  // planned again or handed to Python): the order checked is theirs.
+  std::vector<char> hooked;
   std::shared_ptr<PyRef> dispatch;
   std::shared_ptr<PyRef> bound;
 };
@@ -412,9 +416,18 @@ bool deviates(const Planned& table, int64_t seq, const variable_list& grads,
          (range.second < inf && quotient >= range.second);
 }
 
+// A hook of sequence number ``seq`` is on the graph.
+void mark_hooked(Planned& table, int64_t seq) {
+  if (seq < 0) throw py::value_error("gradient_scaling native: seq < 0");
+  if (static_cast<size_t>(seq) >= table.hooked.size()) {
+    table.hooked.resize(static_cast<size_t>(seq) + 1, 0);
+  }
+  table.hooked[static_cast<size_t>(seq)] = 1;
+}
+
 // The planned factors applied to ``grads``: gradient ``index`` times
 // factor ``slot`` for each ``(index, slot)``; checks the hook's place in
-// the planned order.
+// the planned order (the next of those on the graph).
 variable_list planned_times(Planned& table, int64_t seq,
                             const std::vector<std::pair<int64_t, int64_t>>&
                                 slots,
@@ -426,7 +439,10 @@ variable_list planned_times(Planned& table, int64_t seq,
         "than the pass recorded; GRADIENT_SCALING_NATIVE=0 avoids planned "
         "passes)");
   }
-  if (seq != table.next) table.deviated = true;
+  int64_t expected = table.next;
+  int64_t size = static_cast<int64_t>(table.hooked.size());
+  while (expected < size && !table.hooked[expected]) ++expected;
+  if (seq != expected) table.deviated = true;
   table.next = seq + 1;
   variable_list out(grads);
   for (const auto& entry : slots) {
@@ -548,6 +564,7 @@ class HookSet {
   void add_planned(py::handle node, const PlannedTable& table, bool post,
                    int64_t seq,
                    std::vector<std::pair<int64_t, int64_t>> slots) {
+    mark_hooked(*table.state, seq);
     if (post) {
       add<PlannedPostHook>(node, table.state, seq, std::move(slots));
     } else {
@@ -1171,6 +1188,7 @@ void HookSet::add_planned_events(py::handle order, const PlannedTable& table,
       throw py::index_error("gradient_scaling native: a planned hook's "
                             "node is not in the graph");
     }
+    mark_hooked(*table.state, e.seq);
     const auto& node = list.nodes[e.position];
     if (e.post) {
       add_on<PlannedPostHook>(node, table.state, e.seq, e.slots);

@@ -191,21 +191,25 @@ class Layout(object):
 
     """
 
-    def __init__(self, events, prefix, count):
+    def __init__(self, events, prefix, count, template=None):
         self.events, self.prefix, self.count = events, prefix, count
         #: The positions of the prefix's nodes.
         self.prefix_positions = [e[1] for e in events[:prefix]]
-        #: The native hooks of the events, as
-        #: ``HookSet.add_planned_events`` takes them (made by the first
-        #: planned pass: :meth:`make_native`).
-        self.native = None
-
-    def make_native(self, hook):
-        self.native = hook.planned_native.planned_events([
-            (position, kind == 'contribute', seq, list(slots))
-            for seq, (kind, position, _, slots, _) in enumerate(
-                self.events)])
-        return self.native
+        #: The events whose node is below every cast site's in the graph
+        #: (it runs after them: a pass planned again as a cast's cap binds
+        #: can still put a hook on it), None where there is no cast site.
+        self.after_casts = None
+        if prefix:
+            below = _below_all(template, self.prefix_positions)
+            self.after_casts = frozenset(
+                seq for seq, e in enumerate(events) if e[1] in below)
+    def native_events(self, hook, seqs):
+        """The native hooks of the events ``seqs``, as
+        ``HookSet.add_planned_events`` takes them."""
+        events = self.events
+        return hook.planned_native.planned_events([
+            (events[seq][1], events[seq][0] == 'contribute', seq,
+             list(events[seq][3])) for seq in seqs])
 
     @classmethod
     def of(cls, current, recorder):
@@ -238,7 +242,28 @@ class Layout(object):
             slots = tuple((i, count + j) for j, i in enumerate(indices))
             count += len(slots)
             laid.append((kind, index[node], dtype, slots, edges))
-        return cls(laid, prefix, count)
+        return cls(laid, prefix, count, plan.template)
+
+
+def _below_all(template, positions):
+    """The positions of ``template`` below every one of ``positions`` in
+    the backward graph (reached from each by its edges; not those
+    themselves): the engine runs them only after all of those."""
+    edges = {}
+    for (n, _), consumers in template.consumers.items():
+        for c, _ in consumers:
+            edges.setdefault(c, []).append(n)
+    common = None
+    for start in positions:
+        seen, todo = set(), [start]
+        while todo:
+            for n in edges.get(todo.pop(), ()):
+                if n not in seen:
+                    seen.add(n)
+                    todo.append(n)
+        seen.discard(start)
+        common = seen if common is None else common & seen
+    return common
 
 
 def _may_cast(plan, kind, node):
@@ -258,8 +283,17 @@ class _Entry(object):
     native landing hooks take it (``landing``: each lands divided without
     a Python call)."""
 
-    def __init__(self, factors, checks, casts, counters, leaves, landing):
+    def __init__(self, factors, checks, casts, counters, leaves, landing,
+                 hooked=()):
         self.factors, self.checks, self.casts = factors, checks, casts
+        #: The events that need a hook: the cast sites (their checks),
+        #: those that multiply (a factor not 1), and those not below every
+        #: cast site (which might run before one binds); the others pass
+        #: their gradients on unchanged without one, and get one if the
+        #: pass is planned again or handed to Python before they run
+        #: (their native hooks: :attr:`native`, made once).
+        self.hooked = tuple(hooked)
+        self.native = None
         self.counters, self.leaves, self.landing = counters, leaves, landing
         #: ``leaves`` as two lists: the positions, the scales.
         self.leaf_columns = ([p for p, _ in leaves], [s for _, s in leaves])
@@ -377,7 +411,12 @@ def _evaluate(current, layout, caps):
     accumulators, order = current.plan.accumulators, current.plan.order
     landing = current.hook.landing_set([(accumulators[order[p]], scale)
                                         for p, scale in leaves])
-    return _Entry(factors, checks, casts, counters, leaves, landing)
+    after = layout.after_casts
+    hooked = [seq for seq, event in enumerate(layout.events)
+              if seq < layout.prefix or
+              (after is not None and seq not in after) or
+              any(factors[slot] != 1.0 for _, slot in event[3])]
+    return _Entry(factors, checks, casts, counters, leaves, landing, hooked)
 
 
 def _range(beta, uncapped):
@@ -446,15 +485,30 @@ class PlannedRun(object):
         return self._current()
 
     def register(self):
-        current, layout = self.current, self.layout
-        native = layout.native
+        """The hooks of the events the entry needs (:attr:`_Entry.
+        hooked`)."""
+        current, layout, entry = self.current, self.layout, self.entry
+        native = entry.native
         if native is None:
-            native = layout.make_native(current.hook)
+            native = entry.native = layout.native_events(current.hook,
+                                                         entry.hooked)
         if layout.prefix:
             self.table.checked_by(_weakly(self.bound),
                                   current.step.controller.fmt.max)
         current.hooks.add_planned_events(current.plan.order, self.table,
                                          native)
+        self._hooked = set(entry.hooked)
+
+    def _hook(self, seqs):
+        """Hooks on the events of ``seqs`` that have none yet (the pass
+        planned again, or handed to Python: before any of them runs)."""
+        missing = sorted(set(seqs) - self._hooked)
+        if missing:
+            current = self.current
+            current.hooks.add_planned_events(
+                current.plan.order, self.table,
+                self.layout.native_events(current.hook, missing))
+            self._hooked.update(missing)
 
     def started(self):
         """The pass started (its landing told): the planned factors apply.
@@ -466,6 +520,7 @@ class PlannedRun(object):
         if current.hook._capturing or current.partial or not all(
                 runs(node) for node in current.plan.order.take(
                     self.layout.prefix_positions)):
+            self._hook(range(len(self.layout.events)))
             self.table.use_python(_weakly(self.dispatch))
         else:
             self.start()
@@ -515,6 +570,7 @@ class PlannedRun(object):
         if replanned is None:
             self._to_python(seq)
             return
+        self._hook(replanned.hooked)
         self.entry = replanned
         self.start()
 
@@ -535,6 +591,7 @@ class PlannedRun(object):
                 _play(current, event)
         finally:
             current.step = step
+        self._hook(range(ran, len(self.layout.events)))
         self.table.use_python(_weakly(self.dispatch))
 
     def dispatch(self, seq, *args):
