@@ -218,7 +218,7 @@ class BackwardPass(object):
     def checked_leaves(self):
         """The leaves whose gradients the pass's result checks: its own
         and the parameters of the nested passes it ran."""
-        return list(self.plan.accumulators.values()) + self.inner_leaves
+        return list(self.plan.leaf_tensors()) + self.inner_leaves
 
     def absorb(self, inner):
         """Takes over what a nested pass (run from one of this pass's

@@ -231,8 +231,8 @@ class Plan(object):
             self.multi_output = set()
             self.compiled = []
             self.softmax_gradients = set()
+            self.accumulators = {}
         self.consumers = {}
-        self.accumulators = {}
         self.used_slots = {}
         self.template, self.order, self.index = template, order, index
         #: Whether the backward runs Python code of its own that may read
@@ -254,6 +254,15 @@ class Plan(object):
     def gemm_site(self, node):
         """The :class:`GemmSite` of GEMM node ``node`` (``gemms[node]``)."""
         return self.gemms[node]
+
+    def leaf_tensors(self):
+        """The leaves the graph accumulates into (``accumulators``'
+        values, in order)."""
+        return self.accumulators.values()
+
+    def an_accumulator(self):
+        """One of the graph's accumulation nodes, or None."""
+        return next(iter(self.accumulators), None)
 
     def consumers_of(self, slot):
         """The edges that feed ``slot``, or None."""
@@ -788,9 +797,7 @@ class PlanCache(object):
         plan = _ReusedPlan(template, order, index)
         plan.roots = order.take(template.roots)
         positions = template.accumulators
-        tensors = order.variables(positions)
-        plan.variables = dict(zip(positions, tensors))
-        plan.accumulators = dict(zip(order.take(positions), tensors))
+        plan.variables = dict(zip(positions, order.variables(positions)))
         if template.extra:  # (another kind's factory decides now)
             gemms = plan.gemms
             for i in template.extra:
@@ -809,7 +816,9 @@ class _ReusedPlan(Plan):
     the walk found is the template's, in positions, turned into this
     graph's nodes when first asked (``gemms``, ``casts``,
     ``softmax_gemms``, ``branches``, ``multi_output``, ``compiled``,
-    ``softmax_gradients``; a GEMM's site alone: :meth:`gemm_site`)."""
+    ``softmax_gradients``, ``accumulators``; a GEMM's site alone:
+    :meth:`gemm_site`; the leaves' tensors are read at once, by position:
+    ``variables``)."""
 
     made_when_asked = True
 
@@ -822,6 +831,13 @@ class _ReusedPlan(Plan):
     def gemm_site(self, node):
         entry = self.template.gemm_at.get(self.index[node])
         return self.gemms[node] if entry is None else self._site(entry)
+
+    def leaf_tensors(self):
+        return self.variables.values()
+
+    def an_accumulator(self):
+        positions = self.template.accumulators
+        return self.order[positions[0]] if positions else None
 
     def _site(self, entry):
         """The site of a template's GEMM entry on this graph (made once)."""
@@ -857,6 +873,8 @@ _LAZY = {
     'compiled': lambda p, t, order: order.take(t.compiled),
     'softmax_gradients': lambda p, t, order: set(order.take(
         t.softmax_gradients)),
+    'accumulators': lambda p, t, order: dict(zip(
+        order.take(t.accumulators), p.variables.values())),
 }
 
 

@@ -317,7 +317,7 @@ def prepare(current):
     if layout is None:
         return Recorder()
     if layout is False or hook.planned_native.leaf_devices(
-            plan.accumulators.values()) > 1:
+            plan.leaf_tensors()) > 1:
         return None  # (nodes on several devices run on several threads)
     # The casts are planned with the caps the last pass chose (checked as
     # each runs), else uncapped.
@@ -447,6 +447,21 @@ def _callback(current, event):
                             [(i, (order[n], k)) for i, (n, k) in edges])
 
 
+class _LeafScales(object):
+    """Accumulation node -> the scale its leaf's gradient lands at, made
+    when first asked (a planned pass's native landing asks none)."""
+
+    def __init__(self, order, positions, scales):
+        self._made, self._order = None, order
+        self._positions, self._scales = positions, scales
+
+    def get(self, node, default=None):
+        if self._made is None:
+            self._made = dict(zip(self._order.take(self._positions),
+                                  self._scales))
+        return self._made.get(node, default)
+
+
 def _weakly(method):
     """``method``, a :class:`PlannedRun`'s, through a weak reference: its
     native table keeps the callable, and the run keeps the table (a cycle
@@ -532,21 +547,21 @@ class PlannedRun(object):
         step = current.step
         step.occurrences = dict(entry.counters[0])
         step.cast_count, step.branch_count = entry.counters[1:]
-        positions, scales = entry.leaf_columns
-        current.leaf_scales = dict(zip(current.plan.order.take(positions),
-                                       scales))
+        current.leaf_scales = _LeafScales(current.plan.order,
+                                          *entry.leaf_columns)
         self.table.set(entry.factors, entry.checks)
         hook = current.hook
         if hook._running and hook._running[-1] is current:
             # Gradients left scaled in ``.grad`` where the Python landing
             # would leave them (divided at the pass's end, in place).
-            accumulators = current.plan.accumulators
-            if current.defers and accumulators and current.accumulates(
-                    next(iter(accumulators))):
+            plan = current.plan
+            node = plan.an_accumulator()
+            if current.defers and node is not None and \
+                    current.accumulates(node):
                 if self.pending is None:
                     self.pending = []
                 others = hook.planned_native.leaves_with_other_hooks(
-                    accumulators.values())
+                    plan.leaf_tensors())
                 hook.unit_landing(current, entry.landing, self.pending,
                                   others)
             else:
