@@ -75,6 +75,10 @@ class _Custom(torch.autograd.Function):
         return g * 2
 
 
+class _Other(_Custom):
+    """Another Python function (the same C++ node type, another class)."""
+
+
 def _graphs():
     torch.manual_seed(0)
     net = EveryConstructNet().double()
@@ -147,6 +151,8 @@ def _variants():
     a = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
     yield _Custom.apply(lin(a)).sum().grad_fn
     yield (lin(a) * 2).sum().grad_fn  # a plain node for the custom one
+    yield _Other.apply(lin(a)).sum().grad_fn  # another Python function
+    yield _Custom.apply(lin(a)).sum().grad_fn  # the first one again
 
 
 def test_native_signatures_are_equal_exactly_when_python_ones_are(built):
@@ -158,6 +164,7 @@ def test_native_signatures_are_equal_exactly_when_python_ones_are(built):
             assert (python[i] == python[j]) == \
                 (native_[i] == native_[j]), (i, j)
     assert python[0] == python[1] and python[0] != python[2]
+    assert python[-4] != python[-2] and python[-4] == python[-1]
 
 
 def _twice(hooks):
@@ -684,3 +691,26 @@ def test_scaling_hooks_multiply_every_gradient(built, kind):
     assert torch.equal(x.grad, torch.full((2,), 24.0))  # 2 * 4 * 3
     assert torch.equal(y.grad, torch.full((2,), 4.0))  # 2 * 4 * 0.5
     hooks.clear()
+
+
+def test_the_final_check_falls_back_where_the_kernel_refuses(built):
+    """A dispatch mode (or tensor subclass) that refuses GradScaler's
+    kernel once: the native final check hands it to the Python one, which
+    checks the gradients its other way (a NaN still found)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Refuse(TorchDispatchMode):
+        refused = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if 'non_finite_check' in str(func) and not self.refused:
+                self.refused += 1
+                raise NotImplementedError('refused')
+            return func(*args, **(kwargs or {}))
+    for grads, expected in (([torch.ones(3)], True),
+                            ([torch.tensor([1.0, float('nan')])], False)):
+        mode = Refuse()
+        with mode:
+            assert hook_module._all_finite(grads, [], [torch.zeros(1)]) \
+                is expected
+        assert mode.refused == 1

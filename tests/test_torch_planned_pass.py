@@ -629,3 +629,59 @@ def test_each_pass_is_freed_as_its_step_ends(built, runs):
     assert list(runs) == [1, 1, 2, 1], list(runs)
     assert [len(refs) for refs in kept] == [3, 3, 4, 3, 4, 4, 3, 4]
     assert alive == []
+
+
+@pytest.mark.parametrize('how', ['inputs', 'grad'])
+def test_a_partial_pass_without_cast_sites_runs_every_callback(
+        built, runs, how):
+    """A structure without cast sites whose root is a GEMM site (a loss of
+    one element out of a linear layer): a backward of part of the graph
+    hands the pass to Python as it starts, in the root's pre-hook, so the
+    root's own event is hooked from the start (a node running its hooks
+    cannot be given another); a user's pre-hook on the root, registered
+    after GS's, runs too. The same gradients as the Python callbacks'."""
+    dispatched = []
+    dispatch = planned_pass.PlannedRun.dispatch
+
+    def counted(self, seq, *args):
+        dispatched.append(seq)
+        return dispatch(self, seq, *args)
+
+    def run(planned):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                                  torch.nn.Linear(32, 1)).double()
+        scaler = GradientScaler(net, update_interval=100)
+        scaler.hook.planned_passes = planned
+        optimizer = torch.optim.SGD(net.parameters(), lr=1e-3)
+        x = torch.randn(3, 16, dtype=torch.float64)
+        seen, history = [], []
+        for step in range(5):
+            optimizer.zero_grad(set_to_none=True)
+            loss = net(x[step % 3:step % 3 + 1])  # (1, 1): the GEMM's
+            scaled = scaler.scale(loss)
+            if step < 4:
+                scaled.backward()
+                grads = [p.grad.clone() for p in net.parameters()]
+            else:
+                loss.grad_fn.register_prehook(lambda g: seen.append(1))
+                if how == 'inputs':
+                    scaled.backward(inputs=[net[0].weight])
+                    grads = [net[0].weight.grad.clone()]
+                else:
+                    grads = list(torch.autograd.grad(
+                        scaled, [net[0].weight, net[2].weight]))
+            scaler.step(optimizer)
+            scaler.update()
+            history.append(grads)
+        return history, seen
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(planned_pass.PlannedRun, 'dispatch', counted)
+        planned, seen = run(True)
+    python, seen_python = run(False)
+    assert list(runs)[-1] == 2 and 0 in dispatched
+    assert seen == seen_python == [1]
+    for a, b in zip(planned, python):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)

@@ -783,8 +783,11 @@ def _all_finite(tensors, losses, flags=()):
     if len(flags) == 1:  # (the division's flag: the common case natively)
         fast = native.finite_check()
         found = flags[0]
-        finite = None if fast is None else fast(
-            tensors, losses, found, _inverse_on(1.0, found.device))
+        try:
+            finite = None if fast is None else fast(
+                tensors, losses, found, _inverse_on(1.0, found.device))
+        except (RuntimeError, NotImplementedError):
+            finite = None  # (checked below, as it would have been)
         if finite is not None:
             return finite
     if flags and len({f.device for f in flags}) > 1:  # (one read each)

@@ -257,15 +257,17 @@ at::Tensor times_power_of_two(const at::Tensor& x, double ratio) {
 // GradScaler's kernel multiplies by), made once (as the hook's
 // _inverse_on makes it).
 const at::Tensor& inverse_on(double inverse, at::Device device) {
-  static std::map<std::tuple<double, int, int>, at::Tensor> made;
+  // (never destroyed: a device's tensors outlive its context otherwise)
+  static auto* made =
+      new std::map<std::tuple<double, int, int>, at::Tensor>();
   auto key = std::make_tuple(inverse, static_cast<int>(device.type()),
                              static_cast<int>(device.index()));
-  auto found = made.find(key);
-  if (found == made.end()) {
-    found = made.emplace(key, at::full({1}, inverse,
-                                       at::TensorOptions()
-                                           .dtype(at::kFloat)
-                                           .device(device))).first;
+  auto found = made->find(key);
+  if (found == made->end()) {
+    found = made->emplace(key, at::full({1}, inverse,
+                                        at::TensorOptions()
+                                            .dtype(at::kFloat)
+                                            .device(device))).first;
   }
   return found->second;
 }
@@ -328,6 +330,10 @@ py::tuple divide_left_scaled(py::iterable pairs, py::dict flags) {
     if (known == nullptr && PyErr_Occurred()) throw python_error();
     at::Tensor found;
     if (known != nullptr) {
+      if (!THPVariable_Check(known)) {
+        throw py::type_error("gradient_scaling native: a pass's flag that "
+                             "is not a tensor");
+      }
       found = THPVariable_Unpack(known);
     } else {
       found = at::zeros({1}, at::TensorOptions().dtype(at::kFloat)
@@ -956,10 +962,10 @@ int64_t node_code(const c10::intrusive_ptr<Node>& node, py::object* made,
   int64_t code = class_code(Py_TYPE(obj));
   bool is_accumulate =
       dynamic_cast<torch::autograd::AccumulateGrad*>(node.get()) != nullptr;
-  if (found == types.end()) {
-    types.emplace(vtable, NodeType{code, THPFunction_Check(obj) != 0,
-                                   is_accumulate});
-  }
+  // (looked up again: making the object may have run Python, a collection
+  // whose finalisers read a structure; emplace keeps what is there)
+  types.emplace(vtable, NodeType{code, THPFunction_Check(obj) != 0,
+                                 is_accumulate});
   *accumulate = is_accumulate;
   return code;
 }

@@ -195,14 +195,22 @@ class Layout(object):
         self.events, self.prefix, self.count = events, prefix, count
         #: The positions of the prefix's nodes.
         self.prefix_positions = [e[1] for e in events[:prefix]]
-        #: The events whose node is below every cast site's in the graph
-        #: (it runs after them: a pass planned again as a cast's cap binds
-        #: can still put a hook on it), None where there is no cast site.
-        self.after_casts = None
-        if prefix:
-            below = _below_all(template, self.prefix_positions)
-            self.after_casts = frozenset(
-                seq for seq, e in enumerate(events) if e[1] in below)
+        #: The events that always have a hook: the cast sites (their
+        #: checks), those on a root (whose pre-hook runs as the pass
+        #: starts, and may hand it to Python: a node running its hooks
+        #: cannot be given another) and, where there are cast sites,
+        #: those not below every one of them in the graph (one might run
+        #: before a cast binds and the pass is planned again). The others
+        #: are hooked where their factor is not 1, and before they run
+        #: where the pass is planned again or handed to Python.
+        roots = set() if template is None else template.root_set
+        below = _below_all(template, self.prefix_positions) if prefix \
+            else None
+        self.always_hooked = frozenset(
+            seq for seq, e in enumerate(events)
+            if seq < prefix or e[1] in roots or
+            (below is not None and e[1] not in below))
+
     def native_events(self, hook, seqs):
         """The native hooks of the events ``seqs``, as
         ``HookSet.add_planned_events`` takes them."""
@@ -286,12 +294,10 @@ class _Entry(object):
     def __init__(self, factors, checks, casts, counters, leaves, landing,
                  hooked=()):
         self.factors, self.checks, self.casts = factors, checks, casts
-        #: The events that need a hook: the cast sites (their checks),
-        #: those that multiply (a factor not 1), and those not below every
-        #: cast site (which might run before one binds); the others pass
-        #: their gradients on unchanged without one, and get one if the
-        #: pass is planned again or handed to Python before they run
-        #: (their native hooks: :attr:`native`, made once).
+        #: The events that need a hook: those of the layout's
+        #: ``always_hooked`` and those that multiply (a factor not 1); the
+        #: others pass their gradients on unchanged without one (their
+        #: native hooks: :attr:`native`, made once).
         self.hooked = tuple(hooked)
         self.native = None
         self.counters, self.leaves, self.landing = counters, leaves, landing
@@ -411,10 +417,9 @@ def _evaluate(current, layout, caps):
     accumulators, order = current.plan.accumulators, current.plan.order
     landing = current.hook.landing_set([(accumulators[order[p]], scale)
                                         for p, scale in leaves])
-    after = layout.after_casts
+    always = layout.always_hooked
     hooked = [seq for seq, event in enumerate(layout.events)
-              if seq < layout.prefix or
-              (after is not None and seq not in after) or
+              if seq in always or
               any(factors[slot] != 1.0 for _, slot in event[3])]
     return _Entry(factors, checks, casts, counters, leaves, landing, hooked)
 
