@@ -107,7 +107,11 @@ class BackwardPass(object):
         #: the leaves fed by a compiled root region, once the region has
         #: returned (:meth:`region_left`): what :meth:`slot_scale` would
         #: find, looked up at once as each lands.
-        self.leaf_scales = {}
+        self._leaf_scales = {}
+        #: A planned pass's ``(order, positions, scales)`` of its leaves'
+        #: landing scales, made into :attr:`leaf_scales` when first asked
+        #: (its native landing asks none).
+        self.leaf_columns = None
         self._leaves = None
         #: ``(leaf, scale)``: the scale each landed gradient carried,
         #: divided out as it landed.
@@ -234,6 +238,20 @@ class BackwardPass(object):
         """The scale of root node ``slot[0]``'s own slot."""
         node = slot[0]
         return self.slot_scales.get((node, self.root_slot.get(node)))
+
+    @property
+    def leaf_scales(self):
+        """Accumulation node -> the scale its leaf's gradient lands at,
+        where known before it lands."""
+        if self.leaf_columns is not None:
+            order, positions, scales = self.leaf_columns
+            self._leaf_scales = dict(zip(order.take(positions), scales))
+            self.leaf_columns = None
+        return self._leaf_scales
+
+    @leaf_scales.setter
+    def leaf_scales(self, scales):
+        self._leaf_scales, self.leaf_columns = scales, None
 
     @property
     def leaves(self):

@@ -452,21 +452,6 @@ def _callback(current, event):
                             [(i, (order[n], k)) for i, (n, k) in edges])
 
 
-class _LeafScales(object):
-    """Accumulation node -> the scale its leaf's gradient lands at, made
-    when first asked (a planned pass's native landing asks none)."""
-
-    def __init__(self, order, positions, scales):
-        self._made, self._order = None, order
-        self._positions, self._scales = positions, scales
-
-    def get(self, node, default=None):
-        if self._made is None:
-            self._made = dict(zip(self._order.take(self._positions),
-                                  self._scales))
-        return self._made.get(node, default)
-
-
 def _weakly(method):
     """``method``, a :class:`PlannedRun`'s, through a weak reference: its
     native table keeps the callable, and the run keeps the table (a cycle
@@ -552,8 +537,7 @@ class PlannedRun(object):
         step = current.step
         step.occurrences = dict(entry.counters[0])
         step.cast_count, step.branch_count = entry.counters[1:]
-        current.leaf_scales = _LeafScales(current.plan.order,
-                                          *entry.leaf_columns)
+        current.leaf_columns = (current.plan.order,) + entry.leaf_columns
         self.table.set(entry.factors, entry.checks)
         hook = current.hook
         if hook._running and hook._running[-1] is current:

@@ -261,10 +261,11 @@ class PhaseRow(object):
     gradients already unscaled: those divided in `.grad` at the backward's
     end by the same fused kernel, the backward's) and
     `scaler.update`. `GradScaler + no-op hooks` is GradScaler's step with
-    a Python hook that does nothing wherever GS's cached pass has one
-    (read from GS's plan of the same graph: the root's, each GEMM site's
-    and cast site's pre-hook, each branch consumer's post-hook; every
-    parameter's tensor hook), registered as GS registers them (at `scale`, the
+    a Python hook that does nothing wherever GS's Python callbacks have
+    one (read from GS's plan of the same graph: the root's, each GEMM
+    site's and cast site's pre-hook, each branch consumer's post-hook;
+    every parameter's tensor hook; a planned cached pass hooks only the
+    events that need a hook, fewer), registered as GS registers them (at `scale`, the
     graph's structure read first; removed at `step`): its excess over
     GradScaler is what PyTorch's calls into Python cost, and GS's excess
     over it what GS does inside them. `GradScaler + native scaling hooks`
