@@ -23,8 +23,6 @@
 
 #include <algorithm>
 #include <tuple>
-#include <typeindex>
-#include <typeinfo>
 #include <cmath>
 #include <limits>
 #include <type_traits>

@@ -300,7 +300,7 @@ class _Entry(object):
         #: native hooks: :attr:`native`, made once).
         self.hooked = tuple(hooked)
         self.native = None
-        self.counters, self.leaves, self.landing = counters, leaves, landing
+        self.counters, self.landing = counters, landing
         #: ``leaves`` as two lists: the positions, the scales.
         self.leaf_columns = ([p for p, _ in leaves], [s for _, s in leaves])
 
@@ -414,8 +414,8 @@ def _evaluate(current, layout, caps):
         return None
     finally:
         step.occurrences, step.cast_count, step.branch_count = saved
-    accumulators, order = current.plan.accumulators, current.plan.order
-    landing = current.hook.landing_set([(accumulators[order[p]], scale)
+    variables = current.plan.variables  # (position -> leaf)
+    landing = current.hook.landing_set([(variables[p], scale)
                                         for p, scale in leaves])
     always = layout.always_hooked
     hooked = [seq for seq, event in enumerate(layout.events)
