@@ -461,6 +461,155 @@ def test_a_landing_hook_dies_with_its_parameter(built):
     assert alive() is None
 
 
+def _adopted(state, fn):
+    """A Linear's weight and bias, each with the landing hook of ``state``
+    registered and adopted."""
+    lin = nn.Linear(3, 2)
+    for p in (lin.weight, lin.bias):
+        hook = state.hook(p, fn)
+        p.register_hook(hook)
+        assert state.adopt(p, hook) and state.adopt(p, hook)  # (again: so)
+        assert state.adopted(p)
+    return lin
+
+
+def test_an_adopted_landing_hook_lands_as_the_hook_does(built):
+    """Adopted (landing without a Python call while it is the parameter's
+    only Python hook), the landing hook does what it does called by
+    PyTorch: nothing while no pass runs, a unit set recorded, a landing
+    set divided or left scaled (pending), ``fn(grad)`` for the others, a
+    second gradient of a parameter left scaled refused; with a user's
+    hook registered after it, or before, they run in order as PyTorch
+    runs them (the user's sees what GS returned, or what GS gets), and
+    once the user's is removed it lands natively again."""
+    state = built.Landing()
+    called, seen = [], []
+
+    def fn(grad):
+        called.append(grad.shape)
+        return grad * 0.5
+    lin = _adopted(state, fn)
+    w, b = lin.weight, lin.bias
+    x = torch.randn(4, 3)
+
+    def grads():
+        lin.zero_grad(set_to_none=True)
+        lin(x).sum().backward()
+        return w.grad.clone(), b.grad.clone()
+    true_w, true_b = grads()
+    assert called == []
+    state.set_running(True)
+    got_w, got_b = grads()
+    assert torch.equal(got_w, true_w * 0.5) and \
+        torch.equal(got_b, true_b * 0.5) and len(called) == 2
+    record, pending = [], []
+    state.set_unit(state.unit_set([w]), record)
+    got_w, got_b = grads()
+    assert torch.equal(got_w, true_w) and torch.equal(got_b, true_b * 0.5)
+    assert [(p is w, s) for p, s in record] == [(True, 1.0)]
+    state.set_unit(state.landing_set([(w, 8.0), (b, 2.0 ** -3)]), record)
+    got_w, got_b = grads()
+    assert torch.equal(got_w, true_w / 8.0) and \
+        torch.equal(got_b, true_b * 8.0) and len(called) == 3
+    assert [(p is w, s) for p, s in record[1:]] == [(False, 0.125),
+                                                     (True, 8.0)]
+    state.set_unit(state.landing_set([(w, 8.0)]), record, pending, [])
+    got_w, _ = grads()
+    assert torch.equal(got_w, true_w)  # left scaled, for the pass to divide
+    assert [(p is w, i) for p, i in pending] == [(True, 0.125)]
+    w.grad = None
+    with pytest.raises(RuntimeError, match='second gradient'):
+        lin(x).sum().backward()
+    state.set_unit(state.landing_set([(w, 8.0)]), record)
+    handle = w.register_hook(lambda g: seen.append(g.clone()))
+    got_w, _ = grads()
+    assert torch.equal(got_w, true_w / 8.0) and torch.equal(seen[-1], got_w)
+    handle.remove()
+    seen.clear()
+    got_w, _ = grads()
+    assert torch.equal(got_w, true_w / 8.0) and seen == []
+    # A user's hook registered before GS's sees what GS gets (scaled), as
+    # without adoption.
+    v = nn.Parameter(torch.ones(3))
+    v.register_hook(lambda g: seen.append(g.clone()))
+    hook = state.hook(v, fn)
+    v.register_hook(hook)
+    assert state.adopt(v, hook)
+    state.set_unit(state.landing_set([(v, 4.0)]), record)
+    (v * 2.0).sum().backward()
+    assert torch.equal(seen[-1], torch.full((3,), 2.0)) and \
+        torch.equal(v.grad, torch.full((3,), 0.5))
+
+
+def test_an_adopted_landing_hook_leaves_cycles_collectable(built):
+    """A cycle through the parameter's hooks (GS's landing hook holds its
+    parameter; so may a user's) is collected as without adoption: GS's
+    hook in place; gone (its handle removed by hand and the hook freed:
+    the user's hooks run as PyTorch runs them, PyTorch's own hook given
+    back as they first do); given back (unadopt)."""
+    state = built.Landing()
+    state.set_running(True)
+
+    def adopted(user=False):
+        p = nn.Parameter(torch.ones(2))
+        hook = state.hook(p, lambda g, p=p: None)  # (holds p)
+        handle = p.register_hook(hook)
+        assert state.adopt(p, hook)
+        if user:
+            p.register_hook(lambda g, p=p: g * 2.0)
+        return p, hook, handle
+
+    def in_place():
+        p, _, _ = adopted()
+        return weakref.ref(p)
+
+    def with_user_hook():
+        p, _, _ = adopted(user=True)
+        return weakref.ref(p)
+
+    def gone():
+        p, hook, handle = adopted(user=True)
+        handle.remove()
+        del hook
+        gc.collect()
+        assert not state.adopted(p)
+        state.set_unit(state.landing_set([(p, 4.0)]), [])
+        (p * 3.0).sum().backward()  # (the user's hook alone; PyTorch's
+        assert torch.equal(p.grad, torch.full((2,), 6.0))  # own back)
+        p.grad = None
+        (p * 3.0).sum().backward()
+        assert torch.equal(p.grad, torch.full((2,), 6.0))
+        return weakref.ref(p)
+
+    def given_back():
+        p, hook, _ = adopted(user=True)
+        state.unadopt(p, hook)
+        assert not state.adopted(p)
+        state.set_unit(state.landing_set([(p, 4.0)]), [])
+        (p * 3.0).sum().backward()  # (GS's, then the user's: 6 / 4)
+        assert torch.equal(p.grad, torch.full((2,), 1.5))
+        state.set_unit(None, None)  # (its record held p)
+        return weakref.ref(p)
+    for make in (in_place, with_user_hook, gone, given_back):
+        alive = make()
+        gc.collect()
+        assert alive() is None, make.__name__
+
+
+def test_the_hook_adopts_its_landing_hooks(built):
+    """GradientScaling's landing hook on each parameter is adopted where
+    the module is built, and given back when the hook goes."""
+    lin = nn.Linear(3, 2)
+    hook = GradientScaling(lin)
+    assert all(built.Landing.adopted(p) for p in lin.parameters())
+    del hook
+    gc.collect()
+    assert not any(built.Landing.adopted(p) for p in lin.parameters())
+    assert all(list(internals.tensor_hooks(p)) == []
+               for p in lin.parameters())
+    assert native.PythonLanding.adopt(lin.weight, None) is False
+
+
 def _gs_history(steps=7, interval=3):
     """Gradients, landed scales and report of GS on EveryConstructNet
     (float64, eager), a refresh every ``interval`` steps."""

@@ -160,11 +160,16 @@ class GradientScaling(ControllerViews):
                     (', ...' if len(earlier) > 3 else '')),
                 RuntimeWarning)
         this = weakref.ref(self)
+        landings = []  # (param, handle, hook)
         for param in self._names:
             if param.requires_grad:
-                self._landing[param] = param.register_hook(
-                    self._landing_state.hook(param, functools.partial(
-                        _land_weakly, this, param)))
+                landing = self._landing_state.hook(param, functools.partial(
+                    _land_weakly, this, param))
+                self._landing[param] = param.register_hook(landing)
+                # (natively: lands without a Python call while it is the
+                # parameter's only Python hook)
+                self._landing_state.adopt(param, landing)
+                landings.append((param, self._landing[param], landing))
         #: ``id(leaf)`` -> ``(leaf, inverse, pass)``: gradients accumulated
         #: into ``.grad`` still scaled, divided there when their pass ends
         #: (:meth:`land`).
@@ -172,7 +177,8 @@ class GradientScaling(ControllerViews):
         self._capturing = 0  # torch.autograd.grad calls running
         #: ``id`` of the parameters with the hook's own landing hook.
         self.landing_ids = frozenset(id(p) for p in self._landing)
-        weakref.finalize(self, _remove_all, list(self._landing.values()))
+        weakref.finalize(self, _remove_all, landings,
+                         self._landing_state.unadopt)
 
     # -- names -----------------------------------------------------------
 
@@ -905,6 +911,10 @@ def _land_weakly(hook_ref, param, grad):
     return hook.land(param, grad)
 
 
-def _remove_all(handles):
-    for handle in handles:
+def _remove_all(landings, unadopt):
+    """The landing hooks of a hook that goes, ``(param, handle, hook)``
+    each: PyTorch's own hook runs the parameter's Python hooks again
+    (``unadopt``), then the handle removes GS's."""
+    for param, handle, hook in landings:
+        unadopt(param, hook)
         handle.remove()

@@ -19,9 +19,11 @@
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/python_cpp_function.h>
 #include <torch/csrc/autograd/python_function.h>
+#include <torch/csrc/autograd/python_hook.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <algorithm>
+#include <atomic>
 #include <tuple>
 #include <cmath>
 #include <limits>
@@ -695,7 +697,9 @@ struct LandingState {
   // empty ``.grad`` (divided there when the pass ends); null: none is.
   PyObject* pending = nullptr;
   std::unordered_set<const c10::TensorImpl*> excluded;
-  std::unordered_set<const c10::TensorImpl*> deferred;  // (this pass's)
+  // This setting's number: a hook whose gradient was left scaled under
+  // it holds it (a second would land into that .grad).
+  uint64_t setting = 1;
   ~LandingState() {
     if (Py_IsInitialized()) {
       Py_XDECREF(record);
@@ -728,7 +732,7 @@ class Landing {
     state->record = state->pending = nullptr;
     state->unit.reset();
     state->excluded.clear();
-    state->deferred.clear();
+    ++state->setting;
     if (unit.is_none()) return;
     state->unit = unit.cast<const Unit&>().set;
     Py_INCREF(record.ptr());
@@ -745,23 +749,57 @@ class Landing {
   std::shared_ptr<LandingState> state;
 };
 
+// What an adopted parameter's LandingPreHook and the landing hook it
+// lands for share: whether the wrapper still holds PyTorch's hook of the
+// parameter's Python hooks (and with it a reference to their dictionary),
+// the dictionary, and the landing hook (null once it is freed). PyTorch
+// tells the collector of that reference by the tensor (it visits the
+// dictionary of each of its own such hooks); held in the wrapper, the
+// landing hook tells it instead, while it is the one adopted, so that a
+// cycle through the dictionary (a hook that holds its parameter) is
+// collected as it would be.
+struct Adoption {
+  std::atomic<bool> holds{true};
+  PyObject* dict = nullptr;
+  PyObject* landing = nullptr;
+  c10::weak_intrusive_ptr<c10::TensorImpl> tensor{
+      c10::weak_intrusive_ptr<c10::TensorImpl>(
+          c10::intrusive_ptr<c10::TensorImpl>())};  // the parameter's
+};
+
 // A parameter's landing hook (``param.register_hook(hook)``, in its
 // Python hooks, where they run in order): a callable object in C, so that
 // a gradient landing while no pass runs, or at scale 1, costs no Python
 // frame; otherwise ``fn(grad)`` (the adapter's Python landing: None or the
-// gradient divided).
+// gradient divided). Adopted (adopt_landing), it lands without being
+// called from Python at all while it is the parameter's only Python hook.
 struct LandingHook {
   PyObject_HEAD
   std::shared_ptr<LandingState>* state;
   const c10::TensorImpl* impl;
   PyObject* fn;
   PyObject* record;  // (param, 1.0)
+  std::shared_ptr<Adoption>* adoption;  // null: not adopted
+  // (param, scale) and (param, 1 / scale) of the last scale other than 1
+  // it landed at (made again only for another scale).
+  double scale;
+  PyObject* scaled;
+  PyObject* left;
+  uint64_t left_in;  // the setting it was left scaled in (0: none)
 };
 
 int landing_traverse(PyObject* self, visitproc visit, void* arg) {
   auto* hook = reinterpret_cast<LandingHook*>(self);
   Py_VISIT(hook->fn);
   Py_VISIT(hook->record);
+  Py_VISIT(hook->scaled);
+  Py_VISIT(hook->left);
+  if (hook->adoption != nullptr) {
+    const Adoption& adoption = **hook->adoption;
+    if (adoption.landing == self && adoption.holds.load()) {
+      Py_VISIT(adoption.dict);
+    }
+  }
   return 0;
 }
 
@@ -769,6 +807,8 @@ int landing_clear(PyObject* self) {
   auto* hook = reinterpret_cast<LandingHook*>(self);
   Py_CLEAR(hook->fn);
   Py_CLEAR(hook->record);
+  Py_CLEAR(hook->scaled);
+  Py_CLEAR(hook->left);
   return 0;
 }
 
@@ -778,72 +818,91 @@ void landing_dealloc(PyObject* self) {
   auto* hook = reinterpret_cast<LandingHook*>(self);
   delete hook->state;
   hook->state = nullptr;
+  if (hook->adoption != nullptr) {
+    if ((*hook->adoption)->landing == self) {
+      (*hook->adoption)->landing = nullptr;
+    }
+    delete hook->adoption;
+    hook->adoption = nullptr;
+  }
   Py_TYPE(self)->tp_free(self);
+}
+
+// What landing hook ``hook`` does with gradient ``grad`` (null: none was
+// given), the GIL held: 1, landed (the gradient passes on unchanged); 2,
+// landed divided (``*out``); 0, not for the native landing (``fn(grad)``
+// is); -1, a Python error set.
+int land(LandingHook* hook, const at::Tensor* grad, at::Tensor* out) {
+  LandingState& state = **hook->state;
+  if (!state.running) return 1;
+  if (!state.unit || state.record == nullptr || hook->record == nullptr) {
+    return 0;
+  }
+  auto found = state.unit->find(hook->impl);
+  if (found == state.unit->end()) return 0;
+  double scale = found->second;
+  if (scale == 1.0) {
+    return PyList_Append(state.record, hook->record) != 0 ? -1 : 1;
+  }
+  if (grad == nullptr) {
+    PyErr_SetString(PyExc_TypeError, "gradient_scaling native: a "
+                    "landing hook is called with one tensor");
+    return -1;
+  }
+  PyObject* param = PyTuple_GET_ITEM(hook->record, 0);
+  if (hook->left_in == state.setting) {
+    PyErr_SetString(PyExc_RuntimeError,
+                    "GradientScaling: a second gradient reached a "
+                    "parameter in one planned backward pass (its first "
+                    "is left scaled in .grad)");
+    return -1;
+  }
+  double inverse = 1.0 / scale;
+  if (hook->scale != scale || hook->scaled == nullptr) {
+    PyObject* scaled = Py_BuildValue("(Od)", param, scale);
+    PyObject* left = Py_BuildValue("(Od)", param, inverse);
+    if (scaled == nullptr || left == nullptr) {
+      Py_XDECREF(scaled);
+      Py_XDECREF(left);
+      return -1;
+    }
+    Py_XSETREF(hook->scaled, scaled);
+    Py_XSETREF(hook->left, left);
+    hook->scale = scale;
+  }
+  const at::Tensor& g = *grad;
+  if (state.pending != nullptr &&
+      state.excluded.count(hook->impl) == 0 &&
+      (g.scalar_type() == at::kFloat || g.scalar_type() == at::kDouble) &&
+      !g.is_sparse() && inverse >= std::ldexp(1.0, -126) &&
+      inverse <= std::ldexp(1.0, 127) && !at::GradMode::is_enabled() &&
+      !THPVariable_Unpack(param).grad().defined()) {
+    if (PyList_Append(state.pending, hook->left) != 0 ||
+        PyList_Append(state.record, hook->scaled) != 0) {
+      return -1;
+    }
+    hook->left_in = state.setting;
+    return 1;
+  }
+  *out = unscaled(g, scale);
+  return PyList_Append(state.record, hook->scaled) != 0 ? -1 : 2;
 }
 
 PyObject* landing_call(PyObject* self, PyObject* args, PyObject* kwargs) {
   auto* hook = reinterpret_cast<LandingHook*>(self);
-  LandingState& state = **hook->state;
-  if (!state.running) Py_RETURN_NONE;
-  if (state.unit && state.record != nullptr && hook->record != nullptr) {
-    auto found = state.unit->find(hook->impl);
-    if (found != state.unit->end()) {
-      double scale = found->second;
-      if (scale == 1.0) {
-        if (PyList_Append(state.record, hook->record) != 0) return nullptr;
-        Py_RETURN_NONE;
-      }
-      HANDLE_TH_ERRORS
-      PyObject* grad = PyTuple_Size(args) == 1 ? PyTuple_GET_ITEM(args, 0)
-                                               : nullptr;
-      if (grad == nullptr || !THPVariable_Check(grad)) {
-        PyErr_SetString(PyExc_TypeError, "gradient_scaling native: a "
-                        "landing hook is called with one tensor");
-        return nullptr;
-      }
-      PyObject* param = PyTuple_GET_ITEM(hook->record, 0);
-      if (state.deferred.count(hook->impl) != 0) {
-        PyErr_SetString(PyExc_RuntimeError,
-                        "GradientScaling: a second gradient reached a "
-                        "parameter in one planned backward pass (its first "
-                        "is left scaled in .grad)");
-        return nullptr;
-      }
-      const at::Tensor& g = THPVariable_Unpack(grad);
-      double inverse = 1.0 / scale;
-      if (state.pending != nullptr &&
-          state.excluded.count(hook->impl) == 0 &&
-          (g.scalar_type() == at::kFloat ||
-           g.scalar_type() == at::kDouble) &&
-          !g.is_sparse() && inverse >= std::ldexp(1.0, -126) &&
-          inverse <= std::ldexp(1.0, 127) && !at::GradMode::is_enabled() &&
-          !THPVariable_Unpack(param).grad().defined()) {
-        PyObject* entry = Py_BuildValue("(Od)", param, inverse);
-        PyObject* record = Py_BuildValue("(Od)", param, scale);
-        bool failed = entry == nullptr || record == nullptr ||
-            PyList_Append(state.pending, entry) != 0 ||
-            PyList_Append(state.record, record) != 0;
-        Py_XDECREF(entry);
-        Py_XDECREF(record);
-        if (failed) return nullptr;
-        state.deferred.insert(hook->impl);
-        Py_RETURN_NONE;
-      }
-      PyObject* out = THPVariable_Wrap(unscaled(g, scale));
-      if (out == nullptr) return nullptr;
-      PyObject* record = Py_BuildValue("(Od)", param, scale);
-      if (record == nullptr || PyList_Append(state.record, record) != 0) {
-        Py_XDECREF(record);
-        Py_DECREF(out);
-        return nullptr;
-      }
-      Py_DECREF(record);
-      return out;
-      END_HANDLE_TH_ERRORS
-    }
-  }
+  HANDLE_TH_ERRORS
+  PyObject* grad = PyTuple_Size(args) == 1 ? PyTuple_GET_ITEM(args, 0)
+                                           : nullptr;
+  at::Tensor out;
+  int landed = land(hook, grad != nullptr && THPVariable_Check(grad)
+                              ? &THPVariable_Unpack(grad) : nullptr,
+                    &out);
+  if (landed < 0) return nullptr;
+  if (landed == 1) Py_RETURN_NONE;
+  if (landed == 2) return THPVariable_Wrap(out);
   if (hook->fn == nullptr) Py_RETURN_NONE;
   return PyObject_Call(hook->fn, args, kwargs);
+  END_HANDLE_TH_ERRORS
 }
 
 PyTypeObject LandingHookType = {PyVarObject_HEAD_INIT(nullptr, 0)};
@@ -864,8 +923,176 @@ py::object landing_hook(Landing& landing, py::handle param, py::handle fn) {
   Py_INCREF(fn.ptr());
   hook->fn = fn.ptr();
   hook->record = record;
+  hook->adoption = nullptr;
+  hook->scale = 0.0;
+  hook->scaled = hook->left = nullptr;
+  hook->left_in = 0;
   PyObject_GC_Track(reinterpret_cast<PyObject*>(hook));
   return py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(hook));
+}
+
+// A parameter's Python tensor hooks (PyTorch runs them from their
+// dictionary, by one PyFunctionTensorPreHook among the tensor's hooks),
+// holding that hook: while the adopted landing hook is the only one in
+// the dictionary, it lands the gradient without a Python call (no Python
+// tensor made for the gradient, no call through the dictionary); with
+// another hook there (registered before GS's or after), or GS's gone,
+// they run as PyTorch runs them, in order.
+struct LandingPreHook : torch::autograd::FunctionPreHook {
+  std::unique_ptr<torch::autograd::FunctionPreHook> original;
+  size_t value_index = 0;  // the original's
+  std::shared_ptr<Adoption> adoption;
+
+  ~LandingPreHook() override { adoption->holds.store(false); }
+
+  variable_list operator()(const variable_list& values) override {
+    {
+      py::gil_scoped_acquire gil;
+      PyObject* landing = adoption->landing;
+      if (landing == nullptr) {
+        // The landing hook went without giving PyTorch's hook back (its
+        // handle removed by hand): given back now, before it runs.
+        auto impl = adoption->tensor.lock();
+        if (impl) {
+          at::Tensor tensor(std::move(impl));
+          for (auto& h : torch::autograd::impl::hooks(tensor)) {
+            if (h.get() == this) {
+              auto own = std::move(original);
+              h = std::move(own);  // (this wrapper freed: nothing of it
+              return (*h)(values);  // read from here on)
+            }
+          }
+        }
+      }
+      PyObject* key = nullptr;
+      PyObject* value = nullptr;
+      Py_ssize_t position = 0;
+      size_t i = value_index;
+      if (landing != nullptr && i < values.size() &&
+          PyDict_GET_SIZE(adoption->dict) == 1 &&
+          PyDict_Next(adoption->dict, &position, &key, &value) &&
+          value == landing) {
+        at::Tensor out;
+        int landed = land(reinterpret_cast<LandingHook*>(landing),
+                          values[i].defined() ? &values[i] : nullptr, &out);
+        if (landed < 0) throw python_error();
+        if (landed == 1) return values;
+        if (landed == 2) {
+          variable_list result(values);
+          result[i] = std::move(out);
+          return result;
+        }
+      }
+    }
+    return (*original)(values);
+  }
+
+  void compiled_args(
+      torch::dynamo::autograd::CompiledNodeArgs& args) const override {
+    original->compiled_args(args);
+  }
+};
+
+// The virtual table of PyTorch's PyFunctionTensorPreHook (whose type
+// information it does not export): read once from a tensor of our own
+// with one Python hook, so that a parameter's hook is known to be one.
+const void* python_tensor_hooks_vtable() {
+  static const void* vtable = nullptr;
+  if (vtable != nullptr) return vtable;
+  at::Tensor probe = at::zeros({1});
+  probe.set_requires_grad(true);
+  py::object obj =
+      py::reinterpret_steal<py::object>(THPVariable_Wrap(probe));
+  if (!obj) throw python_error();
+  obj.attr("register_hook")(py::cpp_function([](py::handle) {}));
+  const auto& hooks = torch::autograd::impl::hooks(probe);
+  if (hooks.size() == 1 && hooks[0]) {
+    vtable = *reinterpret_cast<const void* const*>(hooks[0].get());
+  }
+  return vtable;
+}
+
+// Landing hook ``hook``, registered on ``param``, adopted (see
+// LandingPreHook; again: the parameter's wrapper lands for it instead of
+// the hook it adopted before); False where the parameter's Python hooks
+// are not kept as expected (they then run as they do).
+bool adopt_landing(py::handle param, py::handle hook) {
+  if (!THPVariable_Check(param.ptr()) ||
+      Py_TYPE(hook.ptr()) != &LandingHookType) {
+    throw py::type_error("gradient_scaling native: adopt(tensor, landing "
+                         "hook)");
+  }
+  PyObject* dict =
+      reinterpret_cast<THPVariable*>(param.ptr())->backward_hooks;
+  const void* vtable = python_tensor_hooks_vtable();
+  if (dict == nullptr || !PyDict_Check(dict) || vtable == nullptr) {
+    return false;
+  }
+  auto* landing = reinterpret_cast<LandingHook*>(hook.ptr());
+  for (auto& h : torch::autograd::impl::hooks(
+           THPVariable_Unpack(param.ptr()))) {
+    if (!h) continue;
+    std::shared_ptr<Adoption> adoption;
+    auto* wrapper = dynamic_cast<LandingPreHook*>(h.get());
+    if (wrapper != nullptr) {
+      if (wrapper->adoption->dict != dict) continue;
+      adoption = wrapper->adoption;
+    } else {
+      if (*reinterpret_cast<const void* const*>(h.get()) != vtable) continue;
+      auto* python =
+          static_cast<torch::autograd::PyFunctionTensorPreHook*>(h.get());
+      if (python->dict != dict) continue;
+      adoption = std::make_shared<Adoption>();
+      adoption->dict = dict;
+      adoption->tensor = c10::weak_intrusive_ptr<c10::TensorImpl>(
+          THPVariable_Unpack(param.ptr()).getIntrusivePtr());
+      auto adopted = std::make_unique<LandingPreHook>();
+      adopted->value_index = python->value_idx;
+      adopted->adoption = adoption;
+      adopted->original = std::move(h);
+      h = std::move(adopted);
+    }
+    adoption->landing = hook.ptr();
+    if (landing->adoption == nullptr) {
+      landing->adoption = new std::shared_ptr<Adoption>(adoption);
+    } else {
+      *landing->adoption = adoption;
+    }
+    return true;
+  }
+  return false;
+}
+
+// The parameter's Python hooks run by PyTorch's own hook again, where a
+// LandingPreHook holds it for landing hook ``hook`` (which goes).
+void unadopt_landing(py::handle param, py::handle hook) {
+  if (!THPVariable_Check(param.ptr())) {
+    throw py::type_error("gradient_scaling native: not a tensor");
+  }
+  for (auto& h : torch::autograd::impl::hooks(
+           THPVariable_Unpack(param.ptr()))) {
+    auto* wrapper = dynamic_cast<LandingPreHook*>(h.get());
+    if (wrapper != nullptr && wrapper->adoption->landing == hook.ptr()) {
+      auto original = std::move(wrapper->original);
+      h = std::move(original);  // (the wrapper freed: it holds no more)
+    }
+  }
+}
+
+// Whether ``param``'s tensor hooks hold a LandingPreHook landing for a
+// landing hook.
+bool landing_adopted(py::handle param) {
+  if (!THPVariable_Check(param.ptr())) {
+    throw py::type_error("gradient_scaling native: not a tensor");
+  }
+  for (auto& h : torch::autograd::impl::hooks(
+           THPVariable_Unpack(param.ptr()))) {
+    auto* wrapper = dynamic_cast<LandingPreHook*>(h.get());
+    if (wrapper != nullptr && wrapper->adoption->landing != nullptr) {
+      return true;
+    }
+  }
+  return false;
 }
 
 // A class as a signature's number: a negative code of its own, the class
@@ -1237,7 +1464,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_unit", &Landing::set_unit, py::arg("unit"),
            py::arg("record"), py::arg("pending") = py::none(),
            py::arg("excluded") = py::tuple())
-      .def("hook", &landing_hook);
+      .def("hook", &landing_hook)
+      .def_static("adopt", &adopt_landing)
+      .def_static("adopted", &landing_adopted)
+      .def_static("unadopt", &unadopt_landing);
   LandingHookType.tp_name = "gradient_scaling_native.LandingHook";
   LandingHookType.tp_basicsize = sizeof(LandingHook);
   LandingHookType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;

@@ -293,6 +293,20 @@ class PythonLanding(object):
         return functools.partial(_python_landing, self, id(param),
                                  (param, 1.0), fn)
 
+    @staticmethod
+    def adopt(param, hook):
+        """(Natively, ``hook`` then lands without a Python call while it
+        is ``param``'s only Python hook: here each landing is one.)"""
+        return False
+
+    @staticmethod
+    def adopted(param):
+        return False
+
+    @staticmethod
+    def unadopt(param, hook):
+        pass
+
 
 def _python_landing(state, key, record, fn, grad):
     if not state.running:
@@ -333,7 +347,12 @@ def Landing():
     mode off, ``.grad`` empty, the parameter not of ``excluded``), and
     ``hook(param, fn)``: the hook to register on ``param``, which returns
     None while no pass runs, lands a gradient of ``unit`` so, else returns
-    ``fn(grad)``."""
+    ``fn(grad)``; ``adopt(param, hook)``, once it is registered: natively,
+    it then lands without a Python call while it is the parameter's only
+    Python tensor hook (PyTorch runs them from one dictionary, which
+    another hook, registered before or after, joins: they then run as
+    PyTorch runs them, in order), whether it does; ``unadopt(param,
+    hook)`` before the hook goes (PyTorch's own way back)."""
     native = module()
     return PythonLanding() if native is None else native.Landing()
 
