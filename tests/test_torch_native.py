@@ -784,7 +784,9 @@ def test_leaf_devices_and_the_final_check_natively(built, monkeypatch):
     """``leaf_devices``: how many devices; ``finite_into``: the pass's
     final check into the division's flag, as the Python one (a NaN in a
     gradient or a loss, an infinite loss, nothing but the flag, a flag
-    already set), None where another device's tensor is among them."""
+    already set; a one-element loss, read on the host, of each floating
+    dtype, and one of two elements), the flag left as it leaves it; None
+    where another device's tensor is among them."""
     a, b = torch.ones(2), torch.ones(2, dtype=torch.float64)
     meta = torch.ones(2, device='meta')
     assert built.leaf_devices([a, b, a]) == 1
@@ -793,7 +795,10 @@ def test_leaf_devices_and_the_final_check_natively(built, monkeypatch):
     loss = torch.tensor(2.0, requires_grad=True) * 3
     cases = [([a], [loss], 0.0), ([a, nan], [loss], 0.0),
              ([a], [loss * float('inf')], 0.0), ([], [], 0.0),
-             ([], [], 1.0), ([a], [loss, loss * float('nan')], 0.0)]
+             ([], [], 1.0), ([a], [loss, loss * float('nan')], 0.0),
+             ([], [nan], 0.0), ([], [nan[:1].half()], 0.0),
+             ([], [nan[1:].bfloat16()], 0.0), ([], [loss], 1.0),
+             ([], [loss * float('inf')], 1.0)]
     monkeypatch.setattr(native, 'finite_check', lambda: None)  # (Python)
     results = []
     for tensors, losses, flag in cases:
@@ -804,7 +809,8 @@ def test_leaf_devices_and_the_final_check_natively(built, monkeypatch):
         assert result is expected and torch.equal(found, again)
         results.append(result)
         assert loss.grad_fn is not None and loss.item() == 6.0
-    assert results == [True, False, False, True, False, False]
+    assert results == [True, False, False, True, False, False, False, True,
+                       False, False, False]
     assert torch.equal(a, torch.ones(2))  # (multiplied by 1)
     assert built.finite_into([meta], [], torch.zeros(1), one) is None
 
@@ -870,3 +876,22 @@ def test_the_final_check_falls_back_where_the_kernel_refuses(built):
             assert hook_module._all_finite(grads, [], [torch.zeros(1)]) \
                 is expected
         assert mode.refused == 1
+
+
+def test_the_unchecked_gradients_natively_as_in_python(built):
+    """``unchecked_grads``: the gradients of the leaves, in order, that
+    neither a native division (its lists) nor the Python one (ids) read
+    in place; a leaf without a gradient left out."""
+    params = [nn.Parameter(torch.ones(2)) for _ in range(6)]
+    for k, p in enumerate(params[:5]):
+        p.grad = torch.full((2,), float(k))
+    divided = [[params[0]], [params[2], params[0]]]
+    done = {id(params[3])}
+    got = built.unchecked_grads(params, divided, done)
+    assert [g.data_ptr() for g in got] == [params[1].grad.data_ptr(),
+                                           params[4].grad.data_ptr()]
+    assert built.unchecked_grads(params[:2], [], set())[1] is \
+        params[1].grad
+    assert built.unchecked_grads([], divided, done) == []
+    with pytest.raises(TypeError):
+        built.unchecked_grads(params, divided, [])

@@ -177,6 +177,31 @@ def test_the_verbs_refuse_a_wrong_order():
         GradientScaler(model, 'magic')
 
 
+@pytest.mark.parametrize('native_built', [True, False])
+def test_unscale_refuses_float16_gradients_as_gradscaler(native_built,
+                                                         monkeypatch):
+    """A float16 gradient among any group's parameters: GradScaler's
+    ValueError, whether read natively or in Python; nothing is decided
+    (the step can still be taken once the gradient is float32)."""
+    from gradient_scaling.torch import native
+    if not native_built:
+        monkeypatch.setattr(native, '_loaded', [None])
+    elif native.module() is None:
+        pytest.skip('native module not built: ' + native.reason())
+    for mode in ('gs', 'dynamic-gradscaler'):
+        model, _, scaler = build(mode)
+        half = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
+        optimizer = torch.optim.SGD([{'params': model.parameters()},
+                                     {'params': [half]}], lr=0.05)
+        scaler.scale(model(*batches(1)[0])).backward()
+        half.grad = torch.ones(2, dtype=torch.float16)
+        with pytest.raises(ValueError, match='unscale FP16 gradients'):
+            scaler.unscale_(optimizer)
+        half.grad = None
+        scaler.step(optimizer)
+        assert scaler.step_taken is True
+
+
 def test_unscale_gives_true_gradients_before_clipping():
     for mode in ('gs', 'dynamic-gradscaler', 'fixed'):
         model, optimizer, scaler = build(mode, loss_scale=64.0) \

@@ -124,11 +124,14 @@ class BackwardPass(object):
         #: torch.hook.GradientScaling.land`).
         self.defers = False
         self._accumulates = None
-        #: ``id`` of the parameters whose gradient was divided in place,
-        #: once accumulated, by GradScaler's fused kernel, which checked
-        #: it in the same read; its flags, per device (non-zero: not
-        #: finite). The pass's final check reads these flags instead.
+        #: The parameters whose gradient was divided in place, once
+        #: accumulated, by GradScaler's fused kernel, which checked it in
+        #: the same read: ``id`` of those the Python division divided,
+        #: and the lists of those the native one did; its flags, per
+        #: device (non-zero: not finite). The pass's final check reads
+        #: these flags instead.
         self.checked_in_place = set()
+        self.divided = []
         self.in_place_flags = {}
         #: Compiled regions that scaled their inside themselves
         #: (:func:`~gradient_scaling.torch.compile_backend.compile_backend`).
@@ -222,7 +225,9 @@ class BackwardPass(object):
     def checked_leaves(self):
         """The leaves whose gradients the pass's result checks: its own
         and the parameters of the nested passes it ran."""
-        return list(self.plan.leaf_tensors()) + self.inner_leaves
+        leaves = self.plan.leaf_tensors()
+        return list(leaves) + self.inner_leaves if self.inner_leaves \
+            else leaves
 
     def absorb(self, inner):
         """Takes over what a nested pass (run from one of this pass's

@@ -796,8 +796,7 @@ class PlanCache(object):
                 return None
         plan = _ReusedPlan(template, order, index)
         plan.roots = order.take(template.roots)
-        positions = template.accumulators
-        plan.variables = dict(zip(positions, order.variables(positions)))
+        plan.leaf_list = order.variables(template.accumulators)
         if template.extra:  # (another kind's factory decides now)
             gemms = plan.gemms
             for i in template.extra:
@@ -817,8 +816,9 @@ class _ReusedPlan(Plan):
     graph's nodes when first asked (``gemms``, ``casts``,
     ``softmax_gemms``, ``branches``, ``multi_output``, ``compiled``,
     ``softmax_gradients``, ``accumulators``; a GEMM's site alone:
-    :meth:`gemm_site`; the leaves' tensors are read at once, by position:
-    ``variables``)."""
+    :meth:`gemm_site`; the leaves' tensors are read at once, in the
+    order of the template's accumulation nodes, ``leaf_list``; by
+    position, ``variables``, when asked)."""
 
     made_when_asked = True
 
@@ -833,7 +833,7 @@ class _ReusedPlan(Plan):
         return self.gemms[node] if entry is None else self._site(entry)
 
     def leaf_tensors(self):
-        return self.variables.values()
+        return self.leaf_list
 
     def an_accumulator(self):
         positions = self.template.accumulators
@@ -874,7 +874,8 @@ _LAZY = {
     'softmax_gradients': lambda p, t, order: set(order.take(
         t.softmax_gradients)),
     'accumulators': lambda p, t, order: dict(zip(
-        order.take(t.accumulators), p.variables.values())),
+        order.take(t.accumulators), p.leaf_list)),
+    'variables': lambda p, t, order: dict(zip(t.accumulators, p.leaf_list)),
 }
 
 

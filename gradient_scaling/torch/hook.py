@@ -136,6 +136,9 @@ class GradientScaling(ControllerViews):
         #: The division of the gradients left scaled in ``.grad``, native
         #: (None: :meth:`_unscale_pending` alone).
         self._divide = native.left_scaled_division()
+        #: The gradients no division read in place, natively (None: the
+        #: Python division alone, whose ids the pass keeps).
+        self._unchecked = native.unchecked_reader()
         self._unit_on = False  # a unit set given to it
         self._running_told = False  # what it was told of running passes
         self._bare = False  # active as ``with hook:``
@@ -357,7 +360,7 @@ class GradientScaling(ControllerViews):
                      list(self._pending.items()) if v[2] is current]
         if mine and self._divide is not None:
             divided, mine = self._divide(mine, current.in_place_flags)
-            current.checked_in_place.update(map(id, divided))
+            current.divided.append(divided)
         if mine:
             self._unscale_pending([(leaf, inverse, current)
                                    for leaf, inverse in mine])
@@ -720,12 +723,15 @@ class GradientScaling(ControllerViews):
             # (a gradient divided in place was checked in that read)
             done, unread = current.checked_in_place, []
             leaves = current.checked_leaves()
-            if not done.issuperset(map(id, leaves)):
-                for p in leaves:
-                    if id(p) not in done:
-                        grad = p.grad
-                        if grad is not None:
-                            unread.append(grad)
+            if self._unchecked is not None:
+                unread = self._unchecked(leaves, current.divided, done)
+            else:  # (the Python division alone)
+                if not done.issuperset(map(id, leaves)):
+                    for p in leaves:
+                        if id(p) not in done:
+                            grad = p.grad
+                            if grad is not None:
+                                unread.append(grad)
             flags = list(current.in_place_flags.values())
         # The gradients landed unscaled: one fused read checks them and the
         # losses (GradScaler's check, with nothing left to divide).

@@ -1335,31 +1335,103 @@ at::ScalarType input_dtype(py::handle node, int64_t slot) {
   return c10::typeMetaToScalarType(n->input_metadata(slot).dtype());
 }
 
-// The common case of gradient_scaling.torch.hook's _all_finite, in one
-// call: ``tensors`` and a copy of each of ``losses`` checked by GradScaler's
-// kernel into ``found`` (the flag of the division in place, on the device
-// of all of them: multiplied by ``one``, which is 1), then ``found`` read.
-// None where the kernel refuses them (another device, dtype or layout):
-// the caller checks them as it would have.
+// The pass's final check in one call (hook._all_finite's common case):
+// ``tensors`` and ``losses`` checked into the division's flag ``found``
+// by GradScaler's kernel (the losses copied: it works in place), then
+// the flag read; a one-element floating loss read on the host instead
+// (after the flag: one operation, not a copy and a kernel), ``found``
+// set where it is not finite, as the kernel would have. None where a
+// tensor is not on the flag's device or not dense, or an operation is
+// refused (a c10 error; a dispatch mode's refusal reaches Python).
 py::object finite_into(std::vector<at::Tensor> tensors,
                        const std::vector<at::Tensor>& losses,
                        at::Tensor found, const at::Tensor& one) {
+  std::vector<at::Tensor> scalars;
   for (const auto& loss : losses) {
-    tensors.push_back(loss.reshape(-1).clone());
+    if (loss.numel() == 1 && loss.layout() == at::kStrided &&
+        loss.is_floating_point()) {
+      scalars.push_back(loss);
+    } else {
+      tensors.push_back(loss.reshape(-1).clone());
+    }
   }
   for (const auto& t : tensors) {
     if (t.device() != found.device() || t.layout() != at::kStrided) {
       return py::none();
     }
   }
-  if (!tensors.empty()) {
-    try {
+  try {
+    if (!tensors.empty()) {
       at::_amp_foreach_non_finite_check_and_unscale_(tensors, found, one);
-    } catch (const c10::Error&) {
-      return py::none();
+    }
+    bool finite = found.item<double>() == 0;
+    for (const auto& loss : scalars) {
+      if (!finite) break;
+      if (!std::isfinite(loss.item<double>())) {
+        found.fill_(1.0);
+        finite = false;
+      }
+    }
+    return py::bool_(finite);
+  } catch (const c10::Error&) {
+    return py::none();
+  }
+}
+
+// The gradients of ``leaves`` (in order; None ones left out) that no
+// division read in place: not a parameter of the lists of ``divided``
+// (each a native division's) nor one whose ``id`` is in the set
+// ``done`` (the Python division's).
+py::list unchecked_grads(py::iterable leaves, py::iterable divided,
+                         py::handle done) {
+  std::unordered_set<PyObject*> read;
+  for (auto list : divided) {
+    for (auto param : list) read.insert(param.ptr());
+  }
+  if (!PyAnySet_Check(done.ptr())) {
+    throw py::type_error("gradient_scaling native: done is not a set");
+  }
+  bool ids = PySet_GET_SIZE(done.ptr()) > 0;
+  py::list out;
+  for (auto leaf : leaves) {
+    if (read.count(leaf.ptr()) != 0) continue;
+    if (ids) {
+      PyObject* key = PyLong_FromVoidPtr(leaf.ptr());
+      if (key == nullptr) throw python_error();
+      int in = PySet_Contains(done.ptr(), key);
+      Py_DECREF(key);
+      if (in < 0) throw python_error();
+      if (in == 1) continue;
+    }
+    if (!THPVariable_Check(leaf.ptr())) {
+      throw py::type_error("gradient_scaling native: a leaf that is not a "
+                           "tensor");
+    }
+    const at::Tensor& grad = THPVariable_Unpack(leaf.ptr()).grad();
+    if (grad.defined()) {
+      out.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(grad)));
     }
   }
-  return py::bool_(found.item<double>() == 0);
+  return out;
+}
+
+// Whether a parameter of ``groups`` (an optimizer's ``param_groups``:
+// dictionaries, each with its ``params``) has a float16 gradient
+// (GradScaler's refusal to unscale one), read from each tensor's own
+// field.
+bool half_gradients(py::iterable groups) {
+  for (auto group : groups) {
+    py::object params = py::reinterpret_borrow<py::object>(group)["params"];
+    for (auto param : params) {
+      if (!THPVariable_Check(param.ptr())) {
+        throw py::type_error("gradient_scaling native: a parameter that is "
+                             "not a tensor");
+      }
+      const at::Tensor& grad = THPVariable_Unpack(param.ptr()).grad();
+      if (grad.defined() && grad.scalar_type() == at::kHalf) return true;
+    }
+  }
+  return false;
 }
 
 // The objects of the nodes at ``positions``.
@@ -1485,6 +1557,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("leaf_devices", &leaf_devices);
   m.def("input_dtype", &input_dtype);
   m.def("finite_into", &finite_into);
+  m.def("unchecked_grads", &unchecked_grads);
+  m.def("half_gradients", &half_gradients);
   py::class_<NodeOrder>(m, "NodeOrder")
       .def("__len__", [](const NodeOrder& o) { return o.list->size(); })
       .def("__getitem__", [](NodeOrder& o, Py_ssize_t i) {

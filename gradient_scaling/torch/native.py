@@ -38,7 +38,8 @@ import torch
 
 __all__ = ['module', 'reason', 'Hooks', 'Landing', 'hook_set_class',
            'is_landing_hook', 'left_scaled_division', 'planned',
-           'structure_function', 'finite_check', 'dtype_reader']
+           'structure_function', 'finite_check', 'dtype_reader',
+           'unchecked_reader', 'half_gradients']
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                        'native.cpp')
@@ -241,6 +242,29 @@ def finite_check():
     where it does not apply), or None where it is not built."""
     native = module()
     return None if native is None else native.finite_into
+
+
+def unchecked_reader():
+    """``unchecked_grads(leaves, divided, done)`` of the native module
+    (the gradients of ``leaves`` that no in-place division read: not a
+    parameter of the lists of ``divided``, the native division's, nor of
+    ``id`` in the set ``done``, the Python one's), or None where it is not
+    built."""
+    native = module()
+    return None if native is None else native.unchecked_grads
+
+
+def half_gradients():
+    """``half_gradients(param_groups)`` of the native module (whether a
+    parameter of an optimizer's groups has a float16 gradient), or the
+    same in Python where it is not built."""
+    native = module()
+    return _half_gradients if native is None else native.half_gradients
+
+
+def _half_gradients(groups):
+    return any(p.grad is not None and p.grad.dtype == torch.float16
+               for group in groups for p in group['params'])
 
 
 def dtype_reader():

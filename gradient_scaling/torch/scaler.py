@@ -59,6 +59,7 @@ from gradient_scaling.core import faults
 from gradient_scaling.core import telemetry
 from gradient_scaling.torch import _internals as internals
 from gradient_scaling.torch import agreement
+from gradient_scaling.torch import native
 from gradient_scaling.torch import unscaling
 from gradient_scaling.torch.hook import GradientScaling
 from gradient_scaling.torch.hook import unwrapped
@@ -193,6 +194,9 @@ class GradientScaler(object):
         self._param_names = {} if module is None else {
             p: n for n, p in module.named_parameters()}
         self._losses = []  # a checked loss-scaled step's, for its check
+        # (whether an optimizer's groups hold a float16 gradient: one
+        # native call, where built, instead of a Python read per parameter)
+        self._half_gradients = native.half_gradients()
         #: Whether the last :meth:`step` was taken (None before any).
         self.step_taken = None
         # The buffers are captured before the first module that has some
@@ -241,11 +245,9 @@ class GradientScaler(object):
         gradients (under GS they already did: it only checks)."""
         if not self._enabled:
             return
-        params = _params(optimizer)
-        for param in params:
-            if param.grad is not None and param.grad.dtype == torch.float16:
-                raise ValueError('Attempting to unscale FP16 gradients.')
-        self._decide(optimizer, params)
+        if self._half_gradients(optimizer.param_groups):
+            raise ValueError('Attempting to unscale FP16 gradients.')
+        self._decide(optimizer)
 
     def step(self, optimizer, *args, **kwargs):
         """``optimizer.step(*args, **kwargs)`` if its gradients are finite;
@@ -288,7 +290,7 @@ class GradientScaler(object):
         if stage == 'ready':
             # Decided without unscaling: the optimizer divides by
             # grad_scale itself.
-            finite = self._decide(optimizer, params, unscale=False).finite
+            finite = self._decide(optimizer, unscale=False).finite
             factor = self.policy.loss_scale
         else:
             finite = self._core.decision(id(optimizer))[1].finite
@@ -381,20 +383,21 @@ class GradientScaler(object):
         self._core.reset()
         self._new_step()
 
-    def _decide(self, optimizer, params, unscale=True):
+    def _decide(self, optimizer, unscale=True):
         """``optimizer``'s result, the same on every rank
         (:meth:`~gradient_scaling.core.scaler.Scaler.decide`). A
         loss-scaled mode unscales (unless ``unscale`` is False) and checks
         the optimizer's gradients; gradient scaling's step was checked as
-        its gradients landed, once for every optimizer."""
+        its gradients landed, once for every optimizer (its parameters
+        read only where that step is not finite)."""
         if self.hook is not None:
             return self._core.decide(
                 id(optimizer), lambda: self._exchange(
                     self.hook.step_payload()),
-                lambda: self._finite(params))
+                lambda: self._finite(_params(optimizer)))
         return self._core.decide(
             id(optimizer), lambda: self._exchange(
-                self._payload(params, unscale)))
+                self._payload(_params(optimizer), unscale)))
 
     def _payload(self, params, unscale):
         """A loss-scaled mode's payload for one optimizer's ``params``:
