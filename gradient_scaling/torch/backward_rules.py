@@ -347,19 +347,19 @@ class BackwardPass(object):
         model's (those have the hook's own)."""
         plan = self.plan
         lands, itself = self.hook.land, self.hook.landing_ids
-        shared, variables = plan.shared, getattr(plan, 'variables', None)
+        shared, leaves = plan.shared, getattr(plan, 'leaf_list', None)
         foreign = None if shared is None else shared.get('foreign')
         memo = plan.structure_memo
-        if foreign is None and variables is not None and memo is not None:
-            # A reused plan: the positions of its leaves not the model's,
-            # kept per structure (a position's tensor has the same id on
+        if foreign is None and leaves is not None and memo is not None:
+            # A reused plan: where its leaves not the model's are in its
+            # list, kept per structure (a leaf there has the same id on
             # every graph of the structure: whether it is the model's).
-            positions = memo.get('foreign')
-            if positions is None:
-                positions = memo['foreign'] = [
-                    i for i, leaf in variables.items()
+            places = memo.get('foreign')
+            if places is None:
+                places = memo['foreign'] = [
+                    k for k, leaf in enumerate(leaves)
                     if id(leaf) not in itself]
-            foreign = [variables[i] for i in positions]
+            foreign = [leaves[k] for k in places]
         if foreign is None:  # (not lands_itself: a call each)
             foreign = [leaf for leaf in plan.accumulators.values()
                        if id(leaf) not in itself]
