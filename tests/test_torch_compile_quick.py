@@ -14,6 +14,7 @@ its own scale lands divided by it, exactly.
 """
 
 import importlib
+import math
 import warnings
 
 import pytest
@@ -208,3 +209,59 @@ def test_no_forward_hook_without_buffers():
     normed = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
     scaler = GradientScaler(normed)
     assert scaler._capture and internals.forward_pre_hooks(normed)
+
+
+class _Overflowing(nn.Module):
+    """A GEMM whose weight's gradient overflows float64 (``x * 1e150``
+    for inputs of 1e200) while the loss stays finite (the weights are
+    1e-200), beside a parameter whose gradient is finite."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2, bias=False)
+        self.v = nn.Parameter(torch.ones(2))
+
+    def forward(self, x):
+        return (self.lin(x) * 1e150).sum() + (self.v * 1e-200).sum()
+
+
+def _overflowing_step(compiled, user_hook=False, accumulate=False):
+    """Whether a step of ``_Overflowing`` under GS (eager, or compiled
+    whole with GS's backend) is taken, after one on inputs of 1 (the
+    graph's plan then the quick one), and the weight's gradient."""
+    model, scaler, optimizer, run = fresh_compiled(
+        _Overflowing, compiled, update_interval=3)
+    with torch.no_grad():
+        model.lin.weight.fill_(1e-200)
+    optimizer.param_groups[0]['lr'] = 0.0  # (the weights as they are)
+    scaler.scale(run(torch.ones(4, 3, dtype=torch.float64))).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad()
+    x = torch.full((4, 3), 1e200, dtype=torch.float64)
+    if user_hook:  # (finite as it leaves the model; not in .grad)
+        x = torch.ones(4, 3, dtype=torch.float64)
+        model.lin.weight.register_hook(lambda g: g * math.inf)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', RuntimeWarning)
+        for _ in range(2 if accumulate else 1):
+            loss = run(x)
+            assert torch.isfinite(loss)
+            scaler.scale(loss).backward()
+        scaler.step(optimizer)
+    return scaler.step_taken, model.lin.weight.grad
+
+
+@pytest.mark.parametrize('user_hook, accumulate', [
+    (False, False), (True, False), (False, True)])
+def test_a_gradient_not_finite_as_it_leaves_a_compiled_model(user_hook,
+                                                              accumulate):
+    """A parameter's gradient that overflows as it leaves a model compiled
+    whole, the loss finite (alone, or accumulated onto the last pass's by
+    a second backward), or one made infinite by a user's hook after it
+    left: the step is skipped, as eager GS skips it."""
+    taken, grad = _overflowing_step('gs', user_hook, accumulate)
+    eager, eager_grad = _overflowing_step(None, user_hook, accumulate)
+    assert taken is False and eager is False
+    assert not torch.isfinite(grad).all()
+    assert not torch.isfinite(eager_grad).all()

@@ -802,6 +802,14 @@ def _all_finite(tensors, losses, flags=()):
             finite = None  # (checked below, as it would have been)
         if finite is not None:
             return finite
+    elif not flags and (tensors or losses):  # (none landed scaled)
+        fast = native.flagless_finite_check()
+        try:
+            finite = None if fast is None else fast(tensors, losses)
+        except (RuntimeError, NotImplementedError):
+            finite = None
+        if finite is not None:
+            return finite
     if flags and len({f.device for f in flags}) > 1:  # (one read each)
         if any(f.item() != 0 for f in flags):
             return False

@@ -1335,47 +1335,32 @@ at::ScalarType input_dtype(py::handle node, int64_t slot) {
   return c10::typeMetaToScalarType(n->input_metadata(slot).dtype());
 }
 
-// The pass's final check in one call (hook._all_finite's common case):
-// ``tensors`` and ``losses`` checked into the division's flag ``found``
-// by GradScaler's kernel (the losses copied: it works in place), then
-// the flag read; a one-element floating loss read on the host instead
-// (after the flag: one operation, not a copy and a kernel), ``found``
-// set where it is not finite, as the kernel would have. None where a
-// tensor is not on the flag's device or not dense, or an operation is
-// refused (a c10 error; a dispatch mode's refusal reaches Python).
+// The common case of gradient_scaling.torch.hook's _all_finite, in one
+// call: ``tensors`` and a copy of each of ``losses`` checked by GradScaler's
+// kernel into ``found`` (the flag of the division in place, on the device
+// of all of them: multiplied by ``one``, which is 1), then ``found`` read
+// (the step's one host read). None where the kernel refuses them
+// (another device, dtype or layout): the caller checks them as it would
+// have.
 py::object finite_into(std::vector<at::Tensor> tensors,
                        const std::vector<at::Tensor>& losses,
                        at::Tensor found, const at::Tensor& one) {
-  std::vector<at::Tensor> scalars;
   for (const auto& loss : losses) {
-    if (loss.numel() == 1 && loss.layout() == at::kStrided &&
-        loss.is_floating_point()) {
-      scalars.push_back(loss);
-    } else {
-      tensors.push_back(loss.reshape(-1).clone());
-    }
+    tensors.push_back(loss.reshape(-1).clone());
   }
   for (const auto& t : tensors) {
     if (t.device() != found.device() || t.layout() != at::kStrided) {
       return py::none();
     }
   }
-  try {
-    if (!tensors.empty()) {
+  if (!tensors.empty()) {
+    try {
       at::_amp_foreach_non_finite_check_and_unscale_(tensors, found, one);
+    } catch (const c10::Error&) {
+      return py::none();
     }
-    bool finite = found.item<double>() == 0;
-    for (const auto& loss : scalars) {
-      if (!finite) break;
-      if (!std::isfinite(loss.item<double>())) {
-        found.fill_(1.0);
-        finite = false;
-      }
-    }
-    return py::bool_(finite);
-  } catch (const c10::Error&) {
-    return py::none();
   }
+  return py::bool_(found.item<double>() == 0);
 }
 
 // The gradients of ``leaves`` (in order; None ones left out) that no
@@ -1432,6 +1417,25 @@ bool half_gradients(py::iterable groups) {
     }
   }
   return false;
+}
+
+// The pass's final check where no division made a flag: finite_into
+// with a flag made here, on the device of the first of ``tensors`` (or of
+// ``losses``). None where that does not apply.
+py::object finite_all(std::vector<at::Tensor> tensors,
+                      const std::vector<at::Tensor>& losses) {
+  if (tensors.empty() && losses.empty()) return py::bool_(true);
+  at::Device device =
+      tensors.empty() ? losses[0].device() : tensors[0].device();
+  at::Tensor found;
+  try {
+    found = at::zeros({1}, at::TensorOptions().dtype(at::kFloat)
+                               .device(device));
+  } catch (const c10::Error&) {
+    return py::none();
+  }
+  return finite_into(std::move(tensors), losses, found,
+                     inverse_on(1.0, device));
 }
 
 // The objects of the nodes at ``positions``.
@@ -1557,6 +1561,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("leaf_devices", &leaf_devices);
   m.def("input_dtype", &input_dtype);
   m.def("finite_into", &finite_into);
+  m.def("finite_all", &finite_all);
   m.def("unchecked_grads", &unchecked_grads);
   m.def("half_gradients", &half_gradients);
   py::class_<NodeOrder>(m, "NodeOrder")

@@ -39,7 +39,7 @@ import torch
 __all__ = ['module', 'reason', 'Hooks', 'Landing', 'hook_set_class',
            'is_landing_hook', 'left_scaled_division', 'planned',
            'structure_function', 'finite_check', 'dtype_reader',
-           'unchecked_reader', 'half_gradients']
+           'unchecked_reader', 'half_gradients', 'flagless_finite_check']
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                        'native.cpp')
@@ -242,6 +242,14 @@ def finite_check():
     where it does not apply), or None where it is not built."""
     native = module()
     return None if native is None else native.finite_into
+
+
+def flagless_finite_check():
+    """``finite_all(tensors, losses)`` of the native module (the same
+    where no division made a flag: one is made on their device), or None
+    where it is not built."""
+    native = module()
+    return None if native is None else native.finite_all
 
 
 def unchecked_reader():

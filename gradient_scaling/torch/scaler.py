@@ -194,6 +194,7 @@ class GradientScaler(object):
         self._param_names = {} if module is None else {
             p: n for n, p in module.named_parameters()}
         self._losses = []  # a checked loss-scaled step's, for its check
+        self._step_group = None  # (the step's process group, as scaled)
         # (whether an optimizer's groups hold a float16 gradient: one
         # native call, where built, instead of a Python read per parameter)
         self._half_gradients = native.half_gradients()
@@ -233,7 +234,9 @@ class GradientScaler(object):
             # ranks, each gradient is checked as it lands, before it is
             # averaged).
             self.hook.attach(outputs, hold=True)
-            self.hook.check_on_landing = self._world() is not None
+            # (the step's process group, read once: its exchange's too)
+            self._step_group = (self._world(),)
+            self.hook.check_on_landing = self._step_group[0] is not None
             return outputs
         scale = self.policy.loss_scale
         if self.policy.checks:
@@ -333,6 +336,7 @@ class GradientScaler(object):
     def _new_step(self):
         self._buffers_captured = False
         self._losses = []
+        self._step_group = None  # (the step's process group, as scaled)
 
     def _capture_buffers(self):
         """Saves every buffer of the model as it is now, before the
@@ -429,7 +433,8 @@ class GradientScaler(object):
 
     def _exchange(self, payload):
         """Every rank's payload (rank order), on every rank."""
-        group = self._world()
+        known = self._step_group
+        group = self._world() if known is None else known[0]
         if group is None or not self.policy.checks:
             return [payload]
         return agreement.exchange(payload, group)
