@@ -597,6 +597,38 @@ def test_an_adopted_landing_hook_leaves_cycles_collectable(built):
         assert alive() is None, make.__name__
 
 
+def test_two_landing_hooks_on_one_parameter(built):
+    """A second landing hook adopted on a parameter takes the adoption
+    over (the first's unadopt then gives nothing back); with both in the
+    dictionary they run as PyTorch runs them, in order; a tensor without
+    autograd's metadata has nothing adopted."""
+    first, second = built.Landing(), built.Landing()
+    p = nn.Parameter(torch.ones(2))
+    hooks = [first.hook(p, lambda g: g * 0.5),
+             second.hook(p, lambda g: g * 0.25)]
+    handles = [p.register_hook(h) for h in hooks]
+    assert first.adopt(p, hooks[0]) and second.adopt(p, hooks[1])
+    for state in (first, second):
+        state.set_running(True)
+        state.set_unit(state.landing_set([(p, 4.0)]), [])
+    (p * 8.0).sum().backward()  # (both: / 4, / 4)
+    assert torch.equal(p.grad, torch.full((2,), 0.5))
+    first.unadopt(p, hooks[0])
+    assert built.Landing.adopted(p)
+    handles[0].remove()
+    p.grad = None
+    (p * 8.0).sum().backward()  # (the second alone, adopted: / 4)
+    assert torch.equal(p.grad, torch.full((2,), 2.0))
+    second.unadopt(p, hooks[1])
+    assert not built.Landing.adopted(p)
+    p.grad = None
+    (p * 8.0).sum().backward()  # (through PyTorch's own hook)
+    assert torch.equal(p.grad, torch.full((2,), 2.0))
+    plain = torch.ones(2)
+    assert not built.Landing.adopted(plain)
+    built.Landing.unadopt(plain, hooks[1])
+
+
 def test_the_hook_adopts_its_landing_hooks(built):
     """GradientScaling's landing hook on each parameter is adopted where
     the module is built, and given back when the hook goes."""

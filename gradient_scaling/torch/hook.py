@@ -930,5 +930,7 @@ def _remove_all(landings, unadopt):
     each: PyTorch's own hook runs the parameter's Python hooks again
     (``unadopt``), then the handle removes GS's."""
     for param, handle, hook in landings:
-        unadopt(param, hook)
-        handle.remove()
+        try:
+            unadopt(param, hook)
+        finally:
+            handle.remove()

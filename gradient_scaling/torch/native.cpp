@@ -814,10 +814,7 @@ int landing_clear(PyObject* self) {
 
 void landing_dealloc(PyObject* self) {
   PyObject_GC_UnTrack(self);
-  landing_clear(self);
   auto* hook = reinterpret_cast<LandingHook*>(self);
-  delete hook->state;
-  hook->state = nullptr;
   if (hook->adoption != nullptr) {
     if ((*hook->adoption)->landing == self) {
       (*hook->adoption)->landing = nullptr;
@@ -825,6 +822,9 @@ void landing_dealloc(PyObject* self) {
     delete hook->adoption;
     hook->adoption = nullptr;
   }
+  landing_clear(self);
+  delete hook->state;
+  hook->state = nullptr;
   Py_TYPE(self)->tp_free(self);
 }
 
@@ -937,29 +937,39 @@ py::object landing_hook(Landing& landing, py::handle param, py::handle fn) {
 // the dictionary, it lands the gradient without a Python call (no Python
 // tensor made for the gradient, no call through the dictionary); with
 // another hook there (registered before GS's or after), or GS's gone,
-// they run as PyTorch runs them, in order.
+// they run as PyTorch runs them, in order. Given back (detach), PyTorch's
+// hook takes its place again and it is kept, never freed: an engine
+// thread may be inside it (it then runs PyTorch's hook, ``python``).
 struct LandingPreHook : torch::autograd::FunctionPreHook {
   std::unique_ptr<torch::autograd::FunctionPreHook> original;
+  torch::autograd::FunctionPreHook* python = nullptr;  // original's
   size_t value_index = 0;  // the original's
   std::shared_ptr<Adoption> adoption;
 
   ~LandingPreHook() override { adoption->holds.store(false); }
 
+  // PyTorch's hook back in ``slot`` (which holds this wrapper), in one
+  // pointer store; the wrapper then owns itself (kept for good).
+  void detach(std::unique_ptr<torch::autograd::FunctionPreHook>& slot) {
+    adoption->holds.store(false);
+    adoption->tensor.reset();
+    slot.swap(original);
+  }
+
   variable_list operator()(const variable_list& values) override {
     {
       py::gil_scoped_acquire gil;
       PyObject* landing = adoption->landing;
-      if (landing == nullptr) {
+      if (landing == nullptr && original.get() != this) {
         // The landing hook went without giving PyTorch's hook back (its
-        // handle removed by hand): given back now, before it runs.
+        // handle removed by hand): given back now.
         auto impl = adoption->tensor.lock();
         if (impl) {
           at::Tensor tensor(std::move(impl));
           for (auto& h : torch::autograd::impl::hooks(tensor)) {
             if (h.get() == this) {
-              auto own = std::move(original);
-              h = std::move(own);  // (this wrapper freed: nothing of it
-              return (*h)(values);  // read from here on)
+              detach(h);
+              break;
             }
           }
         }
@@ -972,6 +982,9 @@ struct LandingPreHook : torch::autograd::FunctionPreHook {
           PyDict_GET_SIZE(adoption->dict) == 1 &&
           PyDict_Next(adoption->dict, &position, &key, &value) &&
           value == landing) {
+        // (held while it lands: a collection inside may free its last
+        // other reference)
+        py::object held = py::reinterpret_borrow<py::object>(landing);
         at::Tensor out;
         int landed = land(reinterpret_cast<LandingHook*>(landing),
                           values[i].defined() ? &values[i] : nullptr, &out);
@@ -984,30 +997,47 @@ struct LandingPreHook : torch::autograd::FunctionPreHook {
         }
       }
     }
-    return (*original)(values);
+    return (*python)(values);
   }
 
   void compiled_args(
       torch::dynamo::autograd::CompiledNodeArgs& args) const override {
-    original->compiled_args(args);
+    python->compiled_args(args);
   }
 };
+
+// The hooks of ``tensor`` (PyTorch asserts it has autograd metadata),
+// or null where it has none.
+std::vector<std::unique_ptr<torch::autograd::FunctionPreHook>>*
+tensor_hooks_of(const at::Tensor& tensor) {
+  if (torch::autograd::impl::get_autograd_meta(tensor) == nullptr) {
+    return nullptr;
+  }
+  return &torch::autograd::impl::hooks(tensor);
+}
 
 // The virtual table of PyTorch's PyFunctionTensorPreHook (whose type
 // information it does not export): read once from a tensor of our own
 // with one Python hook, so that a parameter's hook is known to be one.
 const void* python_tensor_hooks_vtable() {
   static const void* vtable = nullptr;
-  if (vtable != nullptr) return vtable;
-  at::Tensor probe = at::zeros({1});
-  probe.set_requires_grad(true);
-  py::object obj =
-      py::reinterpret_steal<py::object>(THPVariable_Wrap(probe));
-  if (!obj) throw python_error();
-  obj.attr("register_hook")(py::cpp_function([](py::handle) {}));
-  const auto& hooks = torch::autograd::impl::hooks(probe);
-  if (hooks.size() == 1 && hooks[0]) {
-    vtable = *reinterpret_cast<const void* const*>(hooks[0].get());
+  static bool tried = false;
+  if (tried) return vtable;
+  tried = true;
+  try {
+    at::Tensor probe = at::zeros({1});
+    probe.set_requires_grad(true);
+    py::object obj =
+        py::reinterpret_steal<py::object>(THPVariable_Wrap(probe));
+    if (!obj) throw python_error();
+    obj.attr("register_hook")(py::cpp_function([](py::handle) {}));
+    const auto& hooks = torch::autograd::impl::hooks(probe);
+    if (hooks.size() == 1 && hooks[0]) {
+      vtable = *reinterpret_cast<const void* const*>(hooks[0].get());
+    }
+  } catch (const std::exception&) {
+    PyErr_Clear();  // (none adopted: the hooks run as PyTorch runs them)
+    vtable = nullptr;
   }
   return vtable;
 }
@@ -1029,8 +1059,9 @@ bool adopt_landing(py::handle param, py::handle hook) {
     return false;
   }
   auto* landing = reinterpret_cast<LandingHook*>(hook.ptr());
-  for (auto& h : torch::autograd::impl::hooks(
-           THPVariable_Unpack(param.ptr()))) {
+  auto* hooks = tensor_hooks_of(THPVariable_Unpack(param.ptr()));
+  if (hooks == nullptr) return false;
+  for (auto& h : *hooks) {
     if (!h) continue;
     std::shared_ptr<Adoption> adoption;
     auto* wrapper = dynamic_cast<LandingPreHook*>(h.get());
@@ -1047,6 +1078,7 @@ bool adopt_landing(py::handle param, py::handle hook) {
       adoption->tensor = c10::weak_intrusive_ptr<c10::TensorImpl>(
           THPVariable_Unpack(param.ptr()).getIntrusivePtr());
       auto adopted = std::make_unique<LandingPreHook>();
+      adopted->python = python;
       adopted->value_index = python->value_idx;
       adopted->adoption = adoption;
       adopted->original = std::move(h);
@@ -1055,7 +1087,10 @@ bool adopt_landing(py::handle param, py::handle hook) {
     adoption->landing = hook.ptr();
     if (landing->adoption == nullptr) {
       landing->adoption = new std::shared_ptr<Adoption>(adoption);
-    } else {
+    } else if (*landing->adoption != adoption) {
+      if ((*landing->adoption)->landing == hook.ptr()) {
+        (*landing->adoption)->landing = nullptr;  // (the other's no more)
+      }
       *landing->adoption = adoption;
     }
     return true;
@@ -1069,12 +1104,13 @@ void unadopt_landing(py::handle param, py::handle hook) {
   if (!THPVariable_Check(param.ptr())) {
     throw py::type_error("gradient_scaling native: not a tensor");
   }
-  for (auto& h : torch::autograd::impl::hooks(
-           THPVariable_Unpack(param.ptr()))) {
+  auto* hooks = tensor_hooks_of(THPVariable_Unpack(param.ptr()));
+  if (hooks == nullptr) return;
+  for (auto& h : *hooks) {
     auto* wrapper = dynamic_cast<LandingPreHook*>(h.get());
     if (wrapper != nullptr && wrapper->adoption->landing == hook.ptr()) {
-      auto original = std::move(wrapper->original);
-      h = std::move(original);  // (the wrapper freed: it holds no more)
+      wrapper->adoption->landing = nullptr;
+      wrapper->detach(h);
     }
   }
 }
@@ -1085,8 +1121,9 @@ bool landing_adopted(py::handle param) {
   if (!THPVariable_Check(param.ptr())) {
     throw py::type_error("gradient_scaling native: not a tensor");
   }
-  for (auto& h : torch::autograd::impl::hooks(
-           THPVariable_Unpack(param.ptr()))) {
+  auto* hooks = tensor_hooks_of(THPVariable_Unpack(param.ptr()));
+  if (hooks == nullptr) return false;
+  for (auto& h : *hooks) {
     auto* wrapper = dynamic_cast<LandingPreHook*>(h.get());
     if (wrapper != nullptr && wrapper->adoption->landing != nullptr) {
       return true;

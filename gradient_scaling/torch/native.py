@@ -262,11 +262,12 @@ def unchecked_reader():
     return None if native is None else native.unchecked_grads
 
 
-def half_gradients():
+def half_gradients(build=True):
     """``half_gradients(param_groups)`` of the native module (whether a
     parameter of an optimizer's groups has a float16 gradient), or the
-    same in Python where it is not built."""
-    native = module()
+    same in Python where it is not built (or, ``build`` False, not built
+    yet: not built for it alone)."""
+    native = module() if build or _loaded else None
     return _half_gradients if native is None else native.half_gradients
 
 

@@ -196,8 +196,10 @@ class GradientScaler(object):
         self._losses = []  # a checked loss-scaled step's, for its check
         self._step_group = None  # (the step's process group, as scaled)
         # (whether an optimizer's groups hold a float16 gradient: one
-        # native call, where built, instead of a Python read per parameter)
-        self._half_gradients = native.half_gradients()
+        # native call, where built, instead of a Python read per parameter;
+        # a loss-scaled mode does not build the module for it)
+        self._half_gradients = native.half_gradients(
+            build=self.hook is not None)
         #: Whether the last :meth:`step` was taken (None before any).
         self.step_taken = None
         # The buffers are captured before the first module that has some
