@@ -243,6 +243,14 @@ def test_callbacks_of_a_freed_graph_come_off_quietly(built):
     assert len(hooks) == 0
 
 
+def _grads(lin, x):
+    """A Linear's weight and bias gradients for ``x`` (copies), landed in
+    empty ``.grad``."""
+    lin.zero_grad(set_to_none=True)
+    lin(x).sum().backward()
+    return lin.weight.grad.clone(), lin.bias.grad.clone()
+
+
 @pytest.mark.parametrize('kind', ['native', 'python'])
 def test_landing_hooks(built, kind):
     """None while no pass runs (``fn`` not called); a parameter of the
@@ -265,9 +273,7 @@ def test_landing_hooks(built, kind):
     x = torch.randn(4, 3)
 
     def grads():
-        lin.zero_grad(set_to_none=True)
-        lin(x).sum().backward()
-        return w.grad.clone(), b.grad.clone()
+        return _grads(lin, x)
     true_w, true_b = grads()
     assert called == [] and torch.equal(seen[-1], true_w)
     state.set_running(True)
@@ -494,9 +500,7 @@ def test_an_adopted_landing_hook_lands_as_the_hook_does(built):
     x = torch.randn(4, 3)
 
     def grads():
-        lin.zero_grad(set_to_none=True)
-        lin(x).sum().backward()
-        return w.grad.clone(), b.grad.clone()
+        return _grads(lin, x)
     true_w, true_b = grads()
     assert called == []
     state.set_running(True)
