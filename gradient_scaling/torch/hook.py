@@ -792,22 +792,20 @@ def _all_finite(tensors, losses, flags=()):
     them (several devices, a sparse gradient), :func:`~gradient_scaling.
     torch.unscaling.unscale`'s check."""
     flags = list(flags)
+    fast, args = None, ()
     if len(flags) == 1:  # (the division's flag: the common case natively)
         fast = native.finite_check()
-        found = flags[0]
-        try:
-            finite = None if fast is None else fast(
-                tensors, losses, found, _inverse_on(1.0, found.device))
-        except (RuntimeError, NotImplementedError):
-            finite = None  # (checked below, as it would have been)
-        if finite is not None:
-            return finite
+        if fast is not None:
+            found = flags[0]
+            args = (tensors, losses, found, _inverse_on(1.0, found.device))
     elif not flags and (tensors or losses):  # (none landed scaled)
         fast = native.flagless_finite_check()
+        args = (tensors, losses)
+    if fast is not None:
         try:
-            finite = None if fast is None else fast(tensors, losses)
+            finite = fast(*args)
         except (RuntimeError, NotImplementedError):
-            finite = None
+            finite = None  # (checked below, as it would have been)
         if finite is not None:
             return finite
     if flags and len({f.device for f in flags}) > 1:  # (one read each)

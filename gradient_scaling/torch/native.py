@@ -333,10 +333,6 @@ class PythonLanding(object):
         return False
 
     @staticmethod
-    def adopted(param):
-        return False
-
-    @staticmethod
     def unadopt(param, hook):
         pass
 
