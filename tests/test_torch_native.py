@@ -954,3 +954,71 @@ def test_the_final_check_without_a_flag_natively(built, monkeypatch):
     assert built.finite_all([], [nan]) is False
     assert built.finite_all([], []) is True
     assert built.finite_all([a, meta], []) is None
+
+
+def _statistics_cases():
+    """Tensors a refresh reads: gradient-like, deep in the subnormals,
+    with NaN or inf, constant, zero, empty, each dtype, not contiguous,
+    and one past the size the finiteness loop reads."""
+    g = torch.Generator().manual_seed(3)
+    normal = torch.randn(4096, generator=g) * 1e-3
+    tiny = torch.randn(3000, generator=g) * 1e-40
+    with_nan, with_inf = normal.clone(), normal.clone()
+    with_nan[17], with_inf[-1] = math.nan, -math.inf
+    big = torch.randn(2 ** 16 + 5, generator=g)
+    big_inf = big.clone()
+    big_inf[2 ** 16 + 3] = math.inf
+    offset_mean = torch.randn(500, generator=g) * 1e-6 + 3.0
+    return {
+        'normal': normal, 'subnormal': tiny, 'nan': with_nan,
+        'inf': with_inf, 'constant': torch.full((100,), 3.5),
+        'zeros': torch.zeros(10), 'empty': torch.zeros(0),
+        'offset mean': offset_mean,
+        'float64': torch.randn(700, dtype=torch.float64, generator=g),
+        'float64 nan': torch.tensor([1.0, math.nan], dtype=torch.float64),
+        'float16': (torch.randn(300, generator=g) * 1e-5).half(),
+        'bfloat16 inf': torch.tensor([1.0, math.inf]).bfloat16(),
+        'strided': torch.randn(64, 64, generator=g).t(),
+        'strided inf': torch.randn(64, 64, generator=g).t().clone().t()
+        .index_fill_(0, torch.tensor([5]), math.inf),
+        'large': big, 'large inf': big_inf,
+        'matrix': torch.randn(32, 96, generator=g, requires_grad=True),
+    }
+
+
+@pytest.mark.parametrize('name', sorted(_statistics_cases()))
+def test_the_refresh_reads_natively_what_python_reads_bit_for_bit(
+        built, monkeypatch, name):
+    from gradient_scaling.torch.arrays import TORCH_OPS
+    x = _statistics_cases()[name]
+
+    def reads():
+        witness = TORCH_OPS.finite_witness(x)
+        return (witness.dtype, witness.shape, math.isnan(witness.item()),
+                witness.requires_grad, TORCH_OPS.log_statistics(x),
+                TORCH_OPS.spread_and_max(x),
+                TORCH_OPS.spread_and_max(x, sample=False))
+    native_reads = reads()
+    monkeypatch.setattr(native, '_loaded', [None])
+    python_reads = reads()
+    assert repr(native_reads) == repr(python_reads)
+    assert native_reads[2] == (not bool(torch.isfinite(x).all()))
+    if x.dtype == torch.float32 and x.numel():  # (the loop's own case)
+        flat = x.detach().reshape(-1)
+        y = flat.double()
+        assert repr(built.extremes_and_sums(flat)) == repr([
+            y.min().item(), y.max().item(), y.sum().item(),
+            torch.dot(y, y).item()])
+
+
+def test_the_refresh_reads_keep_the_default_dtype_and_device(built):
+    x = torch.ones(3)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert built.finite_witness(x).dtype == torch.float64
+    finally:
+        torch.set_default_dtype(previous)
+    assert built.finite_witness(x).dtype == previous
+    meta = torch.empty(4, device='meta')
+    assert built.finite_witness(meta).device.type == 'meta'

@@ -30,6 +30,7 @@ from gradient_scaling.core import statistics
 from gradient_scaling.core.histogram import ExponentHistogram
 from gradient_scaling.core.statistics import TensorStatistics
 from gradient_scaling.torch import _internals as internals
+from gradient_scaling.torch import native
 
 __all__ = ['TorchOps', 'TORCH_OPS', 'max_abs', 'times_power_of_two',
            'power_of_two']
@@ -97,17 +98,21 @@ def _small_spread_and_max(flat):
     numbers are normal float64 numbers, so the power-of-two factor that
     :func:`_spread` may apply first changes no bit of the result (every
     rounding commutes with it): the same standard deviation."""
-    y = flat.to(torch.float64)
-    low, high, total, squares = _values(*torch.aminmax(y), y.sum(),
-                                        torch.dot(y, y))
+    built = native.built()
+    if built is not None:  # (the same operations, in one call)
+        low, high, total, squares = built.extremes_and_sums(flat)
+    else:
+        y = flat.to(torch.float64)
+        low, high, total, squares = _values(*torch.aminmax(y), y.sum(),
+                                            torch.dot(y, y))
     largest = max(-low, high)
     if not math.isfinite(largest):
         return math.nan, largest
     if largest == 0:
         return 0.0, 0.0
-    n = y.numel()
+    n = flat.numel()
     if total * total > 0.5 * n * squares:  # mean >> spread: centre first
-        d = y - total / n
+        d = flat.to(torch.float64) - total / n
         total, squares = _values(d.sum(), torch.dot(d, d))
     mean = total / n
     return math.sqrt(max(squares / n - mean * mean, 0.0)), largest
@@ -121,6 +126,32 @@ def max_abs(x):
     if x.numel() == 0:
         return 0.0
     return float(x.detach().abs().max())
+
+
+def _log_moments(x):
+    """:meth:`TorchOps.log_statistics`'s reads of ``x`` over its finite
+    values, in float64, with one host transfer: (count, finite count,
+    mean, variance, ``max|x|``, non-zero count, mean and variance of
+    ``log|x|``); natively (``log_moments``) the same operations."""
+    x = x.detach().to(torch.float64).reshape(-1)
+    finite = torch.isfinite(x)
+    values = x[finite]
+    magnitudes = values.abs()
+    logs = torch.log(magnitudes[magnitudes != 0])
+    zero = torch.zeros((), dtype=torch.float64, device=x.device)
+
+    def moments(v):
+        if v.numel() == 0:
+            return zero, zero
+        var, mean = torch.var_mean(v, correction=0)
+        return mean, var
+    mean, var = moments(values)
+    log_mean, log_var = moments(logs)
+    (n_finite, mean, var, largest, log_mean,
+     log_var) = _values(finite.sum(), mean, var, magnitudes.max()
+                        if values.numel() else zero, log_mean, log_var)
+    return (x.numel(), n_finite, mean, var, largest, logs.numel(),
+            log_mean, log_var)
 
 
 class TorchOps(arrays.ArrayOps):
@@ -149,25 +180,10 @@ class TorchOps(arrays.ArrayOps):
         return std, largest, largest
 
     def log_statistics(self, x):
-        x = x.detach().to(torch.float64).reshape(-1)
-        count = x.numel()
-        finite = torch.isfinite(x)
-        values = x[finite]
-        magnitudes = values.abs()
-        logs = torch.log(magnitudes[magnitudes != 0])
-        zero = torch.zeros((), dtype=torch.float64, device=x.device)
-
-        def moments(v):
-            if v.numel() == 0:
-                return zero, zero
-            var, mean = torch.var_mean(v, correction=0)
-            return mean, var
-        mean, var = moments(values)
-        log_mean, log_var = moments(logs)
-        nonzero = logs.numel()  # known here: no transfer
-        (n_finite, mean, var, largest, log_mean,
-         log_var) = _values(finite.sum(), mean, var, magnitudes.max()
-                            if values.numel() else zero, log_mean, log_var)
+        built = native.built()
+        (count, n_finite, mean, var, largest, nonzero, log_mean,
+         log_var) = (_log_moments if built is None else
+                     built.log_moments)(x)
         return TensorStatistics(
             count=count, mean=mean, std=math.sqrt(max(var, 0.0)),
             max_abs=largest, nonzero=int(nonzero), log_mean=log_mean,
@@ -223,6 +239,9 @@ class TorchOps(arrays.ArrayOps):
     def finite_witness(self, x):
         # 0 where every element is finite, NaN otherwise: a 0-d tensor on
         # x's device (no host read), so that autograd can free x.
+        built = native.built()
+        if built is not None:  # (a small CPU tensor read by a loop)
+            return built.finite_witness(x)
         return torch.where(torch.isfinite(x.detach()).all(), 0.0, math.nan)
 
     def underflow_rate(self, x, fmt):

@@ -1475,6 +1475,95 @@ py::object finite_all(std::vector<at::Tensor> tensors,
                      inverse_on(1.0, device));
 }
 
+// -- what a refresh reads of a tensor (TorchOps's statistics) -------------
+//
+// The same ATen operations as gradient_scaling/torch/arrays.py's, in one
+// call (the same numbers, bit for bit: they sum in the same order); the
+// finiteness of a small dense CPU tensor read by a loop here (a yes or
+// no: no rounding to differ).
+
+// Elements a finiteness loop reads here, single-threaded; beyond, ATen's.
+constexpr int64_t kFiniteLoop = 1 << 16;
+
+// Whether every element of ``n`` float32 or float64 values is finite (the
+// exponent not all ones), read without a branch per element.
+template <typename Bits>
+bool finite_values(const void* data, int64_t n, Bits exponent) {
+  const Bits* bits = static_cast<const Bits*>(data);
+  Bits all_ones = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    all_ones |= static_cast<Bits>((bits[i] & exponent) == exponent);
+  }
+  return all_ones == 0;
+}
+
+// TorchOps.finite_witness: 0 where every element of ``x`` is finite, NaN
+// otherwise, a 0-d tensor of the default dtype on x's device (no host
+// read of a device's tensor).
+at::Tensor finite_witness(const at::Tensor& given) {
+  at::Tensor x = given.detach();
+  auto dtype = x.scalar_type();
+  if (x.device().is_cpu() && x.layout() == at::kStrided &&
+      x.numel() <= kFiniteLoop && x.is_contiguous() &&
+      (dtype == at::kFloat || dtype == at::kDouble)) {
+    bool finite = dtype == at::kFloat
+        ? finite_values<uint32_t>(x.data_ptr(), x.numel(), 0x7f800000u)
+        : finite_values<uint64_t>(x.data_ptr(), x.numel(),
+                                  0x7ff0000000000000ull);
+    return at::scalar_tensor(
+        finite ? 0.0 : std::numeric_limits<double>::quiet_NaN(),
+        at::TensorOptions().dtype(
+            c10::typeMetaToScalarType(c10::get_default_dtype())));
+  }
+  return at::where(at::isfinite(x).all(), 0.0,
+                   std::numeric_limits<double>::quiet_NaN());
+}
+
+// The values of 0-d tensors of one dtype, with one host read (arrays.py's
+// ``_values``: stacked, in float64 where their dtypes differ).
+std::vector<double> values_of(std::vector<at::Tensor> tensors) {
+  for (auto& t : tensors) t = t.to(at::kDouble);
+  at::Tensor stacked = at::stack(tensors);
+  if (!stacked.device().is_cpu()) stacked = stacked.cpu();
+  const double* v = stacked.data_ptr<double>();
+  return std::vector<double>(v, v + stacked.numel());
+}
+
+// arrays._small_spread_and_max's one read of a flat float32 tensor, in
+// float64: (min, max, sum, sum of squares).
+std::vector<double> extremes_and_sums(const at::Tensor& flat) {
+  at::Tensor y = flat.to(at::kDouble);
+  auto extremes = at::aminmax(y);
+  return values_of({std::get<0>(extremes), std::get<1>(extremes), y.sum(),
+                    at::dot(y, y)});
+}
+
+// TorchOps.log_statistics's reads of ``x``: (count, finite count, mean,
+// variance, max |x|, non-zero count, mean and variance of log |x|), over
+// its finite values (in float64).
+std::tuple<int64_t, double, double, double, double, int64_t, double, double>
+log_moments(const at::Tensor& given) {
+  at::Tensor x = given.detach().to(at::kDouble).reshape(-1);
+  at::Tensor finite = at::isfinite(x);
+  at::Tensor values = x.index({finite});
+  at::Tensor magnitudes = values.abs();
+  at::Tensor logs = at::log(magnitudes.index({magnitudes != 0}));
+  at::Tensor zero = at::zeros({}, x.options());
+  auto moments = [&](const at::Tensor& v) {
+    if (v.numel() == 0) return std::make_pair(zero, zero);
+    auto var_mean = at::var_mean(v, c10::nullopt, 0);
+    return std::make_pair(std::get<1>(var_mean), std::get<0>(var_mean));
+  };
+  auto plain = moments(values);
+  auto logged = moments(logs);
+  std::vector<double> v = values_of(
+      {finite.sum(), plain.first, plain.second,
+       values.numel() ? magnitudes.max() : zero, logged.first,
+       logged.second});
+  return std::make_tuple(x.numel(), v[0], v[1], v[2], v[3], logs.numel(),
+                         v[4], v[5]);
+}
+
 // The objects of the nodes at ``positions``.
 py::list take(NodeOrder& order, const std::vector<Py_ssize_t>& positions) {
   py::list out(positions.size());
@@ -1601,6 +1690,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("finite_all", &finite_all);
   m.def("unchecked_grads", &unchecked_grads);
   m.def("half_gradients", &half_gradients);
+  m.def("finite_witness", &finite_witness,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("extremes_and_sums", &extremes_and_sums,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("log_moments", &log_moments,
+        py::call_guard<py::gil_scoped_release>());
   py::class_<NodeOrder>(m, "NodeOrder")
       .def("__len__", [](const NodeOrder& o) { return o.list->size(); })
       .def("__getitem__", [](NodeOrder& o, Py_ssize_t i) {

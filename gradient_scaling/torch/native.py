@@ -36,7 +36,7 @@ import warnings
 
 import torch
 
-__all__ = ['module', 'reason', 'Hooks', 'Landing', 'hook_set_class',
+__all__ = ['module', 'built', 'reason', 'Hooks', 'Landing', 'hook_set_class',
            'is_landing_hook', 'left_scaled_division', 'planned',
            'structure_function', 'finite_check', 'dtype_reader',
            'unchecked_reader', 'half_gradients', 'flagless_finite_check']
@@ -90,6 +90,12 @@ def module():
         if not _loaded:
             _loaded.append(_load())
     return _loaded[0]
+
+
+def built():
+    """The compiled module where it was loaded already, else None (not
+    built for the caller: what needs it alone may do without)."""
+    return _loaded[0] if _loaded else None
 
 
 def reason():
@@ -267,7 +273,7 @@ def half_gradients(build=True):
     parameter of an optimizer's groups has a float16 gradient), or the
     same in Python where it is not built (or, ``build`` False, not built
     yet: not built for it alone)."""
-    native = module() if build or _loaded else None
+    native = module() if build else built()
     return _half_gradients if native is None else native.half_gradients
 
 
