@@ -1022,3 +1022,32 @@ def test_the_refresh_reads_keep_the_default_dtype_and_device(built):
     assert built.finite_witness(x).dtype == previous
     meta = torch.empty(4, device='meta')
     assert built.finite_witness(meta).device.type == 'meta'
+
+
+@pytest.mark.parametrize('name', sorted(_statistics_cases()))
+@pytest.mark.parametrize('ratio', [2.0 ** -3, 2.0 ** 20, 2.0 ** -140,
+                                   2.0 ** 130])
+def test_the_native_product_and_maximum_are_aten_s_bit_for_bit(
+        built, name, ratio):
+    """The loops that multiply a small CPU tensor by a power of two and read
+    its ``max|x|`` (a planned pass's factors, its cast sites' checks, the
+    landing's division) give ATen's bits: subnormal products, NaN, inf,
+    each dtype; the other tensors are ATen's own."""
+    from gradient_scaling.torch.arrays import times_power_of_two
+    x = _statistics_cases()[name].detach()
+    ours = built.times_power_of_two(x, ratio)
+    theirs = times_power_of_two(x, ratio)
+    assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
+    assert ours.stride() == theirs.stride()
+    assert torch.equal(ours.reshape(-1).view(torch.uint8),
+                       theirs.reshape(-1).view(torch.uint8))
+    expected = 0.0 if x.numel() == 0 else x.abs().max().item()
+    assert repr(built.max_abs(x)) == repr(expected)
+
+
+def test_the_native_product_keeps_autograd_where_it_records(built):
+    x = torch.randn(5, requires_grad=True)
+    y = built.times_power_of_two(x, 0.5)
+    assert y.grad_fn is not None
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.full((5,), 0.5))

@@ -28,6 +28,7 @@
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <typeinfo>
 #include <map>
 #include <memory>
 #include <unordered_map>
@@ -203,6 +204,76 @@ struct PostHook : torch::autograd::FunctionPostHook {
 // (a new tensor, as a site's scaling makes): among a node's incoming
 // gradients (pre) or those it returns (post). No Python: what a native
 // cached pass's sites would cost (the benchmark's floor control).
+// Elements a loop here reads or writes, single-threaded; beyond, ATen's
+// kernels.
+constexpr int64_t kSmallLoop = 1 << 16;
+
+// Whether ``x`` is a small dense float32 or float64 CPU tensor outside
+// autograd, a plain one (not a subclass's, nor a wrapper's): read and
+// multiplied by loops here. Their operations are IEEE's (a maximum, a
+// product by a power of two), so the bits are those ATen's kernels give;
+// what they save is the dispatch and the intermediate tensors.
+bool loop_ready(const at::Tensor& x) {
+  auto dtype = x.scalar_type();
+  if ((dtype != at::kFloat && dtype != at::kDouble) ||
+      !x.device().is_cpu() || x.layout() != at::kStrided ||
+      x.numel() > kSmallLoop || x.requires_grad() || x.is_neg() ||
+      !x.has_storage() || !x.is_contiguous()) {
+    return false;
+  }
+  c10::DispatchKeySet keys = x.key_set();
+  return !keys.has(c10::DispatchKey::Python) &&
+         !keys.has(c10::DispatchKey::Functionalize) &&
+         typeid(*x.unsafeGetTensorImpl()) == typeid(c10::TensorImpl);
+}
+
+// ``max|x|`` of a loop_ready tensor (NaN where one element is; 0 when
+// empty), as ``x.abs().max()`` gives it.
+template <typename T>
+double max_abs_loop(const T* v, int64_t n) {
+  T largest = 0;
+  bool nan = false;
+  for (int64_t i = 0; i < n; ++i) {
+    T a = std::abs(v[i]);
+    nan |= (a != a);
+    largest = a > largest ? a : largest;
+  }
+  return nan ? std::numeric_limits<double>::quiet_NaN()
+             : static_cast<double>(largest);
+}
+
+double max_abs(const at::Tensor& x) {
+  if (x.numel() == 0) return 0.0;
+  if (loop_ready(x)) {
+    return x.scalar_type() == at::kFloat
+        ? max_abs_loop(x.data_ptr<float>(), x.numel())
+        : max_abs_loop(x.data_ptr<double>(), x.numel());
+  }
+  return x.abs().max().item<double>();
+}
+
+// ``x * factor`` (a power of two, a normal float32 number) into a new
+// tensor, for a loop_ready ``x``: each product an IEEE one in x's dtype
+// (the factor exact in it), as at::mul makes it.
+template <typename T>
+at::Tensor times_loop(const at::Tensor& x, double factor) {
+  at::Tensor out = at::empty_like(x);
+  const T* in = x.data_ptr<T>();
+  T* result = out.data_ptr<T>();
+  const T f = static_cast<T>(factor);
+  const int64_t n = x.numel();
+  for (int64_t i = 0; i < n; ++i) result[i] = in[i] * f;
+  return out;
+}
+
+at::Tensor times_normal(const at::Tensor& x, double factor) {
+  if (loop_ready(x)) {
+    return x.scalar_type() == at::kFloat ? times_loop<float>(x, factor)
+                                         : times_loop<double>(x, factor);
+  }
+  return x * factor;
+}
+
 variable_list times(const variable_list& grads, double factor,
                     const std::vector<int64_t>& indices) {
   variable_list out(grads);
@@ -247,7 +318,7 @@ at::Tensor times_power_of_two(const at::Tensor& x, double ratio) {
   at::Tensor result = x;
   while (exponent != 0) {
     int step = std::max(-126, std::min(127, exponent));
-    result = result * std::ldexp(1.0, step);
+    result = times_normal(result, std::ldexp(1.0, step));
     exponent -= step;
   }
   return result;
@@ -414,8 +485,7 @@ bool deviates(const Planned& table, int64_t seq, const variable_list& grads,
   const auto& range = table.checks[static_cast<size_t>(seq)];
   const double inf = std::numeric_limits<double>::infinity();
   if (range.first <= 0 || grads.empty() || !grads[0].defined()) return false;
-  *largest = grads[0].numel() == 0
-      ? 0.0 : grads[0].abs().max().item<double>();
+  *largest = max_abs(grads[0]);
   if (!(*largest > 0 && *largest < inf)) return range.second < inf;
   double quotient = table.fmt_max / *largest;
   return quotient < range.first ||
@@ -1482,9 +1552,6 @@ py::object finite_all(std::vector<at::Tensor> tensors,
 // finiteness of a small dense CPU tensor read by a loop here (a yes or
 // no: no rounding to differ).
 
-// Elements a finiteness loop reads here, single-threaded; beyond, ATen's.
-constexpr int64_t kFiniteLoop = 1 << 16;
-
 // Whether every element of ``n`` float32 or float64 values is finite (the
 // exponent not all ones), read without a branch per element.
 template <typename Bits>
@@ -1502,11 +1569,8 @@ bool finite_values(const void* data, int64_t n, Bits exponent) {
 // read of a device's tensor).
 at::Tensor finite_witness(const at::Tensor& given) {
   at::Tensor x = given.detach();
-  auto dtype = x.scalar_type();
-  if (x.device().is_cpu() && x.layout() == at::kStrided &&
-      x.numel() <= kFiniteLoop && x.is_contiguous() &&
-      (dtype == at::kFloat || dtype == at::kDouble)) {
-    bool finite = dtype == at::kFloat
+  if (loop_ready(x)) {
+    bool finite = x.scalar_type() == at::kFloat
         ? finite_values<uint32_t>(x.data_ptr(), x.numel(), 0x7f800000u)
         : finite_values<uint64_t>(x.data_ptr(), x.numel(),
                                   0x7ff0000000000000ull);
@@ -1690,6 +1754,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("finite_all", &finite_all);
   m.def("unchecked_grads", &unchecked_grads);
   m.def("half_gradients", &half_gradients);
+  m.def("times_power_of_two", &times_power_of_two);
+  m.def("max_abs", &max_abs);
   m.def("finite_witness", &finite_witness,
         py::call_guard<py::gil_scoped_release>());
   m.def("extremes_and_sums", &extremes_and_sums,
