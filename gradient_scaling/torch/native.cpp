@@ -8,7 +8,12 @@
 // (gradient_scaling/torch/backward_rules.py), but for a planned cached
 // pass's: its factors, which the Python callbacks decided before the pass
 // (gradient_scaling/torch/planned_pass.py), are multiplied here
-// (PlannedTable, HookSet.add_planned). gradient_scaling/torch/native.py
+// (PlannedTable, HookSet.add_planned). The small tensors GS adds
+// operations on (a cast's max|g|, a factor's product, a landing's
+// division) are read and multiplied by loops where that gives ATen's bits
+// (loop_ready), and a refresh's reads of a tensor are ATen's operations in
+// one call each (finite_witness, extremes_and_sums, log_moments).
+// gradient_scaling/torch/native.py
 // builds this file once per PyTorch version and falls back to the Python
 // implementation where it cannot (passes are then not planned).
 

@@ -10,7 +10,12 @@ per callback), and the landing hook every parameter carries for the
 hook's life (:class:`Landing`: no Python call for a gradient that lands
 while no pass runs, or at scale 1). What the callbacks do is the same
 Python code either way; gradients and scales are the same bit for bit
-(``tests/test_torch_native.py``).
+(``tests/test_torch_native.py``). A small dense CPU tensor's maximum,
+finiteness and product by a power of two are loops there (results that
+do not depend on the order of the work: ATen's bits), and a refresh's
+reads of a tensor (:mod:`gradient_scaling.torch.arrays`) are ATen's own
+operations in one call each, where the module is built already
+(:func:`built`).
 
 It is compiled with ``torch.utils.cpp_extension`` (a C++ compiler and
 ``ninja``) the first time a :class:`~gradient_scaling.torch.GradientScaling`
