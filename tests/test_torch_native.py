@@ -981,6 +981,10 @@ def _statistics_cases():
         'strided': torch.randn(64, 64, generator=g).t(),
         'strided inf': torch.randn(64, 64, generator=g).t().clone().t()
         .index_fill_(0, torch.tensor([5]), math.inf),
+        'size-1 strides': torch.randn(28, generator=g).as_strided(
+            (1, 4), (3, 1)),
+        'size-1 strides, 4-d': torch.randn(6, generator=g).as_strided(
+            (2, 3, 1, 1), (3, 1, 9, 9)),
         'large': big, 'large inf': big_inf,
         'matrix': torch.randn(32, 96, generator=g, requires_grad=True),
     }

@@ -213,9 +213,21 @@ struct PostHook : torch::autograd::FunctionPostHook {
 // kernels.
 constexpr int64_t kSmallLoop = 1 << 16;
 
+// Whether ``x``'s strides are the row-major ones of its sizes, every
+// dimension's (``is_contiguous`` ignores those of size 1: ATen's product of
+// such a tensor has other strides there than empty_like's).
+bool standard_strides(const at::Tensor& x) {
+  int64_t expected = 1;
+  for (int64_t d = x.dim() - 1; d >= 0; --d) {
+    if (x.stride(d) != expected) return false;
+    expected *= x.size(d);
+  }
+  return true;
+}
+
 // Whether ``x`` is a small dense float32 or float64 CPU tensor outside
-// autograd, a plain one (not a subclass's, nor a wrapper's): read and
-// multiplied by loops here. Their operations are IEEE's (a maximum, a
+// autograd, a plain one (not a subclass's, nor a wrapper's), in row-major
+// order: read and multiplied by loops here. Their operations are IEEE's (a maximum, a
 // product by a power of two), so the bits are those ATen's kernels give;
 // what they save is the dispatch and the intermediate tensors.
 bool loop_ready(const at::Tensor& x) {
@@ -223,7 +235,7 @@ bool loop_ready(const at::Tensor& x) {
   if ((dtype != at::kFloat && dtype != at::kDouble) ||
       !x.device().is_cpu() || x.layout() != at::kStrided ||
       x.numel() > kSmallLoop || x.requires_grad() || x.is_neg() ||
-      !x.has_storage() || !x.is_contiguous()) {
+      !x.has_storage() || !standard_strides(x)) {
     return false;
   }
   c10::DispatchKeySet keys = x.key_set();
@@ -262,7 +274,7 @@ double max_abs(const at::Tensor& x) {
 // (the factor exact in it), as at::mul makes it.
 template <typename T>
 at::Tensor times_loop(const at::Tensor& x, double factor) {
-  at::Tensor out = at::empty_like(x);
+  at::Tensor out = at::empty(x.sizes(), x.options());
   const T* in = x.data_ptr<T>();
   T* result = out.data_ptr<T>();
   const T f = static_cast<T>(factor);
