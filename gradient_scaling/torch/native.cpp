@@ -205,17 +205,13 @@ struct PostHook : torch::autograd::FunctionPostHook {
   }
 };
 
-// The gradients at ``indices`` times ``factor``, always a multiplication
-// (a new tensor, as a site's scaling makes): among a node's incoming
-// gradients (pre) or those it returns (post). No Python: what a native
-// cached pass's sites would cost (the benchmark's floor control).
 // Elements a loop here reads or writes, single-threaded; beyond, ATen's
 // kernels.
 constexpr int64_t kSmallLoop = 1 << 16;
 
 // Whether ``x``'s strides are the row-major ones of its sizes, every
-// dimension's (``is_contiguous`` ignores those of size 1: ATen's product of
-// such a tensor has other strides there than empty_like's).
+// dimension's (``is_contiguous`` ignores those of size 1, where ATen's
+// product of such a tensor may keep other strides than a row-major one).
 bool standard_strides(const at::Tensor& x) {
   int64_t expected = 1;
   for (int64_t d = x.dim() - 1; d >= 0; --d) {
@@ -227,9 +223,10 @@ bool standard_strides(const at::Tensor& x) {
 
 // Whether ``x`` is a small dense float32 or float64 CPU tensor outside
 // autograd, a plain one (not a subclass's, nor a wrapper's), in row-major
-// order: read and multiplied by loops here. Their operations are IEEE's (a maximum, a
-// product by a power of two), so the bits are those ATen's kernels give;
-// what they save is the dispatch and the intermediate tensors.
+// order: read and multiplied by loops here. Their operations are IEEE's
+// (a maximum, a product by a power of two), so the bits are those ATen's
+// kernels give; what they save is the dispatch and the intermediate
+// tensors.
 bool loop_ready(const at::Tensor& x) {
   auto dtype = x.scalar_type();
   if ((dtype != at::kFloat && dtype != at::kDouble) ||
@@ -291,6 +288,10 @@ at::Tensor times_normal(const at::Tensor& x, double factor) {
   return x * factor;
 }
 
+// The gradients at ``indices`` times ``factor``, always a multiplication
+// (a new tensor, as a site's scaling makes): among a node's incoming
+// gradients (pre) or those it returns (post). No Python: what a native
+// cached pass's sites would cost (the benchmark's floor control).
 variable_list times(const variable_list& grads, double factor,
                     const std::vector<int64_t>& indices) {
   variable_list out(grads);
