@@ -299,17 +299,17 @@ def test_a_cached_step_reads_the_device_once_and_the_cast_cap_once_more(
         return _original(self, *a, **k)
     monkeypatch.setattr(torch.Tensor, 'tolist', counted)
     per_step = []
+
+    def step():
+        optimizer.zero_grad()
+        scaler.scale(loss_of(model(x))).backward()
+        scaler.step(optimizer)
+        assert scaler.step_taken
+        scaler.update()
     for _ in range(4):
         lists.clear()
-        with torch.autograd.profiler.profile() as profile:
-            optimizer.zero_grad()
-            scaler.scale(loss_of(model(x))).backward()
-            scaler.step(optimizer)
-            assert scaler.step_taken
-            scaler.update()
-        per_step.append(lists['tolist'] + sum(
-            e.name == 'aten::_local_scalar_dense'
-            for e in profile.function_events))
+        dispatched = _dispatched_reads(step)
+        per_step.append(lists['tolist'] + dispatched)
     assert per_step[0] > reads  # the refresh
     # (the second step is recorded, its callbacks Python's; the others
     # planned where the native module is built, their cap read by a loop)
@@ -318,6 +318,8 @@ def test_a_cached_step_reads_the_device_once_and_the_cast_cap_once_more(
 
 
 def _dispatched_reads(fn):
+    """Host reads ``fn()`` dispatches (``_local_scalar_dense``: ``item``,
+    ``float``, ``bool``, ``int``, from Python or C++)."""
     with torch.autograd.profiler.profile() as profile:
         fn()
     return sum(e.name == 'aten::_local_scalar_dense'
