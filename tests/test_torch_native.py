@@ -974,6 +974,8 @@ def _statistics_cases():
         'inf': with_inf, 'constant': torch.full((100,), 3.5),
         'zeros': torch.zeros(10), 'empty': torch.zeros(0),
         'offset mean': offset_mean,
+        'one zero': normal.clone().index_fill_(0, torch.tensor([9]), 0.0),
+        'negative zero': torch.tensor([1e-3, -0.0, 2.0]),
         'float64': torch.randn(700, dtype=torch.float64, generator=g),
         'float64 nan': torch.tensor([1.0, math.nan], dtype=torch.float64),
         'float16': (torch.randn(300, generator=g) * 1e-5).half(),

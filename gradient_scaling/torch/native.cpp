@@ -1582,6 +1582,21 @@ bool finite_values(const void* data, int64_t n, Bits exponent) {
   return all_ones == 0;
 }
 
+// Whether every one of ``n`` float64 values is finite and non-zero (a
+// refresh's log-normal read then selects them all), read by a loop: a
+// yes or no, no rounding to differ.
+bool finite_and_nonzero(const double* data, int64_t n) {
+  const uint64_t* bits = reinterpret_cast<const uint64_t*>(data);
+  const uint64_t exponent = 0x7ff0000000000000ull;
+  const uint64_t magnitude = 0x7fffffffffffffffull;
+  bool excluded = false;
+  for (int64_t i = 0; i < n; ++i) {
+    excluded |= ((bits[i] & exponent) == exponent) |
+                ((bits[i] & magnitude) == 0);
+  }
+  return !excluded;
+}
+
 // TorchOps.finite_witness: 0 where every element of ``x`` is finite, NaN
 // otherwise, a 0-d tensor of the default dtype on x's device (no host
 // read of a device's tensor).
@@ -1626,6 +1641,21 @@ std::vector<double> extremes_and_sums(const at::Tensor& flat) {
 std::tuple<int64_t, double, double, double, double, int64_t, double, double>
 log_moments(const at::Tensor& given) {
   at::Tensor x = given.detach().to(at::kDouble).reshape(-1);
+  if (x.numel() > 0 && loop_ready(x) &&
+      finite_and_nonzero(x.data_ptr<double>(), x.numel())) {
+    // (both masks select every value, in order: the same values reduced
+    // in the same order, without the two selections)
+    at::Tensor logs = at::log(x.abs());
+    auto plain = at::var_mean(x, c10::nullopt, 0);
+    auto logged = at::var_mean(logs, c10::nullopt, 0);
+    std::vector<double> v = values_of(
+        {std::get<1>(plain), std::get<0>(plain), std::get<1>(logged),
+         std::get<0>(logged)});
+    double n = static_cast<double>(x.numel());
+    return std::make_tuple(x.numel(), n, v[0], v[1],
+                           max_abs_loop(x.data_ptr<double>(), x.numel()),
+                           x.numel(), v[2], v[3]);
+  }
   at::Tensor finite = at::isfinite(x);
   at::Tensor values = x.index({finite});
   at::Tensor magnitudes = values.abs();
