@@ -162,6 +162,34 @@ def test_planned_passes_accumulate_as_python_ones(built, runs):
     _assert_same(planned, _history(False, _gpt_case(), passes=2))
 
 
+def test_landed_scales_read_after_many_passes_are_each_leafs_last(
+        built, runs):
+    """Read once, after 70 passes (the records of the passes in between
+    kept unread: a planned pass's, the same objects as the last pass's,
+    kept once; flushed past 64), the landed scales are those of each
+    leaf's last gradient, as with Python passes: the scales refreshed
+    every 4 steps as the loss shrinks, a parameter that stops receiving
+    gradients at step 50."""
+    def landed(planned):
+        net, batch = _every_construct()
+        hook = GradientScaling(net, update_interval=4)
+        hook.planned_passes = planned
+        name, frozen = list(net.named_parameters())[-1]
+        for step in range(70):
+            frozen.requires_grad_(step < 50)
+            net.zero_grad(set_to_none=True)
+            loss = net(*batch(step)) * 2.0 ** (-3 * (step // 4 % 4))
+            with hook:
+                loss.backward()
+        return name, {n: hook.landed_scales[p]
+                      for n, p in net.named_parameters()
+                      if p in hook.landed_scales}
+    name, planned = landed(True)
+    assert runs and set(runs) == {1}
+    assert (name, planned) == landed(False)
+    assert name in planned and len(set(planned.values())) > 1, planned
+
+
 def test_a_later_hook_sees_the_gradient_divided(built, runs):
     """A user's tensor hook registered after GS's on a parameter: that
     parameter's gradient lands divided at once (not left scaled), and

@@ -12,6 +12,7 @@ PyTorch touch is in :mod:`gradient_scaling.torch._internals`.
 
 import contextlib
 import functools
+import operator
 import warnings
 import weakref
 
@@ -713,9 +714,17 @@ class GradientScaling(ControllerViews):
             return
         if current.plan.compiled and not self._warned_compiled:
             self._warn_compiled(current)
-        self._landed_pending.append(current.landed)
-        if len(self._landed_pending) > 64:
-            self.landed_scales  # NOQA: flushed now and then
+        pending, landed = self._landed_pending, current.landed
+        if pending and len(pending[-1]) == len(landed) and \
+                all(map(operator.is_, pending[-1], landed)):
+            # The same records, object for object, as the last pass's (a
+            # planned pass's native landing makes each once per scale):
+            # one of the two kept.
+            pending[-1] = landed
+        else:
+            pending.append(landed)
+            if len(pending) > 64:
+                self.landed_scales  # NOQA: flushed now and then
         flags = []
         if self.check_on_landing:  # what landed here, before any average
             unread = [g for _, g in current.witnesses]
