@@ -98,9 +98,14 @@ def _graphs():
                                    (h * h).mean().grad_fn]
     w = torch.randn(3, dtype=torch.float64, requires_grad=True)
     yield 'a leaf input only', [(w * 3).sum().grad_fn]
+    # more nodes than the read's table first has room for (it grows)
+    y = w
+    for k in range(700):
+        y = y * 1.5 if k % 2 else y + w
+    yield 'a long chain', [y.sum().grad_fn]
 
 
-@pytest.mark.parametrize('case', range(4))
+@pytest.mark.parametrize('case', range(5))
 def test_the_structure_read_natively_is_the_python_one(built, case):
     """The same nodes in the same order and positions (the signature is
     bytes: equal exactly when the Python one is, the next test)."""
