@@ -12,7 +12,8 @@
 // operations on (a cast's max|g|, a factor's product, a landing's
 // division) are read and multiplied by loops where that gives ATen's bits
 // (loop_ready), and a refresh's reads of a tensor are ATen's operations in
-// one call each (finite_witness, extremes_and_sums, log_moments).
+// one call each (finite_witness, extremes_and_sums, log_moments; the last
+// skips its selections where a loop finds they select every value).
 // gradient_scaling/torch/native.py
 // builds this file once per PyTorch version and falls back to the Python
 // implementation where it cannot (passes are then not planned).
