@@ -40,6 +40,19 @@ def amax_history(npz):
     return estimator.amax
 
 
+def same_amax(a, b):
+    """Two amax histories alike: the same sites, each the same number of
+    values, equal to 1e-12. A history holds maxima of gradients the BLAS
+    made: on another machine (the saved states) another kernel may round
+    their last bit otherwise (seen: OpenBLAS choosing its Prescott kernels
+    on a CPU its runtime detection does not know)."""
+    a, b = a or {}, b or {}
+    assert sorted(a) == sorted(b)
+    for key in a:
+        assert len(a[key]) == len(b[key]), key
+        np.testing.assert_allclose(a[key], b[key], rtol=1e-12, err_msg=key)
+
+
 def trained_hook(estimator):
     np.random.seed(0)  # the initial weights of the saved states
     with chainer.using_config('dtype', np.float64):
@@ -64,7 +77,7 @@ def test_state_has_the_previous_layouts_keys_and_values(estimator,
     old = np.load(os.path.join(DATA, OLD[estimator]))
     assert sorted(new.files) == sorted(old.files)
     if estimator == 'amax-delayed':  # the old order of the keys was random
-        assert amax_history(new) == amax_history(old)
+        same_amax(amax_history(new), amax_history(old))
     for key in set(old.files) - set(AMAX):
         if old[key].dtype.kind == 'U':
             assert new[key].tolist() == old[key].tolist(), key
@@ -106,8 +119,8 @@ def test_a_previous_layouts_snapshot_resumes(estimator):
                                  resumed)
     assert resumed.table.scales == straight.table.scales
     same_report(resumed.to_csv(), straight.to_csv())
-    assert getattr(resumed.estimator, 'amax', None) == getattr(
-        straight.estimator, 'amax', None)
+    same_amax(getattr(resumed.estimator, 'amax', None),
+              getattr(straight.estimator, 'amax', None))
     x, t = every_construct_batch(np.random.default_rng(1))
     grads = []
     for hook in (straight, resumed):
