@@ -608,6 +608,8 @@ def main(argv=None):
                           len(finished), '' if len(finished) == 1 else 's'))
                 log('interrupted; what was measured is in ' + args.out)
             raise
+    machine.append(('BLAS libraries (loaded at the end)',
+                    report.blas_libraries()))
     machine.append(('load average at end', report.load_average()))
     text = write()
     print(text)

@@ -90,6 +90,11 @@ def test_quick_report_describes_the_run(report):
     for key in ('* CPU:', '* NumPy:', '* Chainer:', 'cores',
                 '* BLAS threads: library default'):
         assert key in report, key
+    # NumPy's BLAS (OpenBLAS: with the kernels it chose for this CPU)
+    blas = [line.split(': ', 1)[1] for line in report.splitlines()
+            if line.startswith('* BLAS libraries (loaded at the end): ')]
+    assert len(blas) == 1 and blas[0] not in ('none found', ''), blas
+    assert 'openblas' not in blas[0] or ' kernels (' in blas[0], blas
 
 
 def test_quick_iteration_table_has_every_variant_with_positive_ratios(

@@ -53,6 +53,29 @@ def load_average():
         return 'unknown'
 
 
+def blas_libraries():
+    """The BLAS libraries loaded in this process, as threadpoolctl finds
+    them: each one's implementation, version, the kernels its runtime chose
+    for this CPU and its file. OpenBLAS falls back to generic kernels on a
+    CPU it does not know (seen: Prescott's, SSE3 only), and those round
+    and time otherwise: a report's absolute times, and a float's last bit,
+    depend on them. PyTorch's own BLAS (MKL, linked in) is not listed."""
+    try:
+        import threadpoolctl
+    except ImportError:
+        return 'unknown (threadpoolctl is not installed)'
+    found = []
+    for info in threadpoolctl.threadpool_info():
+        if info.get('user_api') != 'blas':
+            continue
+        kernels = info.get('architecture')
+        found.append('{} {}{} ({})'.format(
+            info.get('internal_api'), info.get('version') or '',
+            ', {} kernels'.format(kernels) if kernels else '',
+            os.path.basename(info.get('filepath') or '')))
+    return '; '.join(found) or 'none found'
+
+
 def code_version(repo=None):
     """The commit of the repository that holds these scripts, and whether
     its tracked files had uncommitted changes: what the numbers measured."""
