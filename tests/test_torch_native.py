@@ -26,6 +26,7 @@ torch = pytest.importorskip('torch')
 import torch.nn as nn  # NOQA: after the skip
 import torch.nn.functional as F  # NOQA
 
+from gradient_scaling.core import statistics  # NOQA
 from gradient_scaling.torch import GradientScaling  # NOQA
 from gradient_scaling.torch import graph  # NOQA
 from gradient_scaling.torch import native  # NOQA
@@ -981,6 +982,9 @@ def _statistics_cases():
         'offset mean': offset_mean,
         'one zero': normal.clone().index_fill_(0, torch.tensor([9]), 0.0),
         'negative zero': torch.tensor([1e-3, -0.0, 2.0]),
+        'all negative': -torch.rand(50, generator=g) - 1e-3,
+        'nan first, -inf': torch.tensor([math.nan, -math.inf, 1.0]),
+        'negative zero, negative': torch.tensor([-0.0, -2e-3, -1.0]),
         'float64': torch.randn(700, dtype=torch.float64, generator=g),
         'float64 nan': torch.tensor([1.0, math.nan], dtype=torch.float64),
         'float16': (torch.randn(300, generator=g) * 1e-5).half(),
@@ -1014,12 +1018,14 @@ def test_the_refresh_reads_natively_what_python_reads_bit_for_bit(
     python_reads = reads()
     assert repr(native_reads) == repr(python_reads)
     assert native_reads[2] == (not bool(torch.isfinite(x).all()))
-    if x.dtype == torch.float32 and x.numel():  # (the loop's own case)
-        flat = x.detach().reshape(-1)
-        y = flat.double()
-        assert repr(built.extremes_and_sums(flat)) == repr([
-            y.min().item(), y.max().item(), y.sum().item(),
-            torch.dot(y, y).item()])
+    # The native read's own cases: a plain small float32, float16 or
+    # bfloat16 tensor; none of the others.
+    own = x.dtype in (torch.float32, torch.float16, torch.bfloat16) and \
+        0 < x.numel() <= statistics.SPREAD_SAMPLE
+    read = built.small_spread_and_max(x, statistics.SPREAD_SAMPLE)
+    assert (read is not None) == own
+    if own:
+        assert repr(read) == repr(python_reads[5])
 
 
 def test_the_refresh_reads_keep_the_default_dtype_and_device(built):

@@ -98,13 +98,9 @@ def _small_spread_and_max(flat):
     numbers are normal float64 numbers, so the power-of-two factor that
     :func:`_spread` may apply first changes no bit of the result (every
     rounding commutes with it): the same standard deviation."""
-    built = native.built()
-    if built is not None:  # (the same operations, in one call)
-        low, high, total, squares = built.extremes_and_sums(flat)
-    else:
-        y = flat.to(torch.float64)
-        low, high, total, squares = _values(*torch.aminmax(y), y.sum(),
-                                            torch.dot(y, y))
+    y = flat.to(torch.float64)
+    low, high, total, squares = _values(*torch.aminmax(y), y.sum(),
+                                        torch.dot(y, y))
     largest = max(-low, high)
     if not math.isfinite(largest):
         return math.nan, largest
@@ -164,6 +160,11 @@ class TorchOps(arrays.ArrayOps):
     max_abs = staticmethod(max_abs)
 
     def spread_and_max(self, x, sample=True):
+        built = native.built()
+        if built is not None:  # (a small float32 tensor: one call)
+            read = built.small_spread_and_max(x, statistics.SPREAD_SAMPLE)
+            if read is not None:
+                return read
         x = x.detach()
         if x.numel() == 0:
             return 0.0, 0.0

@@ -12,8 +12,8 @@
 // operations on (a cast's max|g|, a factor's product, a landing's
 // division) are read and multiplied by loops where that gives ATen's bits
 // (loop_ready), and a refresh's reads of a tensor are ATen's operations in
-// one call each (finite_witness, extremes_and_sums, log_moments; the last
-// skips its selections where a loop finds they select every value).
+// one call each (finite_witness, small_spread_and_max, log_moments: the
+// last skips its selections where a loop finds they select every value).
 // gradient_scaling/torch/native.py
 // builds this file once per PyTorch version and falls back to the Python
 // implementation where it cannot (passes are then not planned).
@@ -37,6 +37,7 @@
 #include <typeinfo>
 #include <map>
 #include <memory>
+#include <optional>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -290,6 +291,15 @@ bool standard_strides(const at::Tensor& x) {
   return true;
 }
 
+// Whether ``x`` is a plain tensor: no Python subclass or functional
+// wrapper dispatching its operations elsewhere.
+bool plain_tensor(const at::Tensor& x) {
+  c10::DispatchKeySet keys = x.key_set();
+  return !keys.has(c10::DispatchKey::Python) &&
+         !keys.has(c10::DispatchKey::Functionalize) &&
+         typeid(*x.unsafeGetTensorImpl()) == typeid(c10::TensorImpl);
+}
+
 // Whether ``x`` is a small dense float32 or float64 CPU tensor outside
 // autograd, a plain one (not a subclass's, nor a wrapper's), in row-major
 // order: read and multiplied by loops here. Their operations are IEEE's
@@ -304,10 +314,7 @@ bool loop_ready(const at::Tensor& x) {
       !x.has_storage() || !standard_strides(x)) {
     return false;
   }
-  c10::DispatchKeySet keys = x.key_set();
-  return !keys.has(c10::DispatchKey::Python) &&
-         !keys.has(c10::DispatchKey::Functionalize) &&
-         typeid(*x.unsafeGetTensorImpl()) == typeid(c10::TensorImpl);
+  return plain_tensor(x);
 }
 
 // ``max|x|`` of a loop_ready tensor (NaN where one element is; 0 when
@@ -1695,13 +1702,44 @@ std::vector<double> values_of(std::vector<at::Tensor> tensors) {
   return std::vector<double>(v, v + stacked.numel());
 }
 
-// arrays._small_spread_and_max's one read of a flat float32 tensor, in
-// float64: (min, max, sum, sum of squares).
-std::vector<double> extremes_and_sums(const at::Tensor& flat) {
-  at::Tensor y = flat.to(at::kDouble);
+// TorchOps.spread_and_max of a plain float32 (or float16, bfloat16: they
+// widen exactly) tensor of 1 to ``limit`` elements: arrays.py's
+// _small_spread_and_max, every operation the same, and the arithmetic on
+// their values, in one call: (standard deviation, max |x|); nothing for
+// another tensor (Python reads it).
+std::optional<std::tuple<double, double>> small_spread_and_max(
+    const at::Tensor& given, int64_t limit) {
+  auto dtype = given.scalar_type();
+  const int64_t n = given.numel();
+  if ((dtype != at::kFloat && dtype != at::kHalf &&
+       dtype != at::kBFloat16) || n == 0 || n > limit ||
+      given.layout() != at::kStrided || !plain_tensor(given)) {
+    return std::nullopt;
+  }
+  at::Tensor y = given.detach().reshape(-1).to(at::kDouble);
   auto extremes = at::aminmax(y);
-  return values_of({std::get<0>(extremes), std::get<1>(extremes), y.sum(),
-                    at::dot(y, y)});
+  std::vector<double> v = values_of({std::get<0>(extremes),
+                                     std::get<1>(extremes), y.sum(),
+                                     at::dot(y, y)});
+  const double low = v[0], high = v[1];
+  const double largest = high > -low ? high : -low;  // max(-low, high)
+  if (!std::isfinite(largest)) {
+    return std::make_tuple(std::numeric_limits<double>::quiet_NaN(),
+                           largest);
+  }
+  if (largest == 0) return std::make_tuple(0.0, 0.0);
+  double total = v[2], squares = v[3];
+  const double count = static_cast<double>(n);
+  if (total * total > 0.5 * count * squares) {  // centred first
+    at::Tensor d = y - total / count;
+    v = values_of({d.sum(), at::dot(d, d)});
+    total = v[0];
+    squares = v[1];
+  }
+  const double mean = total / count;
+  double var = squares / count - mean * mean;
+  if (0.0 > var) var = 0.0;  // max(var, 0.0)
+  return std::make_tuple(std::sqrt(var), largest);
 }
 
 // TorchOps.log_statistics's reads of ``x``: (count, finite count, mean,
@@ -1875,7 +1913,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("max_abs", &max_abs);
   m.def("finite_witness", &finite_witness,
         py::call_guard<py::gil_scoped_release>());
-  m.def("extremes_and_sums", &extremes_and_sums,
+  m.def("small_spread_and_max", &small_spread_and_max,
         py::call_guard<py::gil_scoped_release>());
   m.def("log_moments", &log_moments,
         py::call_guard<py::gil_scoped_release>());

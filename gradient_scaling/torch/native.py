@@ -59,12 +59,17 @@ def _build_directory(name):
     return os.path.join(root, name)
 
 
+#: The compiler's flags: no contraction of a product and a sum into one
+#: fused operation (the module's arithmetic rounds as Python's does).
+_FLAGS = ['-O2', '-ffp-contract=off']
+
+
 def _name():
     with open(_SOURCE, 'rb') as f:
         digest = hashlib.sha256(f.read())
-    digest.update('{} {}.{} {}'.format(
+    digest.update('{} {}.{} {} {}'.format(
         torch.__version__, sys.version_info[0], sys.version_info[1],
-        sys.implementation.cache_tag).encode())
+        sys.implementation.cache_tag, ' '.join(_FLAGS)).encode())
     return 'gradient_scaling_native_' + digest.hexdigest()[:12]
 
 
@@ -136,7 +141,7 @@ def _load():
                     directory))
         return cpp_extension.load(
             name, [_SOURCE], build_directory=directory,
-            extra_cflags=['-O2'], verbose=False)
+            extra_cflags=_FLAGS, verbose=False)
     except Exception as error:  # NOQA: any failure means: Python instead
         # (a build's error: the compiler's first error lines, not the
         # command line that precedes them)
