@@ -1039,6 +1039,9 @@ def test_the_refresh_reads_keep_the_default_dtype_and_device(built):
     assert built.finite_witness(x).dtype == previous
     meta = torch.empty(4, device='meta')
     assert built.finite_witness(meta).device.type == 'meta'
+    # (a device other than the CPU or CUDA: read by Python's operations)
+    assert built.small_spread_and_max(meta, statistics.SPREAD_SAMPLE) \
+        is None
 
 
 @pytest.mark.parametrize('name', sorted(_statistics_cases()))

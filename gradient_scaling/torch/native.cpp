@@ -1703,7 +1703,7 @@ std::vector<double> values_of(std::vector<at::Tensor> tensors) {
 }
 
 // TorchOps.spread_and_max of a plain float32 (or float16, bfloat16: they
-// widen exactly) tensor of 1 to ``limit`` elements: arrays.py's
+// widen exactly) CPU or CUDA tensor of 1 to ``limit`` elements: arrays.py's
 // _small_spread_and_max, every operation the same, and the arithmetic on
 // their values, in one call: (standard deviation, max |x|); nothing for
 // another tensor (Python reads it).
@@ -1713,7 +1713,9 @@ std::optional<std::tuple<double, double>> small_spread_and_max(
   const int64_t n = given.numel();
   if ((dtype != at::kFloat && dtype != at::kHalf &&
        dtype != at::kBFloat16) || n == 0 || n > limit ||
-      given.layout() != at::kStrided || !plain_tensor(given)) {
+      given.layout() != at::kStrided ||
+      !(given.device().is_cpu() || given.device().is_cuda()) ||
+      !plain_tensor(given)) {
     return std::nullopt;
   }
   at::Tensor y = given.detach().reshape(-1).to(at::kDouble);
