@@ -1695,6 +1695,19 @@ at::Tensor finite_witness(const at::Tensor& given) {
 // The values of 0-d tensors of one dtype, with one host read (arrays.py's
 // ``_values``: stacked, in float64 where their dtypes differ).
 std::vector<double> values_of(std::vector<at::Tensor> tensors) {
+  bool direct = true;  // (float64 CPU scalars: read where they are)
+  for (const auto& t : tensors) {
+    direct = direct && t.device().is_cpu() &&
+             t.scalar_type() == at::kDouble && t.numel() == 1 &&
+             t.layout() == at::kStrided && !t.is_neg() &&
+             t.has_storage() && plain_tensor(t);
+  }
+  if (direct) {
+    std::vector<double> values;
+    values.reserve(tensors.size());
+    for (const auto& t : tensors) values.push_back(*t.data_ptr<double>());
+    return values;
+  }
   for (auto& t : tensors) t = t.to(at::kDouble);
   at::Tensor stacked = at::stack(tensors);
   if (!stacked.device().is_cpu()) stacked = stacked.cpu();
