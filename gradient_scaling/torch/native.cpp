@@ -1722,13 +1722,15 @@ std::vector<double> values_of(std::vector<at::Tensor> tensors) {
 // another tensor (Python reads it).
 std::optional<std::tuple<double, double>> small_spread_and_max(
     const at::Tensor& given, int64_t limit) {
+  // (a plain tensor first: its size is asked of no Python)
+  if (!plain_tensor(given) || given.layout() != at::kStrided ||
+      !(given.device().is_cpu() || given.device().is_cuda())) {
+    return std::nullopt;
+  }
   auto dtype = given.scalar_type();
   const int64_t n = given.numel();
   if ((dtype != at::kFloat && dtype != at::kHalf &&
-       dtype != at::kBFloat16) || n == 0 || n > limit ||
-      given.layout() != at::kStrided ||
-      !(given.device().is_cpu() || given.device().is_cuda()) ||
-      !plain_tensor(given)) {
+       dtype != at::kBFloat16) || n == 0 || n > limit) {
     return std::nullopt;
   }
   at::Tensor y = given.detach().reshape(-1).to(at::kDouble);
