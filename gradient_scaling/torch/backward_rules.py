@@ -532,6 +532,11 @@ class BackwardPass(object):
             # step is decided, it would outlive the node's backward. The
             # weight is a parameter, alive anyway: read only on a failure.
             x, weight = site.operands()
+            if weight is not None and weight is not site.weight_values:
+                # A copy the GEMM made of its weight (the simulation's,
+                # rounded): its finiteness too, or every such copy would
+                # outlive its node until the step is decided.
+                weight = arrays.ops_for(weight).finite_witness(weight)
             operands = (None if x is None else
                         arrays.ops_for(x).finite_witness(x), weight)
             if incoming_finite is None:
