@@ -393,9 +393,10 @@ def test_a_refresh_keeps_no_activation_past_its_backward():
     finiteness of each GEMM's operands) must not keep the operands: the
     activation a Linear saved is freed with the graph, before the step is
     decided, as it is under GradScaler. (The refresh held every GEMM's
-    input: up to 1.3x GradScaler's peak; the copies a simulation or
-    autocast saves instead are measured by scripts/benchmark.py
-    --memory-only, results/benchmark_torch_memory.md.)"""
+    input: up to 1.3x GradScaler's peak; the copies a simulation saves:
+    the test above; the whole step's peak under each precision:
+    scripts/benchmark.py --memory-only, results/benchmark_torch_memory.md.)
+    """
     import weakref
     import torch.nn as nn
     torch.manual_seed(0)
