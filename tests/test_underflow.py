@@ -332,6 +332,61 @@ def test_bad_accumulation_length(length):
         underflow.gemm_scale_from_stats(1, 1, 1, 1, length)
 
 
+def test_python_floats_give_what_other_numbers_give(monkeypatch):
+    """Statistics that are Python floats take a shorter check, and the
+    target rate's quantile is computed once: the same scales, bit for bit,
+    as numpy's floats give with the quantile computed at each call, and
+    the same errors."""
+    fresh = []
+
+    def computed_each_time(function, rate):
+        fresh.append(rate)
+        return float(function(rate))
+    rng = numpy.random.default_rng(5)
+    specials = [0.0, -0.0, 5e-324, 1e-300, 1e300, 1.0]
+    for k in range(400):
+        stats = [float(v) for v in 10.0 ** rng.uniform(-45, 10, 4)]
+        if k % 5 == 0:
+            stats[k // 5 % 4] = specials[k // 20 % len(specials)]
+        n = int(rng.integers(1, 5000))
+        rate = float(10.0 ** rng.uniform(-6, -0.5))
+        for fmt in ('float16', formats.get('bfloat16')):
+            mu = math.log(stats[0] or 1e-30) * (1 if k % 2 else -1)
+            with monkeypatch.context() as m:
+                m.setattr(underflow, '_quantile', computed_each_time)
+                expected = (underflow.gemm_scale_from_stats(
+                    *map(numpy.float64, stats), numpy.int64(n),
+                    numpy.float64(rate), fmt),
+                    underflow.lognormal_scale_from_stats(
+                        numpy.float64(mu), numpy.float64(stats[1]),
+                        numpy.float64(stats[2]), numpy.float64(rate), fmt))
+            assert (underflow.gemm_scale_from_stats(*stats, n, rate, fmt),
+                    underflow.lognormal_scale_from_stats(
+                        mu, stats[1], stats[2], rate, fmt)) == expected
+    assert len(fresh) > 400
+    # The kept quantiles themselves: a rate's twice, and after more rates
+    # than are kept.
+    for rate in list(10.0 ** numpy.linspace(-7, -0.4, 150)) * 2:
+        for function in (special.erfinv, special.ndtri):
+            assert repr(underflow._quantile(function, float(rate))) == \
+                repr(float(function(rate)))
+    for bad in (math.nan, math.inf, -math.inf):
+        with pytest.raises(underflow.NonFiniteStatisticsError):
+            underflow.gemm_scale_from_stats(1.0, 1.0, bad, 1.0, 4)
+        with pytest.raises(underflow.NonFiniteStatisticsError):
+            underflow.lognormal_scale_from_stats(bad, 1.0, 1.0)
+        with pytest.raises(underflow.NonFiniteStatisticsError):
+            underflow.lognormal_scale_from_stats(0.0, 1.0, bad)
+    with pytest.raises(ValueError, match='max_grad must be >= 0'):
+        underflow.gemm_scale_from_stats(1.0, -1.0, 1.0, 1.0, 4)
+    with pytest.raises(ValueError, match='sigma must be >= 0'):
+        underflow.lognormal_scale_from_stats(-1.0, -1.0, 1.0)
+    with pytest.raises(ValueError, match='accumulation_length'):
+        underflow.gemm_scale_from_stats(1.0, 1.0, 1.0, 1.0, True - 1)
+    assert underflow.gemm_scale_from_stats(1.0, 1.0, 1.0, 1.0, True) == \
+        underflow.gemm_scale_from_stats(1.0, 1.0, 1.0, 1.0, 1)
+
+
 def test_bad_statistics_and_format():
     with pytest.raises(ValueError, match='std_weight must be >= 0'):
         underflow.gemm_scale_from_stats(1, 1, -1, 1, 4)

@@ -109,7 +109,7 @@ def gemm_underflow_rate(sigma, scale, fmt='float16'):
         and a distribution with ``sigma == 0`` has none, so it is 0.0.
 
     """
-    fmt = formats.get(fmt)
+    fmt = _format(fmt)
     sigma = _non_negative(sigma, 'sigma')
     scale = _positive_finite(scale, 'scale')
     if sigma == 0:
@@ -137,7 +137,7 @@ def lognormal_underflow_rate(mu, sigma, scale, fmt='float16'):
         float: The rate in [0, 1].
 
     """
-    fmt = formats.get(fmt)
+    fmt = _format(fmt)
     mu = _finite(mu, 'mu')
     sigma = _non_negative(sigma, 'sigma')
     scale = _positive_finite(scale, 'scale')
@@ -175,12 +175,13 @@ def gemm_scale_from_stats(std_grad, max_grad, std_weight, max_weight,
         float: The scale, a power of two.
 
     """
-    fmt = formats.get(fmt)
+    fmt = _format(fmt)
     underflow_rate = _check_rate(underflow_rate)
     n = _check_length(accumulation_length)
-    std_grad, max_grad, std_weight, max_weight = _check_statistics(
-        std_grad=std_grad, max_grad=max_grad, std_weight=std_weight,
-        max_weight=max_weight)
+    if not _plain_statistics(std_grad, max_grad, std_weight, max_weight):
+        std_grad, max_grad, std_weight, max_weight = _check_statistics(
+            std_grad=std_grad, max_grad=max_grad, std_weight=std_weight,
+            max_weight=max_weight)
 
     if std_grad == 0 or std_weight == 0:
         target = 1.0
@@ -188,8 +189,8 @@ def gemm_scale_from_stats(std_grad, max_grad, std_weight, max_weight,
         # lambda_min / (sqrt(2) * sigma * erfinv(gamma')), divided step by
         # step so that tiny statistics overflow to inf (clamped below)
         # instead of underflowing to a zero denominator.
-        target = fmt.min / (math.sqrt(2.0) * float(special.erfinv(
-            underflow_rate)))
+        target = fmt.min / (math.sqrt(2.0) * _quantile(special.erfinv,
+                                                      underflow_rate))
         target = target / math.sqrt(n) / std_grad / std_weight
 
     return _power_of_two_scale(target, _gemm_cap(max_grad, max_weight, n,
@@ -248,14 +249,16 @@ def lognormal_scale_from_stats(mu, sigma, max_abs, underflow_rate=1e-3,
         float: The scale, a power of two.
 
     """
-    fmt = formats.get(fmt)
+    fmt = _format(fmt)
     underflow_rate = _check_rate(underflow_rate)
-    mu, sigma, max_abs = _check_statistics(mu=mu, sigma=sigma,
-                                           max_abs=max_abs, signed=('mu',))
+    if not (type(mu) is float and -math.inf < mu < math.inf and
+            _plain_statistics(sigma, max_abs)):
+        mu, sigma, max_abs = _check_statistics(
+            mu=mu, sigma=sigma, max_abs=max_abs, signed=('mu',))
     if max_abs == 0:
         return 1.0
     log_target = (math.log(fmt.min) - mu
-                  - sigma * float(special.ndtri(underflow_rate)))
+                  - sigma * _quantile(special.ndtri, underflow_rate))
     if log_target > _LN_MAX_SCALE:
         target = math.inf
     elif log_target < -1.0:
@@ -343,7 +346,40 @@ def _power_of_two_cap(cap):
         else MIN_SCALE
 
 
+def _format(fmt):
+    """:func:`~gradient_scaling.core.formats.get`, a
+    :class:`~gradient_scaling.core.formats.Format` returned at once."""
+    return fmt if type(fmt) is formats.Format else formats.get(fmt)
+
+
+def _quantile(function, rate):
+    """``float(function(rate))`` (scipy's ``erfinv`` or ``ndtri``),
+    computed once per target rate: the same value, without a ufunc call
+    per site."""
+    key = (function, rate)
+    value = _QUANTILES.get(key)
+    if value is None:
+        if len(_QUANTILES) >= 64:
+            _QUANTILES.clear()
+        value = _QUANTILES[key] = float(function(rate))
+    return value
+
+
+_QUANTILES = {}
+
+
+def _plain_statistics(*values):
+    """Whether every one of ``values`` is a Python float, finite and not
+    negative: what :func:`_check_statistics` would return unchanged."""
+    for v in values:
+        if type(v) is not float or not 0.0 <= v < math.inf:
+            return False
+    return True
+
+
 def _check_rate(rate):
+    if type(rate) is float and 0.0 < rate < 1.0:
+        return rate
     if (not isinstance(rate, numbers.Real) or isinstance(rate, bool)
             or not 0.0 < rate < 1.0):
         raise ValueError(
@@ -353,6 +389,8 @@ def _check_rate(rate):
 
 
 def _check_length(length):
+    if type(length) is int and length >= 1:
+        return length
     try:
         n = operator.index(length)
     except TypeError:
