@@ -381,6 +381,159 @@ def test_transformers_gradients_after_unscale_are_the_plain_ones(
     train_against_plain(kind, transformers, name)
 
 
+def zoo_model(transformers, name):
+    """Small configurations (dropout off, no download) of architectures
+    with constructs the four MODELS lack, and a loss of a batch."""
+    t = transformers
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, 64, (2, 12), generator=g)
+    short = torch.randint(3, 64, (2, 7), generator=g)
+    pixels = torch.randn(2, 3, 32, 32, generator=g, dtype=torch.float64)
+    lm = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+              num_attention_heads=4, intermediate_size=48,
+              max_position_embeddings=64)
+    no_dropout = dict(hidden_dropout_prob=0., attention_probs_dropout_prob=0.)
+    if name == 't5':  # encoder-decoder, relative attention bias, tied
+        model = t.T5ForConditionalGeneration(t.T5Config(
+            vocab_size=64, d_model=32, d_kv=8, d_ff=48, num_layers=2,
+            num_heads=4, dropout_rate=0., decoder_start_token_id=0))
+        return model, lambda m: m(input_ids=ids, labels=short).loss
+    if name == 'bart':  # shared embeddings of encoder, decoder and head
+        model = t.BartForConditionalGeneration(t.BartConfig(
+            vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2,
+            encoder_attention_heads=4, decoder_attention_heads=4,
+            encoder_ffn_dim=48, decoder_ffn_dim=48, dropout=0.,
+            attention_dropout=0., activation_dropout=0.,
+            max_position_embeddings=64))
+        return model, lambda m: m(input_ids=ids, labels=short).loss
+    if name == 'albert':  # one layer's weights shared by every layer
+        model = t.AlbertForMaskedLM(t.AlbertConfig(
+            embedding_size=16, **dict(lm, num_hidden_layers=3,
+                                      **no_dropout)))
+        return model, lambda m: m(input_ids=ids, labels=ids).loss
+    if name == 'deberta-v2':  # disentangled relative attention
+        model = t.DebertaV2ForMaskedLM(t.DebertaV2Config(
+            relative_attention=True, pos_att_type=['c2p', 'p2c'],
+            max_relative_positions=16, **dict(lm, **no_dropout)))
+        return model, lambda m: m(input_ids=ids, labels=ids).loss
+    if name == 'mixtral':  # experts: a slice of a 3-d weight per GEMM
+        config = t.MixtralConfig(num_key_value_heads=2, num_local_experts=4,
+                                 num_experts_per_tok=2, **lm)
+        config._experts_implementation = 'eager'
+        model = t.MixtralForCausalLM(config)
+        return model, lambda m: m(input_ids=ids, labels=ids).loss
+    if name == 'whisper':  # 1-d convolutions, cross attention
+        model = t.WhisperForConditionalGeneration(t.WhisperConfig(
+            vocab_size=64, num_mel_bins=8, encoder_layers=1,
+            decoder_layers=1, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=48,
+            decoder_ffn_dim=48, d_model=32, max_source_positions=8,
+            max_target_positions=16, decoder_start_token_id=1,
+            pad_token_id=0, dropout=0., attention_dropout=0.,
+            activation_dropout=0.))
+        features = torch.randn(2, 8, 16, generator=g, dtype=torch.float64)
+        return model, lambda m: m(input_features=features,
+                                  labels=short).loss
+    if name == 'clip':  # two towers, a contrastive loss
+        model = t.CLIPModel(t.CLIPConfig(
+            text_config=dict(lm, max_position_embeddings=16),
+            vision_config=dict(hidden_size=32, num_hidden_layers=2,
+                               num_attention_heads=4, intermediate_size=48,
+                               image_size=16, patch_size=8),
+            projection_dim=16))
+        return model, lambda m: m(input_ids=ids[:, :10],
+                                  pixel_values=pixels[..., :16, :16],
+                                  return_loss=True).loss
+    if name == 'swin':  # shifted windows (roll), patch merging
+        model = t.SwinForImageClassification(t.SwinConfig(
+            image_size=32, patch_size=4, embed_dim=16, depths=[2, 2],
+            num_heads=[2, 4], window_size=4, num_labels=5,
+            drop_path_rate=0., **no_dropout))
+        return model, lambda m: m(pixel_values=pixels,
+                                  labels=torch.tensor([1, 3])).loss
+    if name == 'wav2vec2':  # strided convolutions, group norm, CTC
+        model = t.Wav2Vec2ForCTC(t.Wav2Vec2Config(
+            conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
+            num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=4,
+            feat_extract_norm='group', mask_time_prob=0., layerdrop=0.,
+            hidden_dropout=0., activation_dropout=0., attention_dropout=0.,
+            feat_proj_dropout=0., final_dropout=0.,
+            **dict(lm, vocab_size=64)))
+        wave = torch.randn(2, 400, generator=g, dtype=torch.float64)
+        return model, lambda m: m(input_values=wave,
+                                  labels=short[:, :5]).loss
+    if name == 'segformer':  # batch norm, upsampling, pixel labels
+        model = t.SegformerForSemanticSegmentation(t.SegformerConfig(
+            num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1],
+            hidden_sizes=[8, 16], patch_sizes=[7, 3], strides=[4, 2],
+            num_attention_heads=[1, 2], mlp_ratios=[2, 2],
+            decoder_hidden_size=16, num_labels=4, drop_path_rate=0.,
+            classifier_dropout_prob=0., **no_dropout))
+        labels = torch.randint(0, 4, (2, 16, 16), generator=g)
+        return model, lambda m: m(pixel_values=pixels[..., :16, :16],
+                                  labels=labels).loss
+    assert name == 'mamba'  # a selective scan in PyTorch operations
+    model = t.MambaForCausalLM(t.MambaConfig(
+        vocab_size=64, hidden_size=16, state_size=4, num_hidden_layers=2,
+        expand=2, conv_kernel=3, use_mambapy=False))
+    return model, lambda m: m(input_ids=ids[:, :6], labels=ids[:, :6]).loss
+
+
+def checkpointed(model, checkpointing):
+    """``model`` in training mode, its layers checkpointed by Hugging
+    Face's own switch where ``checkpointing`` says how (``'reentrant'``,
+    ``'non-reentrant'``)."""
+    if checkpointing:
+        kwargs = {'use_reentrant': checkpointing == 'reentrant'}
+        if hasattr(model, 'activation_checkpointing_enable'):  # (v5.2 on)
+            model.activation_checkpointing_enable(
+                activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs=kwargs)
+    return model.train()
+
+
+ZOO = ['albert', 'bart', 'clip', 'deberta-v2', 'mamba', 'mixtral',
+       'segformer', 'swin', 't5', 'wav2vec2', 'whisper']
+
+
+@pytest.mark.parametrize('name,checkpointing', [
+    (name, None) for name in ZOO] + [
+    ('t5', 'reentrant'), ('bart', 'reentrant'), ('swin', 'reentrant'),
+    ('whisper', 'non-reentrant')])
+def test_transformers_zoo_gradients_are_the_plain_ones(
+        transformers, name, checkpointing):
+    """GS on architectures none of the tests above builds, several with
+    Hugging Face's gradient checkpointing: float64, the loss times
+    2**-24 (so that the sites scale: some by 2**8 or more), 3 steps at
+    interval 2 (refreshes and a cached pass), the gradients after each
+    backward equal to a plain backward's on a copy, bit for bit."""
+    torch.manual_seed(0)
+    model, loss_of = zoo_model(transformers, name)
+    model = checkpointed(model.double(), checkpointing)
+    plain = checkpointed(zoo_model(transformers, name)[0].double(),
+                         checkpointing)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = make(GS, model, update_interval=2)
+    for step in range(3):
+        plain.load_state_dict(model.state_dict())
+        plain.zero_grad(set_to_none=True)
+        (loss_of(plain) * 2.0 ** -24).backward()
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss_of(model) * 2.0 ** -24).backward()
+        expected = dict(plain.named_parameters())
+        for n, p in model.named_parameters():
+            q = expected[n].grad
+            assert (p.grad is None) == (q is None), (step, n)
+            assert q is None or torch.equal(p.grad, q), (step, n)
+        scaler.step(optimizer)
+        assert scaler.step_taken, step
+        scaler.update()
+    scales = [r.local_scale for r in scaler.report()]
+    assert len(scales) >= 4 and max(scales) >= 2.0 ** 8, scales
+
+
 @pytest.mark.parametrize('name', sorted(MODELS))
 def test_transformers_planned_passes_are_the_python_callbacks(
         transformers, name, monkeypatch):
