@@ -74,6 +74,24 @@ class TinyTransformer(nn.Module):
                                targets.flatten()) * SMALL
 
 
+class TiedTransformer(TinyTransformer):
+    """TinyTransformer whose head is its embedding table, transposed
+    (``h @ E.t()``, GPT-2's and T5's tied head): the partitioner puts
+    the weight gradient's GEMM before the data gradient's there, which
+    the site rewires (the region once left the table's gradient divided
+    by the wrong scale: 1e5 times too large on this net)."""
+
+    def __init__(self):
+        super().__init__()
+        del self.head
+
+    def logits(self, tokens):
+        h = self.embed(tokens) + self.position
+        h = h + self.attention(self.ln1(h))
+        h = h + self.down(F.gelu(self.up(self.ln2(h))))
+        return self.ln_f(h) @ self.embed.weight.t()
+
+
 class TinyResNet(nn.Module):
     """A stem, a basic block and a strided block with a 1x1 projection,
     BatchNorm after every convolution, pooling and a classifier."""
@@ -118,6 +136,7 @@ def every_construct_batch(step):
 
 NETS = {
     'transformer': (TinyTransformer, transformer_batch),
+    'tied_transformer': (TiedTransformer, transformer_batch),
     'resnet': (TinyResNet, resnet_batch),
     'every_construct': (lambda: EveryConstructNet(loss_factor=SMALL),
                         every_construct_batch),
@@ -223,8 +242,8 @@ def test_compiled_gs_scales_as_eager_gs_and_is_exact(net, scale_log):
     kinds = {r[0] for r in eager[0][2].values()}
     assert {'gemm', 'cast'} <= kinds
     assert max(r[3] for r in eager[0][2].values()) >= 2.0 ** 10
-    if net != 'resnet':  # (whose residual sums meet at one scale)
-        assert 'branch' in kinds
+    if net == 'transformer' or net == 'every_construct':
+        assert 'branch' in kinds  # (the others' sums meet at one scale)
     # the cached step chose scales too, from the table
     assert eager[1][1] and eager[1][2] == eager[0][2]
 

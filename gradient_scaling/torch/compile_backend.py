@@ -789,7 +789,7 @@ class _Rewrite(object):
                     or node.op == 'call_function' and any(
                         a in self.gradient for a in node.all_input_nodes):
                 self.gradient.add(node)
-        for node in nodes:
+        for node in self.visit_order(nodes):
             if node.op == 'placeholder' and node.name.startswith('tangents'):
                 self.var[node] = 0
                 self.entering_softmax.add(node)
@@ -801,6 +801,46 @@ class _Rewrite(object):
         self.graph.eliminate_dead_code()
         self.graph.lint()
         self.module.recompile()
+
+    def visit_order(self, nodes):
+        """``nodes`` in the order to visit them: topological, each as
+        early as its place allows, except that a GEMM that can make a
+        data gradient (a parameter's view times a gradient) comes before
+        the other readers of that gradient, and what holds no gradient
+        (the weight's views it needs) before both. A GEMM site rewires
+        the weight gradient's GEMM and the bias's sum to read its scaled
+        gradient (:meth:`replace_after`): visited first (the partitioner
+        may order them so: a tied head's ``h @ W.t()``), they would keep
+        the scale the gradient had before the site, and be unscaled by
+        the wrong factor as they leave the graph."""
+        place = {n: i for i, n in enumerate(nodes)}
+        waiting = {n: len(n.all_input_nodes) for n in nodes}
+
+        def tier(n):
+            return 1 if n in self.gradient and not self.makes_data(n) else 0
+        ready = [(tier(n), place[n]) for n in nodes if not waiting[n]]
+        heapq.heapify(ready)
+        ordered = []
+        while ready:
+            node = nodes[heapq.heappop(ready)[1]]
+            ordered.append(node)
+            for user in node.users:
+                waiting[user] -= 1
+                if not waiting[user]:
+                    heapq.heappush(ready, (tier(user), place[user]))
+        if len(ordered) != len(nodes):
+            raise _Unsupported('the backward graph has a cycle')
+        return ordered
+
+    def makes_data(self, node):
+        """Whether ``node`` is a GEMM of a gradient by a view of a
+        parameter (a candidate site, before the scales are known)."""
+        if node.target not in _GEMMS:
+            return False
+        a, b = node.args[:2]
+        return any(self.parameter_index(weight) is not None and
+                   g in self.gradient and weight not in self.gradient
+                   for weight, g in ((b, a), (a, b)))
 
     # -- what a node is -------------------------------------------------------
 
