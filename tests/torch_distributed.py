@@ -12,6 +12,9 @@ Scenarios:
   steps and cached ones, the scaler given the wrapper's module while the
   wrapper stays in the loop (what Lightning and Accelerate do).
 * ``fsdp``: the same against plain FSDP2 (``fully_shard``).
+* ``ddp-compiled``: the DDP wrapper under ``torch.compile`` with GS's
+  ``compile_backend`` (aot_eager inside), against the same compiled
+  without GS.
 """
 
 import json
@@ -95,7 +98,7 @@ def equal_to_plain(rank, scenario, out):
     torch.manual_seed(0)
     models = [Tower().double(), Tower().double()]
     models[1].load_state_dict(models[0].state_dict())
-    if scenario == 'ddp':
+    if scenario in ('ddp', 'ddp-compiled'):
         wrapped = [nn.parallel.DistributedDataParallel(m) for m in models]
     else:
         from torch.distributed.fsdp import fully_shard
@@ -105,6 +108,11 @@ def equal_to_plain(rank, scenario, out):
         wrapped = models
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
     scaler = GradientScaler(models[0], 'gs', update_interval=2)
+    if scenario == 'ddp-compiled':  # DDP's graph splitting, GS inside
+        from gradient_scaling.torch import compile_backend
+        wrapped = [torch.compile(wrapped[0], backend=compile_backend(
+            scaler, inner='aot_eager')),
+            torch.compile(wrapped[1], backend='aot_eager')]
     g = torch.Generator().manual_seed(rank)  # each rank its own data
     record = {'rank': rank, 'differences': [], 'scales': [],
               'gradient_reductions': 0}
@@ -130,6 +138,8 @@ def equal_to_plain(rank, scenario, out):
         assert scaler.step_taken is True
         optimizers[1].step()
         scaler.update()
+        record.setdefault('site_scales', []).append(
+            max(scaler.site_scales().values()))
     reductions.undo()
     record['scaler'] = committed(scaler)
     record['parameters'] = [_local(p.detach()).flatten().tolist()
