@@ -50,28 +50,31 @@ def test_a_persistent_fault_on_one_rank_ends_both(tmp_path):
     assert ranks[0]['parameters'] == ranks[1]['parameters']
 
 
-@pytest.mark.parametrize('scenario', ['ddp', 'fsdp', 'ddp-compiled'])
+@pytest.mark.parametrize('scenario', ['ddp', 'fsdp', 'ddp-compiled',
+                                      'fsdp-compiled'])
 def test_gs_equals_plain_data_parallel_training(tmp_path, scenario):
     # Each rank its own data, float64, the loss times 2**-24: GS's scales
     # reach 2**15 and more, yet the gradients DDP / FSDP2 average landed
     # unscaled, so every step (refreshes at steps 0, 2, 4; cached scales
     # between) equals plain training to the bit, the scaler adds no
     # collective over the gradients (DDP's overlap is kept) and pickles
-    # nothing (the *_object collectives raise). 'ddp-compiled': the DDP
-    # model under torch.compile (DDP's graph splitting) with GS's
-    # backend, against the same compiled with aot_eager: the sites scale
+    # nothing (the *_object collectives raise). '*-compiled': the model
+    # under torch.compile with GS's backend, against the same compiled
+    # with aot_eager. Under DDP (its graph splitting) the sites scale
     # inside the graph, whose parameters' gradients leave it unscaled
-    # (they land at scale 1).
+    # (they land at scale 1); under FSDP2 they land scaled, divided as
+    # they land, as in eager GS.
     ranks = run(scenario, tmp_path)
     for r in ranks:
         assert r['differences'] == [0.0] * 5, r['differences']
-        if scenario == 'ddp-compiled':
+        if scenario.endswith('compiled'):
             assert min(r['site_scales']) >= 2 ** 15
+        if scenario == 'ddp-compiled':
             assert max(r['scales']) == 1.0
         else:
             assert min(r['scales']) >= 2 ** 15
         assert r['gradient_reductions'] == 0
     # one decision, the same committed scales, identical replicas
     assert ranks[0]['scaler'] == ranks[1]['scaler']
-    if scenario != 'fsdp':
+    if not scenario.startswith('fsdp'):
         assert ranks[0]['parameters'] == ranks[1]['parameters']

@@ -12,9 +12,9 @@ Scenarios:
   steps and cached ones, the scaler given the wrapper's module while the
   wrapper stays in the loop (what Lightning and Accelerate do).
 * ``fsdp``: the same against plain FSDP2 (``fully_shard``).
-* ``ddp-compiled``: the DDP wrapper under ``torch.compile`` with GS's
-  ``compile_backend`` (aot_eager inside), against the same compiled
-  without GS.
+* ``ddp-compiled`` / ``fsdp-compiled``: the DDP wrapper / the FSDP2
+  model under ``torch.compile`` with GS's ``compile_backend`` (aot_eager
+  inside), against the same compiled without GS.
 """
 
 import json
@@ -108,7 +108,7 @@ def equal_to_plain(rank, scenario, out):
         wrapped = models
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
     scaler = GradientScaler(models[0], 'gs', update_interval=2)
-    if scenario == 'ddp-compiled':  # DDP's graph splitting, GS inside
+    if scenario in ('ddp-compiled', 'fsdp-compiled'):  # GS's backend
         from gradient_scaling.torch import compile_backend
         wrapped = [torch.compile(wrapped[0], backend=compile_backend(
             scaler, inner='aot_eager')),
