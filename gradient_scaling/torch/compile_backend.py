@@ -813,24 +813,8 @@ class _Rewrite(object):
         may order them so: a tied head's ``h @ W.t()``), they would keep
         the scale the gradient had before the site, and be unscaled by
         the wrong factor as they leave the graph."""
-        place = {n: i for i, n in enumerate(nodes)}
-        waiting = {n: len(n.all_input_nodes) for n in nodes}
-
-        def tier(n):
-            return 1 if n in self.gradient and not self.makes_data(n) else 0
-        ready = [(tier(n), place[n]) for n in nodes if not waiting[n]]
-        heapq.heapify(ready)
-        ordered = []
-        while ready:
-            node = nodes[heapq.heappop(ready)[1]]
-            ordered.append(node)
-            for user in node.users:
-                waiting[user] -= 1
-                if not waiting[user]:
-                    heapq.heappush(ready, (tier(user), place[user]))
-        if len(ordered) != len(nodes):
-            raise _Unsupported('the backward graph has a cycle')
-        return ordered
+        return _topological(nodes, lambda n: 1 if n in self.gradient and
+                            not self.makes_data(n) else 0)
 
     def makes_data(self, node):
         """Whether ``node`` is a GEMM of a gradient by a view of a
@@ -1142,24 +1126,30 @@ def _sort(graph):
     place allows: a site's operation is put before the GEMM, and the
     weight gradient that reads its output may come first in the graph
     (the min-cut partitioner orders as it likes)."""
-    nodes = list(graph.nodes)
+    ordered = _topological(list(graph.nodes), lambda n: 0)
+    for before, after in zip(ordered, ordered[1:]):
+        before.append(after)
+
+
+def _topological(nodes, tier):
+    """``nodes`` (a graph's, in its order) in a topological order: of
+    the nodes whose inputs are all placed, the one of the lowest
+    ``tier(node)`` first, and of those the earliest in ``nodes``."""
     place = {n: i for i, n in enumerate(nodes)}
     waiting = {n: len(n.all_input_nodes) for n in nodes}
-    ready = [(place[n], n.name) for n in nodes if not waiting[n]]
-    by_name = {n.name: n for n in nodes}
+    ready = [(tier(n), place[n]) for n in nodes if not waiting[n]]
     heapq.heapify(ready)
     ordered = []
     while ready:
-        node = by_name[heapq.heappop(ready)[1]]
+        node = nodes[heapq.heappop(ready)[1]]
         ordered.append(node)
         for user in node.users:
             waiting[user] -= 1
             if not waiting[user]:
-                heapq.heappush(ready, (place[user], user.name))
+                heapq.heappush(ready, (tier(user), place[user]))
     if len(ordered) != len(nodes):
-        raise _Unsupported('the rewritten backward graph has a cycle')
-    for before, after in zip(ordered, ordered[1:]):
-        before.append(after)
+        raise _Unsupported('the backward graph has a cycle')
+    return ordered
 
 
 def _is_gradient_add(node, gradient):
