@@ -812,9 +812,13 @@ class _Rewrite(object):
         gradient (:meth:`replace_after`): visited first (the partitioner
         may order them so: a tied head's ``h @ W.t()``), they would keep
         the scale the gradient had before the site, and be unscaled by
-        the wrong factor as they leave the graph."""
-        return _topological(nodes, lambda n: 1 if n in self.gradient and
-                            not self.makes_data(n) else 0)
+        the wrong factor as they leave the graph. The output last, as in
+        the graph."""
+        def tier(n):
+            if n.op == 'output':
+                return 2
+            return 1 if n in self.gradient and not self.makes_data(n) else 0
+        return _topological(nodes, tier)
 
     def makes_data(self, node):
         """Whether ``node`` is a GEMM of a gradient by a view of a
