@@ -14,7 +14,11 @@ model compiled with GS's backend: the scale-1 landing).
 
 import gc
 import math
+import os
 import shutil
+import subprocess
+import sys
+import time
 import warnings
 import weakref
 
@@ -65,6 +69,96 @@ def python_only(monkeypatch):
 def test_built_where_a_compiler_and_ninja_are(built):
     assert native.reason() == ''
     assert native.Hooks().__class__ is built.HookSet
+
+
+_LOAD = (
+    'import warnings, sys\n'
+    'warnings.simplefilter("always")\n'
+    'with warnings.catch_warnings(record=True) as seen:\n'
+    '    from gradient_scaling.torch import native\n'
+    '    module = native.module()\n'
+    'print("LOADED", module is not None, native.reason()[:200])\n'
+    'for w in seen:\n'
+    '    print("WARNED", str(w.message)[:300])\n')
+
+
+def _copy_of_the_build(built, tmp_path):
+    """A cache folder holding a copy of this PyTorch's built module (the
+    module's own folder, as the cache names it)."""
+    directory = os.path.dirname(built.__file__)
+    cache = tmp_path / 'cache'
+    copy = cache / os.path.basename(directory)
+    shutil.copytree(directory, str(copy))
+    return cache, copy
+
+
+def _load_in_a_fresh_process(cache, timeout=120):
+    env = dict(os.environ, GRADIENT_SCALING_CACHE=str(cache))
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, '-c', _LOAD], env=env, capture_output=True,
+        text=True, timeout=timeout,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout, time.monotonic() - start
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_not_waited_on(
+        built, tmp_path):
+    # A process killed during its build leaves cpp_extension's lock file
+    # behind; every later load used to wait on it forever. Fresh or old,
+    # a lock no process's turn guards is cleared, with a warning naming it.
+    cache, copy = _copy_of_the_build(built, tmp_path)
+    for age in (0, 3600):
+        lock = copy / 'lock'
+        lock.write_bytes(b'')
+        os.utime(str(lock), (time.time() - age,) * 2)
+        out, seconds = _load_in_a_fresh_process(cache)
+        assert 'LOADED True' in out, out
+        assert 'WARNED gradient_scaling: removed ' + str(lock) in out, out
+        assert not lock.exists()
+        assert seconds < 60, seconds  # (a load, not a build nor a wait)
+    out, _ = _load_in_a_fresh_process(cache)  # nothing left to say
+    assert 'LOADED True' in out and 'WARNED' not in out, out
+
+
+def test_a_live_build_is_waited_for_and_its_lock_left_alone(
+        built, tmp_path):
+    # A process that holds the folder's turn (building) keeps its lock
+    # file: another process waits for the turn, then loads.
+    pytest.importorskip('fcntl')
+    cache, copy = _copy_of_the_build(built, tmp_path)
+    holder = subprocess.Popen([sys.executable, '-c', (
+        'import fcntl, os, sys, time\n'
+        'f = open(sys.argv[1] + "/turn", "a")\n'
+        'fcntl.flock(f, fcntl.LOCK_EX)\n'
+        'open(sys.argv[1] + "/lock", "w").close()\n'
+        'print("HOLDING", flush=True)\n'
+        'time.sleep(3)\n'
+        'os.remove(sys.argv[1] + "/lock")\n'
+        'print("RELEASED", flush=True)\n'), str(copy)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == 'HOLDING'
+        out, seconds = _load_in_a_fresh_process(cache)
+    finally:
+        holder.wait(timeout=60)
+    assert holder.stdout.read().strip() == 'RELEASED'
+    assert holder.returncode == 0
+    assert 'LOADED True' in out and 'WARNED' not in out, out
+
+
+def test_without_a_turn_only_an_old_lock_is_taken_as_left(tmp_path):
+    lock = tmp_path / 'lock'
+    lock.write_bytes(b'')
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        native._clear_left_lock(str(tmp_path), alone=False)
+    assert lock.exists()  # (young: a build may hold it)
+    os.utime(str(lock), (time.time() - 2 * native._STALE_SECONDS,) * 2)
+    with pytest.warns(RuntimeWarning, match='removed .*lock'):
+        native._clear_left_lock(str(tmp_path), alone=False)
+    assert not lock.exists()
 
 
 class _Custom(torch.autograd.Function):

@@ -27,9 +27,15 @@ adapter says so once (a ``RuntimeWarning``) and uses the Python
 implementation below, which does the same; a compiler's refusal is kept
 (``FAILED`` in the build folder), so that later processes do not compile
 it again. ``GRADIENT_SCALING_NATIVE=0``
-chooses the Python implementation without trying.
+chooses the Python implementation without trying. Processes that build or
+load it at once take turns on an advisory lock of the build folder
+(``flock``), which the system drops however its holder ends; so a lock file
+of ``torch.utils.cpp_extension`` found while that lock is held is one that
+a process killed during its build left behind, and it is removed (with a
+warning) rather than waited on forever.
 """
 
+import contextlib
 import functools
 import hashlib
 import math
@@ -37,6 +43,7 @@ import os
 import shutil
 import sys
 import threading
+import time
 import warnings
 
 import torch
@@ -63,13 +70,26 @@ def _build_directory(name):
 #: fused operation (the module's arithmetic rounds as Python's does).
 _FLAGS = ['-O2', '-ffp-contract=off']
 
+#: How processes share a build folder (part of its name: a folder is only
+#: ever used under one rule).
+_PROTOCOL = 'flock-1'
+
+#: Where no advisory lock can be taken, ``torch.utils.cpp_extension``'s
+#: lock file older than this is taken as left behind (a build takes about
+#: 30 s).
+_STALE_SECONDS = 600
+
+#: How long a process waits on another's build before it says so.
+_SAY_WAITING_SECONDS = 5.0
+
 
 def _name():
     with open(_SOURCE, 'rb') as f:
         digest = hashlib.sha256(f.read())
-    digest.update('{} {}.{} {} {}'.format(
+    digest.update('{} {}.{} {} {} {}'.format(
         torch.__version__, sys.version_info[0], sys.version_info[1],
-        sys.implementation.cache_tag, ' '.join(_FLAGS)).encode())
+        sys.implementation.cache_tag, ' '.join(_FLAGS),
+        _PROTOCOL).encode())
     return 'gradient_scaling_native_' + digest.hexdigest()[:12]
 
 
@@ -133,15 +153,17 @@ def _load():
             raise RuntimeError('ninja not found')
         from torch.utils import cpp_extension
         os.makedirs(directory, exist_ok=True)
-        built = any(f.endswith('.so') for f in os.listdir(directory))
-        if not built:
-            sys.stderr.write(
-                'gradient_scaling: building the native PyTorch callbacks '
-                '(once per PyTorch version, about 30 s) in {}\n'.format(
-                    directory))
-        return cpp_extension.load(
-            name, [_SOURCE], build_directory=directory,
-            extra_cflags=_FLAGS, verbose=False)
+        with _turn(directory) as alone:
+            _clear_left_lock(directory, alone)
+            built = any(f.endswith('.so') for f in os.listdir(directory))
+            if not built:
+                sys.stderr.write(
+                    'gradient_scaling: building the native PyTorch '
+                    'callbacks (once per PyTorch version, about 30 s) in '
+                    '{}\n'.format(directory))
+            return cpp_extension.load(
+                name, [_SOURCE], build_directory=directory,
+                extra_cflags=_FLAGS, verbose=False)
     except Exception as error:  # NOQA: any failure means: Python instead
         # (a build's error: the compiler's first error lines, not the
         # command line that precedes them)
@@ -160,6 +182,67 @@ def _load():
                 pass
         _fall_back(text)
         return None
+
+
+@contextlib.contextmanager
+def _turn(directory):
+    """This process's turn at the build folder: an advisory lock on its
+    ``turn`` file, held while it builds or loads and dropped by the system
+    when the process ends, however it ends. Yields whether it is held (not
+    where the platform or the file system has no such lock)."""
+    try:
+        import fcntl
+    except ImportError:  # (Windows)
+        yield False
+        return
+    with open(os.path.join(directory, 'turn'), 'a') as f:
+        start = time.monotonic()
+        said = False
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                pass
+            except OSError:  # (a file system without the lock)
+                yield False
+                return
+            if not said and \
+                    time.monotonic() - start > _SAY_WAITING_SECONDS:
+                sys.stderr.write(
+                    'gradient_scaling: waiting for another process that '
+                    'builds the native PyTorch callbacks in {}\n'.format(
+                        directory))
+                said = True
+            time.sleep(0.05)
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _clear_left_lock(directory, alone):
+    """Removes ``torch.utils.cpp_extension``'s lock file where no build
+    can be holding it: ``alone`` (this process has the folder's turn, and
+    every process that builds here takes it first), or, without a turn, a
+    file older than any build. Such a file is what a process killed during
+    its build leaves, and ``cpp_extension`` would wait on it forever."""
+    path = os.path.join(directory, 'lock')
+    try:
+        age = time.time() - os.stat(path).st_mtime
+    except OSError:
+        return
+    if not alone and age < _STALE_SECONDS:
+        return
+    try:
+        os.remove(path)
+    except OSError:
+        return
+    warnings.warn(
+        'gradient_scaling: removed {}, left {:.0f} s ago by a build of the '
+        'native PyTorch callbacks that did not end (a process killed '
+        'during it); building or loading them now'.format(path, age),
+        RuntimeWarning)
 
 
 def _fall_back(text):
