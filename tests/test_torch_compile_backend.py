@@ -562,3 +562,149 @@ def test_inductor_takes_activations_laid_out_channels_last():
         np.testing.assert_allclose(scaled[name].numpy(), g.numpy(),
                                    rtol=1e-5, atol=1e-6 * largest,
                                    err_msg=name)
+
+
+class LossAndLogits(nn.Module):
+    """A classifier that returns its logits beside its loss, as a Hugging
+    Face model does: the backward graph adds the logits' tangent to the
+    softmax's gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x, y):
+        logits = self.head(torch.tanh(self.body(x)))
+        return F.cross_entropy(logits, y), logits
+
+
+#: Per step: whether the loss uses the logits too (they are then given a
+#: gradient). Refreshes and cached passes of both kinds.
+LOGITS_USED = [False, False, False, True, True, False, False, True]
+
+
+def _loss_and_logits_run(compiled, log=None, inner='aot_eager'):
+    """Per step of :data:`LOGITS_USED`: the gradients, the scales logged
+    and ``report()``; eager GS (``compiled`` None), compiled with GS's
+    backend (``'gs'``) or compiled plain (``'plain'``, no GS)."""
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    model = LossAndLogits().double()
+    scaler = GradientScaler(model, update_interval=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = model if compiled is None else torch.compile(
+        model, backend=compile_backend(scaler, inner=inner)
+        if compiled == 'gs' else inner)
+    history = []
+    for step, logits_used in enumerate(LOGITS_USED):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(6, 8, generator=g, dtype=torch.float64)
+        y = torch.randint(0, 5, (6,), generator=g)
+        optimizer.zero_grad()
+        start = len(log) if log is not None else 0
+        loss, logits = run(x, y)
+        total = loss * SMALL
+        if logits_used:
+            total = total + logits.square().sum() * SMALL ** 2
+        if compiled == 'plain':
+            total.backward()
+        else:
+            scaler.scale(total).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        if compiled == 'plain':
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
+        scales = sorted(log[start:], key=repr) if log is not None else None
+        report = {r.name: (r.kind, r.local_scale, r.input_scale,
+                           r.output_scale) for r in scaler.report()}
+        history.append((grads, scales, report))
+    return history
+
+
+def _assert_same_steps(eager, compiled):
+    """Every step's ``report()``, and the scales each refresh chose (at
+    interval 2, the even steps; a cached pass asks the table again only
+    where its plan is not memoised, which eager and compiled GS memoise
+    differently)."""
+    for step, (e, c) in enumerate(zip(eager, compiled)):
+        assert c[2] == e[2], step
+        if step % 2 == 0:
+            assert c[1] == e[1], step
+
+
+def _regions(monkeypatch):
+    """The regions whose backward is compiled from now on."""
+    regions = []
+    compile_backward = backend_module._Region.compile_backward
+
+    def keep(self, gm, example_inputs):
+        regions.append(self)
+        return compile_backward(self, gm, example_inputs)
+    monkeypatch.setattr(backend_module._Region, 'compile_backward', keep)
+    return regions
+
+
+def test_logits_returned_beside_the_loss_scale_as_eager_gs(
+        scale_log, monkeypatch):
+    """Where a pass gives the returned logits no gradient, the region's
+    backward runs the graph in which their tangent (zeros, as the engine
+    hands over) enters no sum: the softmax's gradient reaches the logits'
+    GEMM alone, which is the cast site as in eager GS (it was a branch
+    of two before, and ``cast#0`` was missing). Where the loss uses the
+    logits too, the full graph runs, as eager GS's branch. Both: eager
+    GS's scales, plain gradients bit for bit."""
+    regions = _regions(monkeypatch)
+    eager = _loss_and_logits_run(None, scale_log)
+    compiled = _loss_and_logits_run('gs', scale_log)
+    plain = _loss_and_logits_run('plain')
+    _assert_same_steps(eager, compiled)
+    assert_exact(compiled, plain)
+    (region,) = regions
+    assert region.alternative is not None
+    assert region.alternative_passes == LOGITS_USED.count(False)
+    assert region.passes['cached'] > 0  # (of both graphs)
+    for (_, scales, report), used in zip(compiled, LOGITS_USED):
+        assert 'cast#0' in report and 'head.weight' in report
+    # The logits' GEMM is the cast site where they have no gradient of
+    # their own; a branch meets them where they do.
+    assert {s[:2] for s in compiled[0][1]} == {('cast', 'cast#0'),
+                                               ('gemm', 'head.weight')}
+    assert {s[:2] for s in compiled[4][1]} == {('gemm', 'head.weight')}
+
+
+def test_logits_returned_beside_the_loss_under_inductor(scale_log):
+    eager = _loss_and_logits_run(None, scale_log)
+    compiled = _loss_and_logits_run('gs', scale_log, inner='inductor')
+    _assert_same_steps(eager, compiled)
+    plain = _loss_and_logits_run('plain', inner='inductor')
+    for (grads_c, _, _), (grads_p, _, _) in zip(compiled, plain):
+        for name in grads_p:
+            torch.testing.assert_close(grads_c[name], grads_p[name],
+                                       rtol=1e-12, atol=0)
+
+
+def test_a_tangent_read_as_the_wrong_output_is_caught(monkeypatch):
+    """Were AOTAutograd's tangents mapped to the wrong outputs, a pass
+    that gives the logits a gradient would run the graph that takes it
+    as zero: the graph also returns whether those tangents were zeros,
+    read after the pass, and the pass raises (its gradients are never
+    used); the full graph serves from then on. Never a gradient left
+    out."""
+    internals = importlib.import_module('gradient_scaling.torch._internals')
+    read = internals.tangent_slots
+
+    def misread(*args):
+        slots = read(*args)
+        return [None if s is None else s + 50 for s in slots]
+    monkeypatch.setattr(internals, 'tangent_slots', misread)
+    regions = _regions(monkeypatch)
+    assert LOGITS_USED.index(True) == 3
+    with pytest.raises(RuntimeError, match='given a gradient for an '
+                       'output that its backward graph took as given none'):
+        _loss_and_logits_run('gs')
+    (region,) = [r for r in regions if r.hook() is not None]
+    assert region.alternative is None
+    assert region.alternative_passes == 4  # (the three before, this one)

@@ -534,6 +534,55 @@ def test_transformers_zoo_gradients_are_the_plain_ones(
     assert len(scales) >= 4 and max(scales) >= 2.0 ** 8, scales
 
 
+@pytest.mark.parametrize('name', ['bart', 'clip'])
+def test_transformers_compiled_whole_scale_as_eager_gs(transformers, name):
+    """A Hugging Face model compiled whole with GS's backend (aot_eager),
+    which returns its logits (and, for CLIP, embeddings) beside the loss
+    that alone is given a gradient: every scale eager GS chooses at each
+    step (the logits' GEMM the cast site, BART's tied table; CLIP's
+    contrastive pair), and the gradients of the model compiled without
+    GS, bit for bit (float64, the loss times 2**-24, 3 steps at interval
+    2)."""
+    import copy
+    from gradient_scaling.torch.compile_backend import compile_backend
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    base, loss_of = zoo_model(transformers, name)
+    base = base.double().train()
+    models = {k: copy.deepcopy(base) for k in ('plain', 'eager', 'gs')}
+    scalers = {k: make(GS, models[k], update_interval=2)
+               for k in ('eager', 'gs')}
+    runs = {'plain': torch.compile(models['plain'], backend='aot_eager'),
+            'eager': models['eager'],
+            'gs': torch.compile(models['gs'], backend=compile_backend(
+                scalers['gs'], inner='aot_eager'))}
+    optimizers = {k: torch.optim.SGD(m.parameters(), lr=0.05)
+                  for k, m in models.items()}
+    for step in range(3):
+        for k, run in runs.items():
+            optimizers[k].zero_grad(set_to_none=True)
+            loss = loss_of(run) * 2.0 ** -24
+            if k == 'plain':
+                loss.backward()
+                optimizers[k].step()
+            else:
+                scalers[k].scale(loss).backward()
+        grads = {k: {n: p.grad for n, p in m.named_parameters()}
+                 for k, m in models.items()}
+        for n, q in grads['plain'].items():
+            p = grads['gs'][n]
+            assert (p is None) == (q is None), (step, n)
+            assert q is None or torch.equal(p, q), (step, n)
+        for k in scalers:
+            scalers[k].step(optimizers[k])
+            assert scalers[k].step_taken
+            scalers[k].update()
+        expected = scalers['eager'].site_scales()
+        assert scalers['gs'].site_scales() == expected, step
+    assert max(expected.values()) >= 2.0 ** 8
+    assert ('cast#0' in expected) == (name == 'bart')  # (CLIP: no head)
+
+
 @pytest.mark.parametrize('name', sorted(MODELS))
 def test_transformers_planned_passes_are_the_python_callbacks(
         transformers, name, monkeypatch):

@@ -320,6 +320,28 @@ def keep_saved_tensors():
         metadata.bw_donated_idxs = []
 
 
+def tangent_slots(joint, forward_outputs, backward):
+    """Per tangent of the partitioned ``backward`` graph (in order): the
+    input slot of the region's backward node that receives that gradient,
+    read from AOTAutograd's descriptors (the tangent's output among the
+    first ``forward_outputs`` outputs of the ``joint`` graph, which the
+    autograd function returns in that order), or None for a tangent of
+    another kind; None where the descriptors cannot be read."""
+    try:
+        output = next(n for n in joint.graph.nodes if n.op == 'output')
+        outputs = list(output.meta['desc'])[:forward_outputs]
+    except (KeyError, TypeError, StopIteration):
+        return None
+    slots = []
+    for n in backward.graph.nodes:
+        if n.op == 'placeholder' and n.name.startswith('tangents'):
+            described = getattr(n.meta.get('desc'), 'output', None)
+            slots.append(outputs.index(described)
+                         if described is not None and
+                         outputs.count(described) == 1 else None)
+    return slots
+
+
 def inductor_graph_cache_off():
     """A context in which Inductor's FX graph cache is off (its key does
     not say whether a graph was compiled with donated buffers)."""

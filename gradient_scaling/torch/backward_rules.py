@@ -382,6 +382,13 @@ class BackwardPass(object):
         return known if known is not None else self.slot_scale(
             *self._own_slot(node))
 
+    def slots_given(self, node):
+        """The slots of ``node`` that this pass gives a gradient: those
+        the walked graph feeds, and the roots' own."""
+        slots = set(self.plan.slots_of(node) or ())
+        slots.update(k for n, k in self.roots if n is node)
+        return slots
+
     def region_left(self, node, scales):
         """The compiled region ``node`` returns its gradients with
         ``scales`` (``{edge: scale}``)."""

@@ -33,6 +33,13 @@ backward FX graph before it is compiled (by Inductor, or run as traced):
   site. A cast's cached scale is checked against its cap in the graph (a
   flag read after the pass); where the cap binds, the sites after it are
   not the table's, and the pass runs again as the refresh variant;
+* an output that a pass gives no gradient (a model's logits returned
+  beside its loss) is given none in the graph either: where its tangent
+  enters a sum, a second graph (:class:`_Alternative`) has a constant
+  zero there, so that the sites are the eager hook's (the logits' GEMM
+  after the softmax, no branch); the hook's pass says which outputs its
+  graph feeds, and the second graph checks that the others' tangents
+  were zeros;
 * the gradients leave the graph at the scale the region was entered with
   (1 where the whole model, loss included, is compiled): the eager hook
   then treats the region's node as a plain one, and a parameter's gradient
@@ -395,9 +402,22 @@ class _Region(object):
         self.names = [hook.parameter_name(p)
                       if isinstance(p, torch.nn.Parameter) else None
                       for p in inputs]
-        #: Per output of the backward graph: the variable of its scale,
-        #: _UNSCALED, or None (no gradient).
-        self.output_variables = []
+        #: The backward graph as AOTAutograd made it, rewritten.
+        self.full = _Backward()
+        #: Or None: the :class:`_Alternative` for passes that give some of
+        #: the region's outputs no gradient.
+        self.alternative = None
+
+    @property
+    def cached(self):
+        """The full graph's cached variant (None: refresh passes only)."""
+        return self.full.cached
+
+    @property
+    def order(self):
+        """The order the full graph's refresh variant called its sites
+        in (None before it has run)."""
+        return self.full.order
 
     def settings(self):
         if self.inner == 'inductor':
@@ -424,12 +444,23 @@ class _Region(object):
                 'its {} primal inputs are not the {} inputs Dynamo gave (a '
                 'deduplicated or aliased input)'.format(
                     len(primals), len(self.params)))
+        absent = _without_absent(backward, internals.tangent_slots(
+            joint, kwargs.get('num_fwd_outputs'), backward))
         try:
-            _Rewrite(self, forward, backward).run()
+            _Rewrite(self, forward, backward, self.full).run()
         except _Unsupported:
             raise
         except Exception as e:  # a graph it does not read: eager GS
             raise _Unsupported('{}: {}'.format(type(e).__name__, e)) from e
+        if absent is not None:
+            gm, slots, positions = absent
+            alternative = _Alternative(gm, slots)
+            try:
+                _Rewrite(self, forward, gm, alternative.backward).run()
+                _return_given(gm, positions)
+            except Exception:  # NOQA: (the full graph serves every pass)
+                alternative = None
+            self.alternative = alternative
         return forward, backward
 
     def compile_forward(self, gm, example_inputs):
@@ -440,69 +471,102 @@ class _Region(object):
 
     def compile_backward(self, gm, example_inputs):
         from functorch.compile import make_boxed_func
-        #: The cached variant (None: every pass runs the refresh one).
-        self.cached = None
-        #: The order the refresh variant called its sites in (the order
-        #: a cached pass's keys are given in), once it has run.
-        self.order = None
         #: Passes run by each variant: 'cached', 'refresh', and 'again'
         #: (a cached pass run again as the refresh variant: a cast's cap
         #: bound).
         self.passes = {'cached': 0, 'refresh': 0, 'again': 0}
-        try:
-            cached = _CachedVariant(self, gm, example_inputs)
-        except Exception as e:  # NOQA: the refresh variant serves
-            cached, self.cached_error = None, e
-        if cached is None:
-            refresh = self.compile_graph(gm, example_inputs)
-        else:
-            # A pass the cached variant ran may run again as the refresh
-            # one, from the same inputs: no saved tensor's buffer is
-            # reused for the graph's own (AOTAutograd's donated buffers),
-            # and no graph compiled with them comes from Inductor's cache
-            # (whose key does not tell).
-            internals.keep_saved_tensors()
-            with internals.inductor_graph_cache_off():
-                refresh = self.compile_graph(gm, example_inputs)
+        #: Of those, the passes that ran the alternative graph.
+        self.alternative_passes = 0
+        self.full.compile(self, gm, example_inputs)
+        alternative = self.alternative
+        if alternative is not None:
+            # (AOTAutograd may have changed the graph's inputs since it
+            # was partitioned: then the full graph serves every pass)
+            if _placeholders(gm) != _placeholders(alternative.gm):
+                self.alternative = None
+            else:
                 try:
-                    cached.compile(self, example_inputs)
-                    self.cached = cached
-                except Exception as e:  # NOQA: the refresh variant serves
-                    self.cached_error = e
+                    alternative.backward.compile(self, alternative.gm,
+                                                 example_inputs)
+                except Exception:  # NOQA: the full graph serves
+                    self.alternative = None
+                del alternative.gm
 
         def run(*args):
             call, running, node = self.begin()
-            cached = self.cached
-            if running and cached is not None and self.order is not None:
-                plan = cached.plan(call, self.order)
-                if plan is not None:
-                    grads = cached.compiled(list(args) + plan.inputs)
-                    if cached.checks:
-                        # A cached cast scale its cap would lower: the
-                        # sites after it would not be the table's.
-                        bound, grads = grads[-1], grads[:-1]
-                        if bound.item():
-                            plan = None
-                            self.passes['again'] += 1
-                    if plan is not None:
-                        self.passes['cached'] += 1
-                        plan.commit(call.step)
-                        self.hook().region_left(node, plan.output_scales)
-                        return grads
-            self.passes['refresh'] += 1
-            _CALLS.append(call)
-            try:
-                grads = refresh(list(args))
-            finally:
-                _CALLS.pop()
-            self.observe(call.order)
-            if running:
-                self.hook().region_left(node, {
-                    i: 1.0 if v == _UNSCALED else call.scales[v]
-                    for i, v in enumerate(self.output_variables)
-                    if v is not None})
-            return grads
+            backward = self.full
+            if running and self.alternative is not None:
+                backward = self.choose(node, args)
+            return self.run_graph(backward, call, running, node, args)
         return make_boxed_func(run)
+
+    def choose(self, node, args):
+        """The graph for a pass: the alternative where the pass gives
+        none of its absent outputs a gradient (the engine then hands the
+        region zeros for them, which the alternative does not add), else
+        the full one."""
+        alternative = self.alternative
+        if alternative.slots.isdisjoint(self.hook().region_slots(node)):
+            self.alternative_passes += 1
+            return alternative.backward
+        return self.full
+
+    def run_graph(self, backward, call, running, node, args):
+        """One pass of the region's backward through ``backward``'s
+        graph: its cached variant where the pass is planned, else its
+        refresh one."""
+        cached = backward.cached
+        if running and cached is not None and backward.order is not None:
+            plan = cached.plan(call, backward.order)
+            if plan is not None:
+                grads = cached.compiled(list(args) + plan.inputs)
+                if cached.checks:
+                    # A cached cast scale its cap would lower: the sites
+                    # after it would not be the table's.
+                    bound, grads = grads[-1], grads[:-1]
+                    if bound.item():
+                        plan = None
+                        self.passes['again'] += 1
+                if plan is not None and backward.given_check:
+                    grads = self.given_checked(grads)
+                if plan is not None:
+                    self.passes['cached'] += 1
+                    plan.commit(call.step)
+                    self.hook().region_left(node, plan.output_scales)
+                    return grads
+        self.passes['refresh'] += 1
+        _CALLS.append(call)
+        try:
+            grads = backward.refresh(list(args))
+        finally:
+            _CALLS.pop()
+        if backward.given_check:
+            grads = self.given_checked(grads)
+        backward.observe(call.order)
+        if running:
+            self.hook().region_left(node, {
+                i: 1.0 if v == _UNSCALED else call.scales[v]
+                for i, v in enumerate(backward.output_variables)
+                if v is not None})
+        return grads
+
+    def given_checked(self, grads):
+        """The alternative's gradients, less its last output: whether an
+        output it took as given no gradient was given one after all (an
+        output read wrongly from AOTAutograd's descriptors: the graph
+        left that gradient out). Then the pass raises, and the full graph
+        serves every pass from now on."""
+        given, grads = grads[-1], grads[:-1]
+        if given.item():
+            self.alternative = None
+            raise RuntimeError(
+                'GradientScaling: a torch.compile\'d region was given a '
+                'gradient for an output that its backward graph took as '
+                'given none (its outputs read wrongly from AOTAutograd\'s '
+                'descriptors: please report it); this backward is '
+                'stopped, its gradients left out, and the region keeps '
+                'every output\'s gradient from now on')
+        return grads
 
     def compile_graph(self, gm, example_inputs):
         """``gm`` compiled by the inner backend (a boxed function)."""
@@ -520,18 +584,6 @@ class _Region(object):
                                               is_backward=True)
         return make_boxed_func(gm.forward)
 
-    def observe(self, order):
-        """The order of a refresh variant's calls: a cached pass plans its
-        sites in it (the keys of a weight used twice, of the casts and
-        branches, are given in the order the sites are met)."""
-        if self.order is None and self.cached is not None:
-            if sorted(order) == self.cached.indices:
-                self.order = tuple(order)
-            else:  # (not every site called once: no cached variant)
-                self.cached = None
-        elif self.order is not None and tuple(order) != self.order:
-            self.cached = None
-
     def begin(self):
         """``(call, running, node)``: the :class:`_Call` of a backward
         run (the hook's open step and the scale the region's node was
@@ -546,6 +598,170 @@ class _Region(object):
             return _Call(None, 1.0), False, None
         alpha, softmax = entered
         return _Call(hook.controller.step, alpha, softmax), True, node
+
+
+class _Backward(object):
+
+    """One rewritten backward graph of a region: the variables of its
+    outputs' scales, its refresh variant and its cached one compiled, and
+    the order in which the refresh variant calls its sites."""
+
+    def __init__(self):
+        #: Per output of the graph: the variable of its scale, _UNSCALED,
+        #: or None (no gradient).
+        self.output_variables = []
+        self.refresh = None
+        #: The cached variant (None: every pass runs the refresh one).
+        self.cached = None
+        #: The order the refresh variant called its sites in (the order
+        #: a cached pass's keys are given in), once it has run.
+        self.order = None
+        self.cached_error = None
+        #: Whether the graph's last output says whether a tangent it
+        #: takes as zero was not (:func:`_return_given`).
+        self.given_check = False
+
+    def compile(self, region, gm, example_inputs):
+        try:
+            cached = _CachedVariant(self, gm, example_inputs)
+        except Exception as e:  # NOQA: the refresh variant serves
+            cached, self.cached_error = None, e
+        if cached is None:
+            self.refresh = region.compile_graph(gm, example_inputs)
+            return
+        # A pass the cached variant ran may run again as the refresh one,
+        # from the same inputs: no saved tensor's buffer is reused for the
+        # graph's own (AOTAutograd's donated buffers), and no graph
+        # compiled with them comes from Inductor's cache (whose key does
+        # not tell).
+        internals.keep_saved_tensors()
+        with internals.inductor_graph_cache_off():
+            self.refresh = region.compile_graph(gm, example_inputs)
+            try:
+                cached.compile(region, example_inputs)
+                self.cached = cached
+            except Exception as e:  # NOQA: the refresh variant serves
+                self.cached_error = e
+
+    def observe(self, order):
+        """The order of a refresh variant's calls: a cached pass plans its
+        sites in it (the keys of a weight used twice, of the casts and
+        branches, are given in the order the sites are met)."""
+        if self.order is None and self.cached is not None:
+            if sorted(order) == self.cached.indices:
+                self.order = tuple(order)
+            else:  # (not every site called once: no cached variant)
+                self.cached = None
+        elif self.order is not None and tuple(order) != self.order:
+            self.cached = None
+
+
+class _Alternative(object):
+
+    """A region's backward graph for the passes that give some of its
+    outputs no gradient (an output the loss does not use: a model's
+    logits returned beside its loss): the tangents of those outputs, which
+    the engine then hands over as zeros, left out of the sums they enter,
+    so that the sites are those of an eager pass, in which nothing flows
+    from such an output (the logits' GEMM, not a branch, after the
+    softmax). ``slots``: the outputs (the region node's slots) that must
+    be given no gradient; ``positions``: their tangents' places among the
+    graph's inputs."""
+
+    def __init__(self, gm, slots):
+        self.gm = gm
+        self.slots = frozenset(slots)
+        self.backward = _Backward()
+        self.backward.given_check = True
+
+
+def _return_given(gm, positions):
+    """The rewritten alternative ``gm`` also returns whether any of its
+    inputs at ``positions`` (the tangents it takes as zero) holds a value
+    that is not zero: one reduction in the graph, read after the pass."""
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == 'placeholder']
+    output = [n for n in graph.nodes if n.op == 'output'][0]
+    with graph.inserting_before(output):
+        given = _function(graph, _ANY, _function(graph, _STACK, [
+            _function(graph, _ANY, placeholders[i]) for i in positions]))
+    output.args = (tuple(output.args[0]) + (given,),) + \
+        tuple(output.args[1:])
+    graph.lint()
+    gm.recompile()
+
+
+def _placeholders(gm):
+    return [n.name for n in gm.graph.nodes if n.op == 'placeholder']
+
+
+#: Operations through which a zero stays zero, by their first argument
+#: (views, conversions, a negation, a copy).
+_KEEPS_ZERO = _VIEWS | _CONVERT | frozenset([
+    _ATEN.neg.default, _ATEN.clone.default])
+
+
+def _without_absent(gm, slots):
+    """``(graph module, slots, positions)``: a copy of the backward graph
+    ``gm`` in which each tangent that AOTAutograd maps to an output
+    (``slots``: :func:`~gradient_scaling.torch._internals.tangent_slots`)
+    and that enters a sum (through views and conversions) is a constant
+    zero (what the engine hands over for an output given no gradient,
+    with the tangent's layout): no gradient, so that the sum hands its
+    other term on, bit for bit as it did. ``slots`` and ``positions``: the
+    outputs and the inputs' places of the tangents so replaced. None where
+    no sum has such a term (the graph is the same)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == 'placeholder']
+    tangents = [n for n in placeholders if n.name.startswith('tangents')]
+    if slots is None or len(slots) != len(tangents):
+        return None
+    #: node -> the tangents it is zero by, where they are zero.
+    zero = {t: frozenset([t]) for t, slot in zip(tangents, slots)
+            if slot is not None and _static_layout(t)}
+    summed = set()
+    for node in gm.graph.nodes:
+        if node.op != 'call_function':
+            continue
+        if node.target in _KEEPS_ZERO and \
+                len(node.all_input_nodes) == 1 and node.args[0] in zero:
+            zero[node] = zero[node.args[0]]
+        elif node.target in (_ADD, _SUB) and len(node.args) == 2:
+            a, b = node.args
+            if a in zero and b in zero:
+                zero[node] = zero[a] | zero[b]
+            else:
+                for x, y in ((a, b), (b, a)):
+                    if x in zero and isinstance(y, torch.fx.Node):
+                        summed |= zero[x]
+    if not summed:
+        return None
+    graph = torch.fx.Graph()
+    env = {}
+    for n in gm.graph.nodes:
+        env[n] = graph.node_copy(n, lambda x: env[x])
+    first = next(n for n in graph.nodes if n.op != 'placeholder')
+    for t in summed:
+        copy, value = env[t], _value(t)
+        with graph.inserting_before(first), value.fake_mode:
+            empty = graph.call_function(_EMPTY_STRIDED, (
+                tuple(value.shape), tuple(value.stride())), dict(
+                    dtype=value.dtype, device=value.device))
+            empty.meta['val'] = _EMPTY_STRIDED(*empty.args, **empty.kwargs)
+            filled = graph.call_function(_FILL, (empty, 0.0))
+            filled.meta['val'] = _FILL(empty.meta['val'], 0.0)
+        copy.replace_all_uses_with(filled)
+    graph.eliminate_dead_code()
+    return (torch.fx.GraphModule(gm, graph),
+            {slots[tangents.index(t)] for t in summed},
+            sorted(placeholders.index(t) for t in summed))
+
+
+def _static_layout(node):
+    """Whether ``node`` holds a tensor of a size and strides known when
+    compiling (no symbolic ones)."""
+    value = node.meta.get('val')
+    return isinstance(value, torch.Tensor) and all(
+        isinstance(d, int) for d in tuple(value.shape) + value.stride())
 
 
 # -- the cached variant of a backward graph -----------------------------------
@@ -569,7 +785,7 @@ class _CachedVariant(object):
     entering scale, key counters and committed scales.
     """
 
-    def __init__(self, region, gm, example_inputs):
+    def __init__(self, backward, gm, example_inputs):
         graph = torch.fx.Graph()
         env = {}
         for n in gm.graph.nodes:
@@ -639,7 +855,7 @@ class _CachedVariant(object):
         self.new_inputs = new_inputs
         self.indices = sorted(index for index, _, _ in self.layout)
         self.device = device
-        self.region = weakref.ref(region)
+        self.backward = weakref.ref(backward)
         self.memo = {}
 
     def compile(self, region, example_inputs):
@@ -701,10 +917,10 @@ class _CachedVariant(object):
                 [step.controller.fmt.max] + [
                     planned.thresholds.get(a, 0.0) for a in self.casts],
                 dtype=torch.float64, device=self.device))
-        region = self.region()
         output_scales = {
             i: 1.0 if v == _UNSCALED else planned.scales[v]
-            for i, v in enumerate(region.output_variables) if v is not None}
+            for i, v in enumerate(self.backward().output_variables)
+            if v is not None}
         occurrences = {k: v for k, v in counters[0].items()
                        if saved[0].get(k) != v}
         return _Plan(inputs, output_scales, occurrences, counters[1],
@@ -763,8 +979,10 @@ class _Rewrite(object):
     hold no gradient (saved activations, recomputations, constants).
     """
 
-    def __init__(self, region, forward, backward):
+    def __init__(self, region, forward, backward, target):
         self.region = region
+        #: The :class:`_Backward` told its outputs' variables.
+        self.target = target
         self.hook = region.hook()
         self.recipe = self.hook.recipe
         self.module = backward
@@ -1039,7 +1257,7 @@ class _Rewrite(object):
         outputs = [left.get(g, g) if variables[i] == _UNSCALED else g
                    for i, g in enumerate(outputs)]
         output.args = (tuple(outputs),) + tuple(output.args[1:])
-        self.region.output_variables = variables
+        self.target.output_variables = variables
 
     # -- graph surgery --------------------------------------------------------
 
@@ -1171,6 +1389,9 @@ _CONVERT_TO = torch.ops.prims.convert_element_type.default
 _SELECT = _ATEN.select.int
 _TO_COPY = _OPS['to_copy']
 _MUL = _ATEN.mul.Tensor
+_SUB = _ATEN.sub.Tensor
+_EMPTY_STRIDED = _ATEN.empty_strided.default
+_FILL = _ATEN.fill.Scalar
 _SLICE = _ATEN.slice.Tensor
 _ABS = _ATEN.abs.default
 _AMAX = _ATEN.amax.default

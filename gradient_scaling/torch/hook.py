@@ -389,6 +389,13 @@ class GradientScaling(ControllerViews):
         current.self_scaled.add(node)
         return scale, node in current.plan.softmax_gradients
 
+    def region_slots(self, node):
+        """The slots of the compiled region ``node`` (its outputs) that
+        the running pass gives a gradient: the others' are absent (the
+        engine hands the region zeros for them), as in an eager pass, in
+        which nothing flows from an output the loss does not use."""
+        return self._running[-1].slots_given(node)
+
     def region_left(self, node, scales):
         """The compiled region ``node`` returns its gradients with
         ``scales`` (``{edge: scale}``)."""
