@@ -92,6 +92,28 @@ class TiedTransformer(TinyTransformer):
         return self.ln_f(h) @ self.embed.weight.t()
 
 
+class LatentTransformer(TinyTransformer):
+    """TinyTransformer with a cross-attention to a learned table of
+    latents, projected by a ``Linear`` (Perceiver's latents, DeBERTa's
+    relative embeddings): a GEMM whose data and weight are both
+    parameters, keyed by its weight, as for the eager hook (the backward
+    GEMM that reads the table makes the weight's gradient: no site)."""
+
+    def __init__(self):
+        super().__init__()
+        width = self.embed.weight.shape[1]
+        self.latents = nn.Parameter(torch.randn(3, width))
+        self.memory = nn.Linear(width, width)
+
+    def logits(self, tokens):
+        h = self.embed(tokens) + self.position
+        h = h + self.attention(self.ln1(h))
+        memory = self.memory(self.latents)
+        h = h + F.softmax(h @ memory.t(), dim=-1) @ memory
+        h = h + self.down(F.gelu(self.up(self.ln2(h))))
+        return self.head(self.ln_f(h))
+
+
 class TinyResNet(nn.Module):
     """A stem, a basic block and a strided block with a 1x1 projection,
     BatchNorm after every convolution, pooling and a classifier."""
@@ -137,6 +159,7 @@ def every_construct_batch(step):
 NETS = {
     'transformer': (TinyTransformer, transformer_batch),
     'tied_transformer': (TiedTransformer, transformer_batch),
+    'latent_transformer': (LatentTransformer, transformer_batch),
     'resnet': (TinyResNet, resnet_batch),
     'every_construct': (lambda: EveryConstructNet(loss_factor=SMALL),
                         every_construct_batch),
@@ -244,6 +267,9 @@ def test_compiled_gs_scales_as_eager_gs_and_is_exact(net, scale_log):
     assert max(r[3] for r in eager[0][2].values()) >= 2.0 ** 10
     if net == 'transformer' or net == 'every_construct':
         assert 'branch' in kinds  # (the others' sums meet at one scale)
+    if net == 'latent_transformer':  # the weight's site, not the table's
+        assert 'memory.weight' in eager[0][2]
+        assert not any(k.startswith('latents') for k in eager[0][2])
     # the cached step chose scales too, from the table
     assert eager[1][1] and eager[1][2] == eager[0][2]
 

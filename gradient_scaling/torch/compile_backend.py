@@ -961,6 +961,45 @@ def _bound(graph, g, thresholds, k):
                                             k)))
 
 
+def _data_only_parameters(forward):
+    """The indices of the region's parameters that the ``forward`` graph
+    multiplies only as the data of a GEMM whose weight is a parameter too
+    (a learned table fed to a ``Linear``: DeBERTa's relative embeddings,
+    Perceiver's latents). The eager hook keys such a GEMM by its weight
+    (the second factor, where both are parameters); a backward GEMM that
+    reads the table computes the weight's gradient, and is no site."""
+    def parameter(node):
+        for _ in range(32):
+            if not isinstance(node, torch.fx.Node):
+                return None
+            if node.op == 'placeholder':
+                match = _PRIMAL.match(node.name)
+                return None if match is None else int(match.group(1)) - 1
+            if node.op != 'call_function' or not (
+                    node.target in _VIEWS or node.target in _CONVERT):
+                return None
+            node = node.args[0]
+        return None
+    data, weights = set(), set()
+    for node in forward.graph.nodes:
+        if node.op != 'call_function':
+            continue
+        if node.target in _GEMMS:
+            first, second = node.args[:2]
+        elif node.target is _ADDMM:
+            first, second = node.args[1:3]
+        else:
+            continue
+        a, b = parameter(first), parameter(second)
+        if b is not None:
+            weights.add(b)
+            if a is not None:
+                data.add(a)
+        elif a is not None:
+            weights.add(a)
+    return data - weights
+
+
 def _function(graph, target, *args, **kwargs):
     """A node of ``graph`` calling ``target``, its value the fake one."""
     node = graph.call_function(target, args, kwargs)
@@ -988,6 +1027,7 @@ class _Rewrite(object):
         self.module = backward
         self.graph = backward.graph
         self.forward_nodes = {n.name: n for n in forward.graph.nodes}
+        self.data_only = _data_only_parameters(forward)
         self.var = {}
         self.softmax = set()  # nodes whose value is a softmax gradient
         #: nodes whose value is one if the entering gradient is
@@ -1088,7 +1128,8 @@ class _Rewrite(object):
             for weight, g, first in ((b, a, True), (a, b, False)):
                 index = self.parameter_index(weight)
                 if index is not None and g in self.var and \
-                        weight not in self.var:
+                        weight not in self.var and \
+                        index not in self.data_only:
                     shape = _value(g).shape
                     length = int(shape[-1] if first else shape[-2])
                     op = node.target
@@ -1390,6 +1431,7 @@ _SELECT = _ATEN.select.int
 _TO_COPY = _OPS['to_copy']
 _MUL = _ATEN.mul.Tensor
 _SUB = _ATEN.sub.Tensor
+_ADDMM = _ATEN.addmm.default
 _EMPTY_STRIDED = _ATEN.empty_strided.default
 _FILL = _ATEN.fill.Scalar
 _SLICE = _ATEN.slice.Tensor
