@@ -232,11 +232,16 @@ def train(make, batch, compiled, log=None, steps=3, module=None,
         assert not blind or compiled != 'gs', blind
         assert scaler.step_taken
         scaler.update()
-        scales = sorted(log[start:], key=repr) if log is not None else None
-        report = {r.name: (r.kind, r.local_scale, r.input_scale,
-                           r.output_scale) for r in scaler.report()}
-        history.append((grads, scales, report))
+        history.append(_record(grads, log, start, scaler))
     return history
+
+
+def _record(grads, log, start, scaler):
+    """A step's ``(gradients, scales logged since start, report())``."""
+    scales = sorted(log[start:], key=repr) if log is not None else None
+    report = {r.name: (r.kind, r.local_scale, r.input_scale,
+                       r.output_scale) for r in scaler.report()}
+    return grads, scales, report
 
 
 def assert_same_scales(eager, compiled):
@@ -421,20 +426,27 @@ def test_factors_carry_every_ratio_of_scales_exactly():
             steps(ratio)
 
 
+def _compiled(monkeypatch):
+    """``(region, backward graph)`` of each region whose backward is
+    compiled from now on."""
+    compiled = []
+    compile_backward = backend_module._Region.compile_backward
+
+    def keep(self, gm, example_inputs):
+        compiled.append((self, gm))
+        return compile_backward(self, gm, example_inputs)
+    monkeypatch.setattr(backend_module._Region, 'compile_backward', keep)
+    return compiled
+
+
 def test_the_graph_multiplies_by_the_factors(monkeypatch):
     """Each site's call returns factors (and its output scale's inverse,
     which unscales the parameters' gradients at that scale); the graph
     multiplies: no gradient leaves a call."""
-    graphs = []
-    compile_backward = backend_module._Region.compile_backward
-
-    def keep(self, gm, example_inputs):
-        graphs.append(gm)
-        return compile_backward(self, gm, example_inputs)
-    monkeypatch.setattr(backend_module._Region, 'compile_backward', keep)
+    compiled = _compiled(monkeypatch)
     make, batch = NETS['transformer']
     train(make, batch, 'gs', steps=1)
-    (gm,) = graphs
+    ((_, gm),) = compiled
     calls = [n for n in gm.graph.nodes
              if n.target is torch.ops.gradient_scaling.scale.default]
     assert len(calls) >= 5
@@ -643,10 +655,7 @@ def _loss_and_logits_run(compiled, log=None, inner='aot_eager'):
         else:
             scaler.step(optimizer)
             scaler.update()
-        scales = sorted(log[start:], key=repr) if log is not None else None
-        report = {r.name: (r.kind, r.local_scale, r.input_scale,
-                           r.output_scale) for r in scaler.report()}
-        history.append((grads, scales, report))
+        history.append(_record(grads, log, start, scaler))
     return history
 
 
@@ -661,18 +670,6 @@ def _assert_same_steps(eager, compiled):
             assert c[1] == e[1], step
 
 
-def _regions(monkeypatch):
-    """The regions whose backward is compiled from now on."""
-    regions = []
-    compile_backward = backend_module._Region.compile_backward
-
-    def keep(self, gm, example_inputs):
-        regions.append(self)
-        return compile_backward(self, gm, example_inputs)
-    monkeypatch.setattr(backend_module._Region, 'compile_backward', keep)
-    return regions
-
-
 def test_logits_returned_beside_the_loss_scale_as_eager_gs(
         scale_log, monkeypatch):
     """Where a pass gives the returned logits no gradient, the region's
@@ -682,13 +679,13 @@ def test_logits_returned_beside_the_loss_scale_as_eager_gs(
     of two before, and ``cast#0`` was missing). Where the loss uses the
     logits too, the full graph runs, as eager GS's branch. Both: eager
     GS's scales, plain gradients bit for bit."""
-    regions = _regions(monkeypatch)
+    compiled_regions = _compiled(monkeypatch)
     eager = _loss_and_logits_run(None, scale_log)
     compiled = _loss_and_logits_run('gs', scale_log)
     plain = _loss_and_logits_run('plain')
     _assert_same_steps(eager, compiled)
     assert_exact(compiled, plain)
-    (region,) = regions
+    ((region, _),) = compiled_regions
     assert region.alternative is not None
     assert region.alternative_passes == LOGITS_USED.count(False)
     assert region.passes['cached'] > 0  # (of both graphs)
@@ -726,11 +723,11 @@ def test_a_tangent_read_as_the_wrong_output_is_caught(monkeypatch):
         slots = read(*args)
         return [None if s is None else s + 50 for s in slots]
     monkeypatch.setattr(internals, 'tangent_slots', misread)
-    regions = _regions(monkeypatch)
+    compiled = _compiled(monkeypatch)
     assert LOGITS_USED.index(True) == 3
     with pytest.raises(RuntimeError, match='given a gradient for an '
                        'output that its backward graph took as given none'):
         _loss_and_logits_run('gs')
-    (region,) = [r for r in regions if r.hook() is not None]
+    (region,) = [r for r, _ in compiled if r.hook() is not None]
     assert region.alternative is None
     assert region.alternative_passes == 4  # (the three before, this one)
