@@ -148,6 +148,29 @@ def test_a_live_build_is_waited_for_and_its_lock_left_alone(
     assert 'LOADED True' in out and 'WARNED' not in out, out
 
 
+def test_a_finished_build_is_imported_without_waiting_for_a_turn(
+        built, tmp_path):
+    # Ranks that start at once: a library a finished build left (no lock
+    # file) is imported directly, while another process holds the turn.
+    pytest.importorskip('fcntl')
+    cache, copy = _copy_of_the_build(built, tmp_path)
+    holder = subprocess.Popen([sys.executable, '-c', (
+        'import fcntl, sys, time\n'
+        'f = open(sys.argv[1] + "/turn", "a")\n'
+        'fcntl.flock(f, fcntl.LOCK_EX)\n'
+        'print("HOLDING", flush=True)\n'
+        'time.sleep(60)\n'), str(copy)], stdout=subprocess.PIPE,
+        text=True)
+    try:
+        assert holder.stdout.readline().strip() == 'HOLDING'
+        out, seconds = _load_in_a_fresh_process(cache, timeout=50)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert 'LOADED True' in out and 'WARNED' not in out, out
+    assert seconds < 30, seconds
+
+
 def test_without_a_turn_only_an_old_lock_is_taken_as_left(tmp_path):
     lock = tmp_path / 'lock'
     lock.write_bytes(b'')

@@ -27,8 +27,9 @@ adapter says so once (a ``RuntimeWarning``) and uses the Python
 implementation below, which does the same; a compiler's refusal is kept
 (``FAILED`` in the build folder), so that later processes do not compile
 it again. ``GRADIENT_SCALING_NATIVE=0``
-chooses the Python implementation without trying. Processes that build or
-load it at once take turns on an advisory lock of the build folder
+chooses the Python implementation without trying. A library that a
+finished build left is imported directly; processes that build (or check
+the build) at once take turns on an advisory lock of the build folder
 (``flock``), which the system drops however its holder ends; so a lock file
 of ``torch.utils.cpp_extension`` found while that lock is held is one that
 a process killed during its build left behind, and it is removed (with a
@@ -153,6 +154,9 @@ def _load():
             raise RuntimeError('ninja not found')
         from torch.utils import cpp_extension
         os.makedirs(directory, exist_ok=True)
+        loaded = _built_already(name, directory)
+        if loaded is not None:
+            return loaded
         with _turn(directory) as alone:
             _clear_left_lock(directory, alone)
             built = any(f.endswith('.so') for f in os.listdir(directory))
@@ -182,6 +186,27 @@ def _load():
                 pass
         _fall_back(text)
         return None
+
+
+def _built_already(name, directory):
+    """The module, imported from the library a finished build left in
+    ``directory`` (no build runs there: a build holds its lock file from
+    start to end), without a turn or ``cpp_extension``'s check of the
+    build (ranks that start at once do not wait on each other); None
+    where there is none, or it does not import (then built again)."""
+    library = os.path.join(directory, name + (
+        '.pyd' if sys.platform == 'win32' else '.so'))
+    if not os.path.exists(library) or \
+            os.path.exists(os.path.join(directory, 'lock')):
+        return None
+    import importlib.util
+    try:
+        spec = importlib.util.spec_from_file_location(name, library)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except ImportError:
+        return None
+    return module
 
 
 @contextlib.contextmanager
