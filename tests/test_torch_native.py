@@ -122,24 +122,52 @@ def test_a_lock_left_by_a_killed_build_is_removed_not_waited_on(
     assert 'LOADED True' in out and 'WARNED' not in out, out
 
 
+@pytest.mark.slow
+def test_a_library_cut_short_is_built_again(built, tmp_path):
+    # A first build killed while linking leaves its lock, a library cut
+    # short (a process that maps it crashes) and no entry for it in
+    # ninja's log: it is not imported as it is, but built again (30 s or
+    # more).
+    cache, copy = _copy_of_the_build(built, tmp_path)
+    library = copy / os.path.basename(built.__file__)
+    library.write_bytes(library.read_bytes()[:4096])
+    (copy / '.ninja_log').unlink()
+    (copy / 'lock').write_bytes(b'')
+    out, _ = _load_in_a_fresh_process(cache, timeout=600)
+    assert 'LOADED True' in out, out
+    assert library.stat().st_size > 4096
+    out, seconds = _load_in_a_fresh_process(cache)
+    assert 'LOADED True' in out and 'WARNED' not in out, out
+
+
+def _turn_holder(copy, building, seconds):
+    """A process holding the build folder ``copy``'s turn for ``seconds``
+    (``building``: with cpp_extension's lock file, removed at the end, as
+    a build does), once it holds it; it prints RELEASED at the end."""
+    pytest.importorskip('fcntl')
+    holder = subprocess.Popen([sys.executable, '-c', (
+        'import fcntl, os, sys, time\n'
+        'building, lock = sys.argv[2] == "1", sys.argv[1] + "/lock"\n'
+        'f = open(sys.argv[1] + "/turn", "a")\n'
+        'fcntl.flock(f, fcntl.LOCK_EX)\n'
+        'if building: open(lock, "w").close()\n'
+        'print("HOLDING", flush=True)\n'
+        'time.sleep(float(sys.argv[3]))\n'
+        'if building: os.remove(lock)\n'
+        'print("RELEASED", flush=True)\n'), str(copy),
+        '1' if building else '0', str(seconds)],
+        stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == 'HOLDING'
+    return holder
+
+
 def test_a_live_build_is_waited_for_and_its_lock_left_alone(
         built, tmp_path):
     # A process that holds the folder's turn (building) keeps its lock
     # file: another process waits for the turn, then loads.
-    pytest.importorskip('fcntl')
     cache, copy = _copy_of_the_build(built, tmp_path)
-    holder = subprocess.Popen([sys.executable, '-c', (
-        'import fcntl, os, sys, time\n'
-        'f = open(sys.argv[1] + "/turn", "a")\n'
-        'fcntl.flock(f, fcntl.LOCK_EX)\n'
-        'open(sys.argv[1] + "/lock", "w").close()\n'
-        'print("HOLDING", flush=True)\n'
-        'time.sleep(3)\n'
-        'os.remove(sys.argv[1] + "/lock")\n'
-        'print("RELEASED", flush=True)\n'), str(copy)],
-        stdout=subprocess.PIPE, text=True)
+    holder = _turn_holder(copy, building=True, seconds=3)
     try:
-        assert holder.stdout.readline().strip() == 'HOLDING'
         out, seconds = _load_in_a_fresh_process(cache)
     finally:
         holder.wait(timeout=60)
@@ -152,17 +180,9 @@ def test_a_finished_build_is_imported_without_waiting_for_a_turn(
         built, tmp_path):
     # Ranks that start at once: a library a finished build left (no lock
     # file) is imported directly, while another process holds the turn.
-    pytest.importorskip('fcntl')
     cache, copy = _copy_of_the_build(built, tmp_path)
-    holder = subprocess.Popen([sys.executable, '-c', (
-        'import fcntl, sys, time\n'
-        'f = open(sys.argv[1] + "/turn", "a")\n'
-        'fcntl.flock(f, fcntl.LOCK_EX)\n'
-        'print("HOLDING", flush=True)\n'
-        'time.sleep(60)\n'), str(copy)], stdout=subprocess.PIPE,
-        text=True)
+    holder = _turn_holder(copy, building=False, seconds=60)
     try:
-        assert holder.stdout.readline().strip() == 'HOLDING'
         out, seconds = _load_in_a_fresh_process(cache, timeout=50)
     finally:
         holder.kill()

@@ -28,8 +28,9 @@ implementation below, which does the same; a compiler's refusal is kept
 (``FAILED`` in the build folder), so that later processes do not compile
 it again. ``GRADIENT_SCALING_NATIVE=0``
 chooses the Python implementation without trying. A library that a
-finished build left is imported directly; processes that build (or check
-the build) at once take turns on an advisory lock of the build folder
+finished build left and a process loaded once (``loaded`` notes it) is
+imported directly; processes that build (or check the build) at once take
+turns on an advisory lock of the build folder
 (``flock``), which the system drops however its holder ends; so a lock file
 of ``torch.utils.cpp_extension`` found while that lock is held is one that
 a process killed during its build left behind, and it is removed (with a
@@ -159,15 +160,20 @@ def _load():
             return loaded
         with _turn(directory) as alone:
             _clear_left_lock(directory, alone)
+            loaded = _built_already(name, directory)  # (the lock was left)
+            if loaded is not None:
+                return loaded
             built = any(f.endswith('.so') for f in os.listdir(directory))
             if not built:
                 sys.stderr.write(
                     'gradient_scaling: building the native PyTorch '
                     'callbacks (once per PyTorch version, about 30 s) in '
                     '{}\n'.format(directory))
-            return cpp_extension.load(
+            module = cpp_extension.load(
                 name, [_SOURCE], build_directory=directory,
                 extra_cflags=_FLAGS, verbose=False)
+            _mark_loaded(name, directory)
+            return module
     except Exception as error:  # NOQA: any failure means: Python instead
         # (a build's error: the compiler's first error lines, not the
         # command line that precedes them)
@@ -188,16 +194,54 @@ def _load():
         return None
 
 
+def _library(name, directory):
+    return os.path.join(directory, name + (
+        '.pyd' if sys.platform == 'win32' else '.so'))
+
+
+def _signature(path):
+    """A file's size and modification time, as text (None if absent)."""
+    try:
+        status = os.stat(path)
+    except OSError:
+        return None
+    return '{} {}\n'.format(status.st_size, status.st_mtime_ns)
+
+
+def _mark_loaded(name, directory):
+    """Notes that the library as it is now loaded once (``loaded``: its
+    size and time), so that later processes import it directly."""
+    signature = _signature(_library(name, directory))
+    if signature is None:
+        return
+    path = os.path.join(directory, 'loaded')
+    try:
+        with open(path + '.new', 'w') as f:
+            f.write(signature)
+        os.replace(path + '.new', path)
+    except OSError:
+        pass
+
+
 def _built_already(name, directory):
     """The module, imported from the library a finished build left in
     ``directory`` (no build runs there: a build holds its lock file from
-    start to end), without a turn or ``cpp_extension``'s check of the
-    build (ranks that start at once do not wait on each other); None
-    where there is none, or it does not import (then built again)."""
-    library = os.path.join(directory, name + (
-        '.pyd' if sys.platform == 'win32' else '.so'))
-    if not os.path.exists(library) or \
-            os.path.exists(os.path.join(directory, 'lock')):
+    start to end; and the library is the one a process loaded before, as
+    ``loaded`` notes: not one cut short by a build killed while linking,
+    which would not import but crash), without ``cpp_extension``'s check
+    of the build (ranks that start at once do not wait on each other, and
+    a clone elsewhere, whose source path differs, does not build it
+    again); None where there is none (then checked, or built, by
+    ``cpp_extension``)."""
+    library = _library(name, directory)
+    if os.path.exists(os.path.join(directory, 'lock')):
+        return None
+    try:
+        with open(os.path.join(directory, 'loaded')) as f:
+            noted = f.read()
+    except OSError:
+        return None
+    if noted != _signature(library):
         return None
     import importlib.util
     try:
