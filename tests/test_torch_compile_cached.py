@@ -51,10 +51,10 @@ def recorded(monkeypatch):
     def logged_commit(self, step):
         (region,) = record['regions']
         flat = self.inputs[0].tolist()
-        layout = {i: (o, s) for i, o, s in region.cached.layout}
+        layout = {i: (o, s) for i, o, s in region.full.cached.layout}
         record['current'].extend(
             flat[layout[i][0]:layout[i][0] + layout[i][1]]
-            for i in region.order)
+            for i in region.full.order)
         return commit(self, step)
 
     def keep(self, gm, example_inputs):

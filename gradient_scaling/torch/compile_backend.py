@@ -408,17 +408,6 @@ class _Region(object):
         #: the region's outputs no gradient.
         self.alternative = None
 
-    @property
-    def cached(self):
-        """The full graph's cached variant (None: refresh passes only)."""
-        return self.full.cached
-
-    @property
-    def order(self):
-        """The order the full graph's refresh variant called its sites
-        in (None before it has run)."""
-        return self.full.order
-
     def settings(self):
         if self.inner == 'inductor':
             table = internals.inductor_decompositions()
@@ -496,11 +485,11 @@ class _Region(object):
             call, running, node = self.begin()
             backward = self.full
             if running and self.alternative is not None:
-                backward = self.choose(node, args)
+                backward = self.choose(node)
             return self.run_graph(backward, call, running, node, args)
         return make_boxed_func(run)
 
-    def choose(self, node, args):
+    def choose(self, node):
         """The graph for a pass: the alternative where the pass gives
         none of its absent outputs a gradient (the engine then hands the
         region zeros for them, which the alternative does not add), else
@@ -665,8 +654,7 @@ class _Alternative(object):
     so that the sites are those of an eager pass, in which nothing flows
     from such an output (the logits' GEMM, not a branch, after the
     softmax). ``slots``: the outputs (the region node's slots) that must
-    be given no gradient; ``positions``: their tangents' places among the
-    graph's inputs."""
+    be given no gradient; ``gm``: the graph, until it is compiled."""
 
     def __init__(self, gm, slots):
         self.gm = gm
@@ -961,45 +949,6 @@ def _bound(graph, g, thresholds, k):
                                             k)))
 
 
-def _data_only_parameters(forward):
-    """The indices of the region's parameters that the ``forward`` graph
-    multiplies only as the data of a GEMM whose weight is a parameter too
-    (a learned table fed to a ``Linear``: DeBERTa's relative embeddings,
-    Perceiver's latents). The eager hook keys such a GEMM by its weight
-    (the second factor, where both are parameters); a backward GEMM that
-    reads the table computes the weight's gradient, and is no site."""
-    def parameter(node):
-        for _ in range(32):
-            if not isinstance(node, torch.fx.Node):
-                return None
-            if node.op == 'placeholder':
-                match = _PRIMAL.match(node.name)
-                return None if match is None else int(match.group(1)) - 1
-            if node.op != 'call_function' or not (
-                    node.target in _VIEWS or node.target in _CONVERT):
-                return None
-            node = node.args[0]
-        return None
-    data, weights = set(), set()
-    for node in forward.graph.nodes:
-        if node.op != 'call_function':
-            continue
-        if node.target in _GEMMS:
-            first, second = node.args[:2]
-        elif node.target is _ADDMM:
-            first, second = node.args[1:3]
-        else:
-            continue
-        a, b = parameter(first), parameter(second)
-        if b is not None:
-            weights.add(b)
-            if a is not None:
-                data.add(a)
-        elif a is not None:
-            weights.add(a)
-    return data - weights
-
-
 def _function(graph, target, *args, **kwargs):
     """A node of ``graph`` calling ``target``, its value the fake one."""
     node = graph.call_function(target, args, kwargs)
@@ -1027,7 +976,7 @@ class _Rewrite(object):
         self.module = backward
         self.graph = backward.graph
         self.forward_nodes = {n.name: n for n in forward.graph.nodes}
-        self.data_only = _data_only_parameters(forward)
+        self.data_only = self.data_only_parameters(forward)
         self.var = {}
         self.softmax = set()  # nodes whose value is a softmax gradient
         #: nodes whose value is one if the entering gradient is
@@ -1155,6 +1104,34 @@ class _Rewrite(object):
                     [True, False, False])[0]
             return g, index, length, data, [x, weight]
         return None
+
+    def data_only_parameters(self, forward):
+        """The indices of the region's parameters that the ``forward``
+        graph multiplies only as the data of a GEMM whose weight is a
+        parameter too (a learned table fed to a ``Linear``: DeBERTa's
+        relative embeddings, Perceiver's latents). The eager hook keys
+        such a GEMM by its weight (the second factor, where both are
+        parameters); a backward GEMM that reads the table computes the
+        weight's gradient, and is no site."""
+        data, weights = set(), set()
+        for node in forward.graph.nodes:
+            if node.op != 'call_function':
+                continue
+            if node.target in _GEMMS:
+                first, second = node.args[:2]
+            elif node.target is _ADDMM:
+                first, second = node.args[1:3]
+            else:
+                continue
+            a = self.parameter_index(first)
+            b = self.parameter_index(second)
+            if b is not None:
+                weights.add(b)
+                if a is not None:
+                    data.add(a)
+            elif a is not None:
+                weights.add(a)
+        return data - weights
 
     def parameter_index(self, node):
         """The index of the region input (a parameter of the model) that

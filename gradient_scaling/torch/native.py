@@ -151,20 +151,19 @@ def _load():
     except OSError:
         pass
     try:
+        loaded = _built_already(name, directory)
+        if loaded is not None:
+            return loaded
         if _find_ninja() is None:
             raise RuntimeError('ninja not found')
         from torch.utils import cpp_extension
         os.makedirs(directory, exist_ok=True)
-        loaded = _built_already(name, directory)
-        if loaded is not None:
-            return loaded
         with _turn(directory) as alone:
             _clear_left_lock(directory, alone)
             loaded = _built_already(name, directory)  # (the lock was left)
             if loaded is not None:
                 return loaded
-            built = any(f.endswith('.so') for f in os.listdir(directory))
-            if not built:
+            if not os.path.exists(_library(name, directory)):
                 sys.stderr.write(
                     'gradient_scaling: building the native PyTorch '
                     'callbacks (once per PyTorch version, about 30 s) in '
