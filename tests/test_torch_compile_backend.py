@@ -709,6 +709,108 @@ def test_logits_returned_beside_the_loss_under_inductor(scale_log):
                                        rtol=1e-12, atol=0)
 
 
+@torch.compiler.disable
+def _graph_break():
+    """Nothing, which Dynamo does not compile: a graph break."""
+
+
+class Classifier(nn.Module):
+    """Logits of a two-layer classifier; with ``loss=True``, its loss
+    too, after a graph break: ``torch.compile`` then makes two regions,
+    the softmax's backward in the second, the logits' GEMM in the
+    first."""
+
+    def __init__(self, loss=False):
+        super().__init__()
+        self.loss = loss
+        self.body = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x, y):
+        logits = self.head(torch.tanh(self.body(x)))
+        if not self.loss:
+            return logits
+        _graph_break()
+        return F.cross_entropy(logits, y)
+
+
+def _cross_entropy(logits, y):
+    return F.cross_entropy(logits, y)
+
+
+def _split_run(layout, log=None, backend='gs', inner='aot_eager'):
+    """Gradients, scales and ``report()`` per step (refreshes and cached
+    passes) of the classifier and its loss as ``layout`` splits them:
+    ``'eager'`` (the reference), ``'break'`` (compiled whole, a graph
+    break before the loss), ``'loss'`` (the model eager, the loss
+    function compiled) or ``'both'`` (each compiled alone); with GS's
+    backend (``backend='gs'``) or the plain one (``'plain'``, no GS)."""
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    model = Classifier(loss=layout == 'break').double()
+    scaler = GradientScaler(model, update_interval=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def compiled(f):
+        return torch.compile(f, backend=compile_backend(
+            scaler, inner=inner) if backend == 'gs' else inner)
+    run = compiled(model) if layout in ('break', 'both') else model
+    loss_of = compiled(_cross_entropy) if layout in ('loss', 'both') \
+        else _cross_entropy
+    history = []
+    for step in range(8):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(6, 8, generator=g, dtype=torch.float64)
+        y = torch.randint(0, 5, (6,), generator=g)
+        optimizer.zero_grad()
+        start = len(log) if log is not None else 0
+        loss = run(x, y) if layout == 'break' else loss_of(run(x, y), y)
+        if backend == 'plain':
+            (loss * SMALL).backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss * SMALL).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        if backend != 'plain':
+            scaler.step(optimizer)
+            scaler.update()
+        history.append(_record(grads, log, start, scaler))
+    return history
+
+
+@pytest.mark.parametrize('layout', ['break', 'loss', 'both'])
+def test_a_softmax_compiled_apart_from_its_logits_scales_as_eager_gs(
+        layout, scale_log):
+    """A graph break between the logits and their softmax (or a loss
+    function compiled alone): the softmax's backward runs in one region,
+    the logits' GEMM in another region or eagerly. The region's graph
+    says which of its inputs' gradients its backward makes softmax
+    gradients, and the hook's walk follows them from its node as from a
+    softmax node: the logits' GEMM is the cast site, as in eager GS
+    (it was a plain GEMM site, ``cast#0`` missing, ``head.weight`` at
+    another scale). Eager GS's scales at every step; the plain backend's
+    gradients bit for bit."""
+    eager = _split_run('eager', scale_log)
+    compiled = _split_run(layout, scale_log)
+    _assert_same_steps(eager, compiled)
+    assert_exact(compiled, _split_run(layout, backend='plain'))
+    for _, _, report in compiled:
+        assert set(report) == {'cast#0', 'head.weight'}
+    assert {s[:2] for s in compiled[0][1]} == {('cast', 'cast#0'),
+                                               ('gemm', 'head.weight')}
+
+
+def test_a_softmax_compiled_apart_under_inductor(scale_log):
+    eager = _split_run('eager', scale_log)
+    compiled = _split_run('both', scale_log, inner='inductor')
+    _assert_same_steps(eager, compiled)
+    plain = _split_run('both', backend='plain', inner='inductor')
+    for (grads_c, _, _), (grads_p, _, _) in zip(compiled, plain):
+        for name in grads_p:
+            torch.testing.assert_close(grads_c[name], grads_p[name],
+                                       rtol=1e-12, atol=0)
+
+
 def test_a_tangent_read_as_the_wrong_output_is_caught(monkeypatch):
     """Were AOTAutograd's tangents mapped to the wrong outputs, a pass
     that gives the logits a gradient would run the graph that takes it

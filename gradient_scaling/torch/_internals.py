@@ -342,6 +342,17 @@ def tangent_slots(joint, forward_outputs, backward):
     return slots
 
 
+def compiled_backward_graph(node):
+    """The backward FX graph that AOTAutograd keeps for the backward node
+    ``node`` of a ``torch.compile``d region (the graph the partitioner
+    returned, compiled when the backward first runs), or None where it
+    keeps none (read from the region's autograd function; another
+    version of PyTorch may keep it elsewhere)."""
+    function = getattr(type(node), '_forward_cls', None)
+    lazy = getattr(function, '_lazy_backward_info', None)
+    return getattr(lazy, 'bw_module', None)
+
+
 def inductor_graph_cache_off():
     """A context in which Inductor's FX graph cache is off (its key does
     not say whether a graph was compiled with donated buffers)."""

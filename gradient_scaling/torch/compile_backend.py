@@ -40,6 +40,13 @@ backward FX graph before it is compiled (by Inductor, or run as traced):
   after the softmax, no branch); the hook's pass says which outputs its
   graph feeds, and the second graph checks that the others' tangents
   were zeros;
+* the region's inputs whose gradients its backward makes softmax
+  gradients (a loss computed in a region of its own, after a graph break
+  behind the logits, or a loss function compiled alone) are marked on
+  its backward graph (:data:`~gradient_scaling.torch.graph.
+  SOFTMAX_INPUTS`), which the hook's walk reads from the region's node:
+  the logits' GEMM, in another region or eager, is then the cast site, as
+  for the eager hook;
 * the gradients leave the graph at the scale the region was entered with
   (1 where the whole model, loss included, is compiled): the eager hook
   then treats the region's node as a plain one, and a parameter's gradient
@@ -87,6 +94,7 @@ from gradient_scaling.core import arrays
 from gradient_scaling.core import rules
 from gradient_scaling.torch import _internals as internals
 from gradient_scaling.torch import arrays as torch_arrays  # NOQA: registers
+from gradient_scaling.torch.graph import SOFTMAX_INPUTS
 
 __all__ = ['compile_backend']
 
@@ -441,6 +449,8 @@ class _Region(object):
             raise
         except Exception as e:  # a graph it does not read: eager GS
             raise _Unsupported('{}: {}'.format(type(e).__name__, e)) from e
+        # (the hook's walk follows them from the region's node)
+        setattr(backward, SOFTMAX_INPUTS, self.full.softmax_inputs)
         if absent is not None:
             gm, slots, positions = absent
             alternative = _Alternative(gm, slots)
@@ -599,6 +609,9 @@ class _Backward(object):
         #: Per output of the graph: the variable of its scale, _UNSCALED,
         #: or None (no gradient).
         self.output_variables = []
+        #: The outputs (the region's inputs) that are softmax gradients
+        #: whatever the region is given: its backward runs the softmax's.
+        self.softmax_inputs = frozenset()
         self.refresh = None
         #: The cached variant (None: every pass runs the refresh one).
         self.cached = None
@@ -1253,6 +1266,9 @@ class _Rewrite(object):
         """A parameter's gradient leaves unscaled; another input's (an
         activation's) at its own scale, which the hook's pass is told."""
         outputs = list(output.args[0])
+        self.target.softmax_inputs = frozenset(
+            i for i, g in enumerate(outputs)
+            if g in self.softmax and self.region.params[i] is None)
         variables, unscaled = [], []
         for i, g in enumerate(outputs):
             if not isinstance(g, torch.fx.Node) or g not in self.var:

@@ -354,6 +354,20 @@ _PLAIN, _GEMM, _EXTRA, _CAST, _SOFTMAX, _ACCUMULATE_ROLE, _COMPILED = (
 #: The backward of a ``torch.compile``d region: one node, its inside not
 #: seen by the walk.
 COMPILED_NODE = 'CompiledFunctionBackward'
+#: The attribute of a region's backward graph (set by
+#: :mod:`~gradient_scaling.torch.compile_backend`) that holds the inputs
+#: of the region whose gradients its backward makes softmax gradients: the
+#: walk follows them from there as from a softmax node (a graph break
+#: between the logits and their softmax, a compiled loss function).
+SOFTMAX_INPUTS = 'gradient_scaling_softmax_inputs'
+
+
+def softmax_inputs(node):
+    """The inputs (edges) of compiled region ``node`` to which its
+    backward hands a softmax gradient (:data:`SOFTMAX_INPUTS`): a
+    frozenset, empty where the region's graph does not say."""
+    graph = internals.compiled_backward_graph(node)
+    return getattr(graph, SOFTMAX_INPUTS, frozenset())
 
 
 def register_gemm_kind(predicate, site):
@@ -460,13 +474,23 @@ def walk(roots, cast_rule='softmax', reads=None):
 
 def _softmax_gradients(softmax_nodes, plan, reads):
     """Nodes whose incoming gradient is a softmax gradient: every edge
-    into them comes from a softmax node, or from a node whose own incoming
-    gradient is one and that hands it on to that edge (:func:`_hands_on`).
-    Followed from the softmax nodes; a node is looked at again whenever
-    one of its consumers joins the set."""
+    into them comes from a softmax node (or an input of a compiled region
+    whose backward makes it one: :func:`softmax_inputs`), or from a node
+    whose own incoming gradient is one and that hands it on to that edge
+    (:func:`_hands_on`). Followed from the softmax nodes and those
+    inputs; a node is looked at again whenever one of its consumers joins
+    the set."""
     softmax = set()
     todo = [p for s in softmax_nodes for p, _ in s.next_functions
             if p is not None]
+    given = {}  # compiled region -> its softmax inputs
+    for region in plan.compiled:
+        inputs = softmax_inputs(region)
+        if inputs:
+            given[region] = inputs
+            edges = region.next_functions
+            todo.extend(edges[i][0] for i in inputs
+                        if i < len(edges) and edges[i][0] is not None)
     while todo:
         node = todo.pop()
         if node in softmax:
@@ -475,6 +499,7 @@ def _softmax_gradients(softmax_nodes, plan, reads):
                  for e in plan.consumers[node, k]]
         if edges and all(
                 type(c).__name__ in SOFTMAX_NODES or
+                i in given.get(c, ()) or
                 (c in softmax and _hands_on(c, i, reads))
                 for c, i in edges):
             softmax.add(node)
