@@ -811,6 +811,98 @@ def test_a_softmax_compiled_apart_under_inductor(scale_log):
                                        rtol=1e-12, atol=0)
 
 
+class Router(nn.Module):
+    """A layer whose weight is its own parameter, read by ``F.linear``,
+    and a graph break after it (as Mixtral's router before its experts'
+    data-dependent loop): Dynamo compiles the layer's code once and runs
+    that graph for every such layer, their weights its inputs."""
+
+    def __init__(self, scale):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8) * scale)
+
+    def forward(self, x):
+        h = F.linear(x, self.weight)
+        _graph_break()
+        return torch.tanh(h)
+
+
+class Routers(nn.Module):
+    """Three :class:`Router` layers, weights 2**6 apart (each layer's
+    scale is its own), and a classifier head."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            [Router(2.0 ** e) for e in (-2, 4, -8)])
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = layer(x)
+        return F.cross_entropy(self.head(x), y)
+
+
+def _routers_run(backend, log=None, inner='aot_eager'):
+    """Per step (refreshes and cached passes): gradients, scales and
+    ``report()`` of :class:`Routers` eager (``backend=None``), compiled
+    with GS's backend (``'gs'``) or plain (``'plain'``)."""
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    model = Routers().double()
+    scaler = GradientScaler(model, update_interval=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    run = model if backend is None else torch.compile(
+        model, backend=compile_backend(scaler, inner=inner)
+        if backend == 'gs' else inner)
+    history = []
+    for step in range(6):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(6, 8, generator=g, dtype=torch.float64)
+        y = torch.randint(0, 4, (6,), generator=g)
+        optimizer.zero_grad()
+        start = len(log) if log is not None else 0
+        loss = run(x, y) * SMALL
+        if backend == 'plain':
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        if backend != 'plain':
+            scaler.step(optimizer)
+            scaler.update()
+        history.append(_record(grads, log, start, scaler))
+    return history
+
+
+@pytest.mark.parametrize('inner', ['aot_eager', 'inductor'])
+def test_a_graph_run_for_several_layers_scales_each_as_its_own(
+        inner, scale_log, monkeypatch):
+    """One compiled graph run for two layers (Dynamo's graph of a layer's
+    code serves every layer of that code, their weights its inputs): each
+    run's site is named by its own layer's weight and measured on it, as
+    in eager GS (the site of the third layer was the second's, under the
+    second's name again, ``layers.1.weight#1``, measured on the second's
+    weight). Eager GS's scales at every step, refresh and cached; the
+    plain backend's gradients."""
+    compiled_regions = _compiled(monkeypatch)
+    eager = _routers_run(None, scale_log)
+    compiled = _routers_run('gs', scale_log, inner=inner)
+    _assert_same_steps(eager, compiled)
+    plain = _routers_run('plain', inner=inner)
+    for (grads_c, _, _), (grads_p, _, _) in zip(compiled, plain):
+        for name in grads_p:
+            torch.testing.assert_close(grads_c[name], grads_p[name],
+                                       rtol=0 if inner == 'aot_eager'
+                                       else 1e-12, atol=0)
+    names = [sorted(n for n in region.names if n)
+             for region, _ in compiled_regions]
+    assert ['layers.1.weight'] in names and \
+        ['layers.2.weight'] not in names  # (one graph, two layers)
+    assert {'layers.1.weight', 'layers.2.weight'} <= set(compiled[2][2])
+
+
 def test_a_tangent_read_as_the_wrong_output_is_caught(monkeypatch):
     """Were AOTAutograd's tangents mapped to the wrong outputs, a pass
     that gives the logits a gradient would run the graph that takes it

@@ -47,6 +47,11 @@ backward FX graph before it is compiled (by Inductor, or run as traced):
   SOFTMAX_INPUTS`), which the hook's walk reads from the region's node:
   the logits' GEMM, in another region or eager, is then the cast site, as
   for the eager hook;
+* a graph that Dynamo runs for several modules of the same code (the
+  layers of a model, after a graph break inside each: their parameters
+  are the graph's inputs) names and measures each run's sites by that
+  run's own weights, read from the accumulation nodes its backward node
+  feeds (:meth:`_Region.binding_of`), as the eager hook does;
 * the gradients leave the graph at the scale the region was entered with
   (1 where the whole model, loss included, is compiled): the eager hook
   then treats the region's node as a plain one, and a parameter's gradient
@@ -266,6 +271,9 @@ class _Call(object):
         #: the scale its cap is compared with (``thresholds``).
         self.planning = planning
         self.thresholds = {}
+        #: The region's parameters this run has in place of those it was
+        #: compiled with (:meth:`_Region.binding_of`), or None.
+        self.binding = None
 
 
 class _Miss(Exception):
@@ -282,16 +290,21 @@ class _GemmAction(object):
     its output variable ``var_out``."""
 
     def __init__(self, hook, name, param, length, data, var_in, var_out,
-                 low=False):
+                 low=False, index=None):
         self.hook, self.name, self.param = hook, name, param
+        self.index = index  # the weight's place among the region's inputs
         self.length, self.data = length, data
         self.var_in, self.var_out = var_in, var_out
         self.low = low  # a low-precision gradient (2 bytes or fewer)
 
     def __call__(self, call, grads, operands):
         g, step, hook = grads[0], call.step, self.hook()
-        alpha, weight = call.scales[self.var_in], self.param()
-        key = step.gemm_key(self.name)
+        alpha = call.scales[self.var_in]
+        bound = None if call.binding is None else \
+            call.binding.parameters.get(self.index)
+        name, weight = (self.name, self.param()) if bound is None else \
+            (bound[0], bound[1]())
+        key = step.gemm_key(name)
         if call.planning and not _cached(step, key):
             raise _Miss(key)
         beta, incoming_finite = step.gemm(
@@ -303,7 +316,7 @@ class _GemmAction(object):
             # One scaled low-precision input makes both paths: a
             # weight-path backoff lowers the data path too.
             beta = min(beta, step.weight_path(
-                self.name if named else None, alpha, beta, True))
+                name if named else None, alpha, beta, True))
         call.scales[self.var_out] = alpha * beta
         if call.planning:  # (a cached site: nothing to measure or trace)
             return [beta, 1.0 / (alpha * beta)]
@@ -312,7 +325,7 @@ class _GemmAction(object):
             if incoming_finite is None:
                 incoming_finite = bool(
                     arrays.ops_for(g).finite_flags([g])[0])
-            step.trace(self.name, incoming_finite, (None, weight), None)
+            step.trace(name, incoming_finite, (None, weight), None)
         return [beta, 1.0 / (alpha * beta)]
 
 
@@ -410,6 +423,14 @@ class _Region(object):
         self.names = [hook.parameter_name(p)
                       if isinstance(p, torch.nn.Parameter) else None
                       for p in inputs]
+        #: The places of the parameters among the inputs.
+        self.positions = tuple(i for i, p in enumerate(self.params)
+                               if p is not None)
+        self._pick = operator.itemgetter(*self.positions) \
+            if self.positions else None
+        #: The accumulation nodes at :attr:`positions` of a run's node ->
+        #: its :class:`_Binding` (or None: the parameters compiled with).
+        self.bindings = {}
         #: The backward graph as AOTAutograd made it, rewritten.
         self.full = _Backward()
         #: Or None: the :class:`_Alternative` for passes that give some of
@@ -596,7 +617,64 @@ class _Region(object):
         if entered is None:
             return _Call(None, 1.0), False, None
         alpha, softmax = entered
-        return _Call(hook.controller.step, alpha, softmax), True, node
+        call = _Call(hook.controller.step, alpha, softmax)
+        if self.positions:
+            call.binding = self.binding_of(node)
+        return call, True, node
+
+    def binding_of(self, node):
+        """The parameters that the run of ``node`` has in place of those
+        the region was compiled with, or None where it has its own.
+        Dynamo runs one compiled graph for every module of the same code
+        and structure (the layers of a model after a graph break inside
+        each, their parameters the graph's inputs): each run's sites are
+        named by, and measured on, its own weights, read from the
+        accumulation nodes its node feeds (kept here, with what they
+        give)."""
+        edges = node.next_functions
+        try:  # (one C call: the edges at those places, a key)
+            key = self._pick(edges)
+        except IndexError:  # (fewer edges than inputs)
+            key = tuple(edges[i] if i < len(edges) else None
+                        for i in self.positions)
+        known = self.bindings.get(key, _UNBOUND)
+        if known is _UNBOUND:
+            if len(self.bindings) >= 64:
+                self.bindings.clear()
+            picked = key if len(self.positions) > 1 else (key,)
+            known = self.bindings[key] = _Binding.of(
+                self, [None if e is None else e[0] for e in picked])
+        return known
+
+
+_UNBOUND = object()
+
+
+class _Binding(object):
+    """The parameters of a run of a region's backward in place of those
+    it was compiled with: ``parameters``, input place -> ``(name, weak
+    reference)``; ``key``, their names in order (what a cached pass's
+    plan depends on)."""
+
+    def __init__(self, parameters):
+        self.parameters = parameters
+        self.key = tuple(sorted((i, name) for i, (name, _) in
+                                parameters.items()))
+
+    @classmethod
+    def of(cls, region, nodes):
+        """The binding of a run whose accumulation nodes at the region's
+        parameter places are ``nodes``, or None: its own parameters (or
+        one the engine does not reach, frozen: the one compiled with
+        stands)."""
+        hook, parameters = region.hook(), {}
+        for i, node in zip(region.positions, nodes):
+            variable = getattr(node, 'variable', None)
+            if variable is None or variable is region.params[i]():
+                continue
+            parameters[i] = (hook.parameter_name(variable),
+                             weakref.ref(variable))
+        return cls(parameters) if parameters else None
 
 
 class _Backward(object):
@@ -877,7 +955,8 @@ class _CachedVariant(object):
             return None  # (another max|g| than the graph's: not planned)
         key = (call.scales[0], call.softmax, step.cast_count,
                step.branch_count, tuple(step.occurrences.items()),
-               id(step.recipe), controller.fmt.max)
+               id(step.recipe), controller.fmt.max,
+               None if call.binding is None else call.binding.key)
         entry = self.memo.get(key)
         table = controller.table
         if entry is None or entry[1] != table.scales or \
@@ -895,6 +974,7 @@ class _CachedVariant(object):
         laid out as the graph reads them; the step's counters put back."""
         step = call.step
         planned = _Call(step, call.scales[0], call.softmax, planning=True)
+        planned.binding = call.binding
         saved = (dict(step.occurrences), step.cast_count, step.branch_count)
         try:
             ratios = {i: _ACTIONS[i](planned, [None], None) for i in order}
@@ -1203,7 +1283,8 @@ class _Rewrite(object):
         var_in, var_out = self.var[g], self.new_variable()
         action = _GemmAction(self.region.hook, name,
                              self.region.params[index], length, data,
-                             var_in, var_out, _value(g).dtype.itemsize <= 2)
+                             var_in, var_out, _value(g).dtype.itemsize <= 2,
+                             index)
         scaled = self.call(node, action, [g], operands)[0]
         self.var[scaled] = var_out
         self.replace_after(node, g, scaled)
