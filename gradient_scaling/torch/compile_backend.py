@@ -426,7 +426,11 @@ class _Region(object):
         #: The places of the parameters among the inputs.
         self.positions = tuple(i for i, p in enumerate(self.params)
                                if p is not None)
+        #: The edges at :attr:`positions` of a node's edges, a tuple (one
+        #: C call where there are several).
         self._pick = operator.itemgetter(*self.positions) \
+            if len(self.positions) > 1 else \
+            (lambda edges, i=self.positions[0]: (edges[i],)) \
             if self.positions else None
         #: The accumulation nodes at :attr:`positions` of a run's node ->
         #: its :class:`_Binding` (or None: the parameters compiled with).
@@ -632,7 +636,7 @@ class _Region(object):
         accumulation nodes its node feeds (kept here, with what they
         give)."""
         edges = node.next_functions
-        try:  # (one C call: the edges at those places, a key)
+        try:
             key = self._pick(edges)
         except IndexError:  # (fewer edges than inputs)
             key = tuple(edges[i] if i < len(edges) else None
@@ -641,9 +645,8 @@ class _Region(object):
         if known is _UNBOUND:
             if len(self.bindings) >= 64:
                 self.bindings.clear()
-            picked = key if len(self.positions) > 1 else (key,)
             known = self.bindings[key] = _Binding.of(
-                self, [None if e is None else e[0] for e in picked])
+                self, [None if e is None else e[0] for e in key])
         return known
 
 
