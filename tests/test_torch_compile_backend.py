@@ -622,6 +622,46 @@ class LossAndLogits(nn.Module):
 LOGITS_USED = [False, False, False, True, True, False, False, True]
 
 
+def _compiler(scaler, backend, inner):
+    """What compiles a function: GS's backend around ``inner``
+    (``backend='gs'``), ``inner`` alone (``'plain'``) or nothing
+    (None)."""
+    if backend is None:
+        return lambda f: f
+    return lambda f: torch.compile(f, backend=compile_backend(
+        scaler, inner=inner) if backend == 'gs' else inner)
+
+
+def _history(model, make, steps, plain, log=None, lr=0.1, classes=5):
+    """Per step: ``(gradients, scales logged, report())`` of the loss
+    ``make(scaler)(x, y, step)`` gives on that step's batch, for
+    ``model`` with a GS scaler at interval 2 (refreshes and cached
+    passes), or, ``plain``, without GS."""
+    scaler = GradientScaler(model, update_interval=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    loss_of = make(scaler)
+    history = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(6, 8, generator=g, dtype=torch.float64)
+        y = torch.randint(0, classes, (6,), generator=g)
+        optimizer.zero_grad()
+        start = len(log) if log is not None else 0
+        total = loss_of(x, y, step)
+        if plain:
+            total.backward()
+        else:
+            scaler.scale(total).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        if plain:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
+        history.append(_record(grads, log, start, scaler))
+    return history
+
+
 def _loss_and_logits_run(compiled, log=None, inner='aot_eager'):
     """Per step of :data:`LOGITS_USED`: the gradients, the scales logged
     and ``report()``; eager GS (``compiled`` None), compiled with GS's
@@ -629,34 +669,19 @@ def _loss_and_logits_run(compiled, log=None, inner='aot_eager'):
     torch.compiler.reset()
     torch.manual_seed(0)
     model = LossAndLogits().double()
-    scaler = GradientScaler(model, update_interval=2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    run = model if compiled is None else torch.compile(
-        model, backend=compile_backend(scaler, inner=inner)
-        if compiled == 'gs' else inner)
-    history = []
-    for step, logits_used in enumerate(LOGITS_USED):
-        g = torch.Generator().manual_seed(step)
-        x = torch.randn(6, 8, generator=g, dtype=torch.float64)
-        y = torch.randint(0, 5, (6,), generator=g)
-        optimizer.zero_grad()
-        start = len(log) if log is not None else 0
-        loss, logits = run(x, y)
-        total = loss * SMALL
-        if logits_used:
-            total = total + logits.square().sum() * SMALL ** 2
-        if compiled == 'plain':
-            total.backward()
-        else:
-            scaler.scale(total).backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        if compiled == 'plain':
-            optimizer.step()
-        else:
-            scaler.step(optimizer)
-            scaler.update()
-        history.append(_record(grads, log, start, scaler))
-    return history
+
+    def make(scaler):
+        run = _compiler(scaler, compiled, inner)(model)
+
+        def loss_of(x, y, step):
+            loss, logits = run(x, y)
+            total = loss * SMALL
+            if LOGITS_USED[step]:
+                total = total + logits.square().sum() * SMALL ** 2
+            return total
+        return loss_of
+    return _history(model, make, len(LOGITS_USED), compiled == 'plain',
+                    log)
 
 
 def _assert_same_steps(eager, compiled):
@@ -748,34 +773,16 @@ def _split_run(layout, log=None, backend='gs', inner='aot_eager'):
     torch.compiler.reset()
     torch.manual_seed(0)
     model = Classifier(loss=layout == 'break').double()
-    scaler = GradientScaler(model, update_interval=2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
-    def compiled(f):
-        return torch.compile(f, backend=compile_backend(
-            scaler, inner=inner) if backend == 'gs' else inner)
-    run = compiled(model) if layout in ('break', 'both') else model
-    loss_of = compiled(_cross_entropy) if layout in ('loss', 'both') \
-        else _cross_entropy
-    history = []
-    for step in range(8):
-        g = torch.Generator().manual_seed(step)
-        x = torch.randn(6, 8, generator=g, dtype=torch.float64)
-        y = torch.randint(0, 5, (6,), generator=g)
-        optimizer.zero_grad()
-        start = len(log) if log is not None else 0
-        loss = run(x, y) if layout == 'break' else loss_of(run(x, y), y)
-        if backend == 'plain':
-            (loss * SMALL).backward()
-            optimizer.step()
-        else:
-            scaler.scale(loss * SMALL).backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        if backend != 'plain':
-            scaler.step(optimizer)
-            scaler.update()
-        history.append(_record(grads, log, start, scaler))
-    return history
+    def make(scaler):
+        compiled = _compiler(scaler, backend, inner)
+        run = compiled(model) if layout in ('break', 'both') else model
+        loss_fn = compiled(_cross_entropy) \
+            if layout in ('loss', 'both') else _cross_entropy
+        if layout == 'break':
+            return lambda x, y, step: run(x, y) * SMALL
+        return lambda x, y, step: loss_fn(run(x, y), y) * SMALL
+    return _history(model, make, 8, backend == 'plain', log)
 
 
 @pytest.mark.parametrize('layout', ['break', 'loss', 'both'])
@@ -850,30 +857,12 @@ def _routers_run(backend, log=None, inner='aot_eager'):
     torch.compiler.reset()
     torch.manual_seed(0)
     model = Routers().double()
-    scaler = GradientScaler(model, update_interval=2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    run = model if backend is None else torch.compile(
-        model, backend=compile_backend(scaler, inner=inner)
-        if backend == 'gs' else inner)
-    history = []
-    for step in range(6):
-        g = torch.Generator().manual_seed(step)
-        x = torch.randn(6, 8, generator=g, dtype=torch.float64)
-        y = torch.randint(0, 4, (6,), generator=g)
-        optimizer.zero_grad()
-        start = len(log) if log is not None else 0
-        loss = run(x, y) * SMALL
-        if backend == 'plain':
-            loss.backward()
-            optimizer.step()
-        else:
-            scaler.scale(loss).backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        if backend != 'plain':
-            scaler.step(optimizer)
-            scaler.update()
-        history.append(_record(grads, log, start, scaler))
-    return history
+
+    def make(scaler):
+        run = _compiler(scaler, backend, inner)(model)
+        return lambda x, y, step: run(x, y) * SMALL
+    return _history(model, make, 6, backend == 'plain', log, lr=0.01,
+                    classes=4)
 
 
 @pytest.mark.parametrize('inner', ['aot_eager', 'inductor'])
