@@ -632,19 +632,20 @@ def _compiler(scaler, backend, inner):
         scaler, inner=inner) if backend == 'gs' else inner)
 
 
-def _history(model, make, steps, plain, log=None, lr=0.1, classes=5):
+def _history(model, make, steps, plain, log=None, lr=0.1, classes=5,
+             rows=6):
     """Per step: ``(gradients, scales logged, report())`` of the loss
-    ``make(scaler)(x, y, step)`` gives on that step's batch, for
-    ``model`` with a GS scaler at interval 2 (refreshes and cached
-    passes), or, ``plain``, without GS."""
+    ``make(scaler)(x, y, step)`` gives on that step's batch (``rows``
+    rows), for ``model`` with a GS scaler at interval 2 (refreshes and
+    cached passes), or, ``plain``, without GS."""
     scaler = GradientScaler(model, update_interval=2)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     loss_of = make(scaler)
     history = []
     for step in range(steps):
         g = torch.Generator().manual_seed(step)
-        x = torch.randn(6, 8, generator=g, dtype=torch.float64)
-        y = torch.randint(0, classes, (6,), generator=g)
+        x = torch.randn(rows, 8, generator=g, dtype=torch.float64)
+        y = torch.randint(0, classes, (rows,), generator=g)
         optimizer.zero_grad()
         start = len(log) if log is not None else 0
         total = loss_of(x, y, step)
@@ -890,6 +891,61 @@ def test_a_graph_run_for_several_layers_scales_each_as_its_own(
     assert ['layers.1.weight'] in names and \
         ['layers.2.weight'] not in names  # (one graph, two layers)
     assert {'layers.1.weight', 'layers.2.weight'} <= set(compiled[2][2])
+
+
+class EagerThenCompiled(nn.Module):
+    """An eager layer, then a classifier that a test compiles alone: the
+    compiled region's inputs are its parameters and the eager layer's
+    output, whose gradient the region hands back scaled."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Linear(8, 8)
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(),
+                                  nn.Linear(16, 5))
+
+    def forward(self, x, body):
+        return body(torch.tanh(self.pre(x)))
+
+
+def _dynamic_run(backend, log=None):
+    """Per step (refreshes and cached passes, the batch one row longer
+    each step): gradients, scales and ``report()`` of
+    :class:`EagerThenCompiled`, its body eager (``backend=None``) or
+    compiled with ``dynamic=True`` by GS's backend (``'gs'``) or plainly
+    (``'plain'``)."""
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    model = EagerThenCompiled().double()
+
+    def make(scaler):
+        body = model.body if backend is None else torch.compile(
+            model.body, dynamic=True, backend=compile_backend(
+                scaler, inner='aot_eager') if backend == 'gs'
+            else 'aot_eager')
+
+        def loss_of(x, y, step):
+            rows = 6 + step
+            return F.cross_entropy(model(x[:rows], body), y[:rows]) * SMALL
+        return loss_of
+    return _history(model, make, 6, backend == 'plain', log, rows=12)
+
+
+def test_a_dynamic_shape_region_hands_each_gradient_to_its_own_edge(
+        scale_log):
+    """Under dynamic shapes Dynamo passes the region a size (a SymInt)
+    among its tensors; the region's backward node has an edge for each
+    tensor only. The gradient of each input is told to the hook at its
+    own edge: the eager layer's output at its scale, the parameters'
+    unscaled (each was told at the next tensor's edge, and gradients
+    landed divided by another gradient's scale: the eager layer's weight
+    wrong by 2**16, with no error). The plain backend's gradients bit for
+    bit, and eager GS's scales at every step."""
+    eager = _dynamic_run(None, scale_log)
+    compiled = _dynamic_run('gs', scale_log)
+    assert_exact(compiled, _dynamic_run('plain'))
+    _assert_same_steps(eager, compiled)
+    assert 'body.2.weight' in compiled[-1][2]
 
 
 def test_a_tangent_read_as_the_wrong_output_is_caught(monkeypatch):

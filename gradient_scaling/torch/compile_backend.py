@@ -52,6 +52,9 @@ backward FX graph before it is compiled (by Inductor, or run as traced):
   are the graph's inputs) names and measures each run's sites by that
   run's own weights, read from the accumulation nodes its backward node
   feeds (:meth:`_Region.binding_of`), as the eager hook does;
+* each gradient the graph hands on is told to the hook at its own edge of
+  the region's node, which has one for each tensor input and none for a
+  size (a ``SymInt`` that Dynamo passes among them under dynamic shapes);
 * the gradients leave the graph at the scale the region was entered with
   (1 where the whole model, loss included, is compiled): the eager hook
   then treats the region's node as a plain one, and a parameter's gradient
@@ -423,15 +426,22 @@ class _Region(object):
         self.names = [hook.parameter_name(p)
                       if isinstance(p, torch.nn.Parameter) else None
                       for p in inputs]
+        #: Per input: its place among the edges of the region's backward
+        #: node, or None. The node has an edge for each tensor input of
+        #: the autograd function, in order, and none for a size (a
+        #: ``SymInt`` of a dynamic shape), which Dynamo passes among them.
+        self.edges = []
+        for p in inputs:
+            self.edges.append(sum(e is not None for e in self.edges)
+                              if isinstance(p, torch.Tensor) else None)
         #: The places of the parameters among the inputs.
         self.positions = tuple(i for i, p in enumerate(self.params)
                                if p is not None)
-        #: The edges at :attr:`positions` of a node's edges, a tuple (one
-        #: C call where there are several).
-        self._pick = operator.itemgetter(*self.positions) \
-            if len(self.positions) > 1 else \
-            (lambda edges, i=self.positions[0]: (edges[i],)) \
-            if self.positions else None
+        #: The edges of the parameters (at :attr:`positions`) of a node's
+        #: edges, a tuple (one C call where there are several).
+        at = [self.edges[i] for i in self.positions]
+        self._pick = operator.itemgetter(*at) if len(at) > 1 else \
+            (lambda edges, i=at[0]: (edges[i],)) if at else None
         #: The accumulation nodes at :attr:`positions` of a run's node ->
         #: its :class:`_Binding` (or None: the parameters compiled with).
         self.bindings = {}
@@ -568,10 +578,8 @@ class _Region(object):
             grads = self.given_checked(grads)
         backward.observe(call.order)
         if running:
-            self.hook().region_left(node, {
-                i: 1.0 if v == _UNSCALED else call.scales[v]
-                for i, v in enumerate(backward.output_variables)
-                if v is not None})
+            self.hook().region_left(node, backward.left_scales(
+                call.scales))
         return grads
 
     def given_checked(self, grads):
@@ -638,9 +646,9 @@ class _Region(object):
         edges = node.next_functions
         try:
             key = self._pick(edges)
-        except IndexError:  # (fewer edges than inputs)
-            key = tuple(edges[i] if i < len(edges) else None
-                        for i in self.positions)
+        except IndexError:  # (fewer edges than tensor inputs)
+            key = tuple(edges[self.edges[i]] if self.edges[i] < len(edges)
+                        else None for i in self.positions)
         known = self.bindings.get(key, _UNBOUND)
         if known is _UNBOUND:
             if len(self.bindings) >= 64:
@@ -687,11 +695,13 @@ class _Backward(object):
     the order in which the refresh variant calls its sites."""
 
     def __init__(self):
-        #: Per output of the graph: the variable of its scale, _UNSCALED,
-        #: or None (no gradient).
+        #: ``(edge, variable)`` of each output of the graph that has a
+        #: gradient: the input of the region's node it is handed to (its
+        #: place among the node's edges) and the variable of its scale, or
+        #: _UNSCALED.
         self.output_variables = []
-        #: The outputs (the region's inputs) that are softmax gradients
-        #: whatever the region is given: its backward runs the softmax's.
+        #: The edges whose gradients are softmax gradients whatever the
+        #: region is given: its backward runs the softmax's.
         self.softmax_inputs = frozenset()
         self.refresh = None
         #: The cached variant (None: every pass runs the refresh one).
@@ -725,6 +735,12 @@ class _Backward(object):
                 self.cached = cached
             except Exception as e:  # NOQA: the refresh variant serves
                 self.cached_error = e
+
+    def left_scales(self, scales):
+        """``{edge: scale}`` of the gradients the graph hands on, its
+        variables' scales ``scales``."""
+        return {edge: 1.0 if v == _UNSCALED else scales[v]
+                for edge, v in self.output_variables}
 
     def observe(self, order):
         """The order of a refresh variant's calls: a cached pass plans its
@@ -1001,10 +1017,7 @@ class _CachedVariant(object):
                 [step.controller.fmt.max] + [
                     planned.thresholds.get(a, 0.0) for a in self.casts],
                 dtype=torch.float64, device=self.device))
-        output_scales = {
-            i: 1.0 if v == _UNSCALED else planned.scales[v]
-            for i, v in enumerate(self.backward().output_variables)
-            if v is not None}
+        output_scales = self.backward().left_scales(planned.scales)
         occurrences = {k: v for k, v in counters[0].items()
                        if saved[0].get(k) != v}
         return _Plan(inputs, output_scales, occurrences, counters[1],
@@ -1350,9 +1363,11 @@ class _Rewrite(object):
         """A parameter's gradient leaves unscaled; another input's (an
         activation's) at its own scale, which the hook's pass is told."""
         outputs = list(output.args[0])
+        edges = self.region.edges
         self.target.softmax_inputs = frozenset(
-            i for i, g in enumerate(outputs)
-            if g in self.softmax and self.region.params[i] is None)
+            edges[i] for i, g in enumerate(outputs)
+            if g in self.softmax and self.region.params[i] is None and
+            edges[i] is not None)
         variables, unscaled = [], []
         for i, g in enumerate(outputs):
             if not isinstance(g, torch.fx.Node) or g not in self.var:
@@ -1375,7 +1390,9 @@ class _Rewrite(object):
         outputs = [left.get(g, g) if variables[i] == _UNSCALED else g
                    for i, g in enumerate(outputs)]
         output.args = (tuple(outputs),) + tuple(output.args[1:])
-        self.target.output_variables = variables
+        self.target.output_variables = [
+            (edges[i], v) for i, v in enumerate(variables)
+            if v is not None and edges[i] is not None]
 
     # -- graph surgery --------------------------------------------------------
 
