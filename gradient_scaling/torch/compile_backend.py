@@ -90,6 +90,7 @@ hook scales it: never unscaled.
 """
 
 import heapq
+import itertools
 import math
 import operator
 import re
@@ -430,10 +431,9 @@ class _Region(object):
         #: node, or None. The node has an edge for each tensor input of
         #: the autograd function, in order, and none for a size (a
         #: ``SymInt`` of a dynamic shape), which Dynamo passes among them.
-        self.edges = []
-        for p in inputs:
-            self.edges.append(sum(e is not None for e in self.edges)
-                              if isinstance(p, torch.Tensor) else None)
+        tensors = itertools.count()
+        self.edges = [next(tensors) if isinstance(p, torch.Tensor) else None
+                      for p in inputs]
         #: The places of the parameters among the inputs.
         self.positions = tuple(i for i, p in enumerate(self.params)
                                if p is not None)
@@ -643,18 +643,13 @@ class _Region(object):
         named by, and measured on, its own weights, read from the
         accumulation nodes its node feeds (kept here, with what they
         give)."""
-        edges = node.next_functions
-        try:
-            key = self._pick(edges)
-        except IndexError:  # (fewer edges than tensor inputs)
-            key = tuple(edges[self.edges[i]] if self.edges[i] < len(edges)
-                        else None for i in self.positions)
+        key = self._pick(node.next_functions)
         known = self.bindings.get(key, _UNBOUND)
         if known is _UNBOUND:
             if len(self.bindings) >= 64:
                 self.bindings.clear()
             known = self.bindings[key] = _Binding.of(
-                self, [None if e is None else e[0] for e in key])
+                self, [node for node, _ in key])
         return known
 
 
@@ -669,8 +664,7 @@ class _Binding(object):
 
     def __init__(self, parameters):
         self.parameters = parameters
-        self.key = tuple(sorted((i, name) for i, (name, _) in
-                                parameters.items()))
+        self.key = tuple((i, name) for i, (name, _) in parameters.items())
 
     @classmethod
     def of(cls, region, nodes):
