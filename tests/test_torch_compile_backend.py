@@ -622,14 +622,14 @@ class LossAndLogits(nn.Module):
 LOGITS_USED = [False, False, False, True, True, False, False, True]
 
 
-def _compiler(scaler, backend, inner):
+def _compiler(scaler, backend, inner, dynamic=None):
     """What compiles a function: GS's backend around ``inner``
     (``backend='gs'``), ``inner`` alone (``'plain'``) or nothing
-    (None)."""
+    (None); ``dynamic``: ``torch.compile``'s."""
     if backend is None:
         return lambda f: f
-    return lambda f: torch.compile(f, backend=compile_backend(
-        scaler, inner=inner) if backend == 'gs' else inner)
+    return lambda f: torch.compile(f, dynamic=dynamic, backend=(
+        compile_backend(scaler, inner=inner) if backend == 'gs' else inner))
 
 
 def _history(model, make, steps, plain, log=None, lr=0.1, classes=5,
@@ -663,26 +663,47 @@ def _history(model, make, steps, plain, log=None, lr=0.1, classes=5,
     return history
 
 
-def _loss_and_logits_run(compiled, log=None, inner='aot_eager'):
+class SizedLossAndLogits(LossAndLogits):
+    """:class:`LossAndLogits` of sequences (``x``: batch x length x 8),
+    the loss over all their tokens, as a language model's; it returns the
+    length first: under dynamic shapes a ``SymInt`` among the region's
+    outputs, and the logits' strides symbolic (``5*length``)."""
+
+    def forward(self, x, y):
+        logits = self.head(torch.tanh(self.body(x)))
+        return (x.shape[1], F.cross_entropy(logits.flatten(0, 1),
+                                            y.flatten()), logits)
+
+
+def _loss_and_logits_run(compiled, log=None, inner='aot_eager',
+                         dynamic=False):
     """Per step of :data:`LOGITS_USED`: the gradients, the scales logged
     and ``report()``; eager GS (``compiled`` None), compiled with GS's
-    backend (``'gs'``) or compiled plain (``'plain'``, no GS)."""
+    backend (``'gs'``) or compiled plain (``'plain'``, no GS).
+    ``dynamic``: :class:`SizedLossAndLogits` compiled with dynamic shapes,
+    its sequences one longer at each step."""
     torch.compiler.reset()
     torch.manual_seed(0)
-    model = LossAndLogits().double()
+    model = (SizedLossAndLogits if dynamic else LossAndLogits)().double()
 
     def make(scaler):
-        run = _compiler(scaler, compiled, inner)(model)
+        run = _compiler(scaler, compiled, inner, dynamic or None)(model)
 
         def loss_of(x, y, step):
-            loss, logits = run(x, y)
+            if dynamic:
+                length = 3 + step
+                given, loss, logits = run(x[:2 * length].view(2, length, 8),
+                                          y[:2 * length].view(2, length))
+                assert given == length
+            else:
+                loss, logits = run(x, y)
             total = loss * SMALL
             if LOGITS_USED[step]:
                 total = total + logits.square().sum() * SMALL ** 2
             return total
         return loss_of
     return _history(model, make, len(LOGITS_USED), compiled == 'plain',
-                    log)
+                    log, rows=2 * (3 + len(LOGITS_USED)) if dynamic else 6)
 
 
 def _assert_same_steps(eager, compiled):
@@ -724,15 +745,46 @@ def test_logits_returned_beside_the_loss_scale_as_eager_gs(
     assert {s[:2] for s in compiled[4][1]} == {('gemm', 'head.weight')}
 
 
-def test_logits_returned_beside_the_loss_under_inductor(scale_log):
-    eager = _loss_and_logits_run(None, scale_log)
-    compiled = _loss_and_logits_run('gs', scale_log, inner='inductor')
+@pytest.mark.parametrize('dynamic', [False, True],
+                         ids=['static', 'dynamic'])
+def test_logits_returned_beside_the_loss_under_inductor(scale_log,
+                                                        dynamic):
+    eager = _loss_and_logits_run(None, scale_log, dynamic=dynamic)
+    compiled = _loss_and_logits_run('gs', scale_log, inner='inductor',
+                                    dynamic=dynamic)
     _assert_same_steps(eager, compiled)
-    plain = _loss_and_logits_run('plain', inner='inductor')
+    plain = _loss_and_logits_run('plain', inner='inductor', dynamic=dynamic)
     for (grads_c, _, _), (grads_p, _, _) in zip(compiled, plain):
         for name in grads_p:
             torch.testing.assert_close(grads_c[name], grads_p[name],
                                        rtol=1e-12, atol=0)
+
+
+def test_logits_beside_the_loss_under_dynamic_shapes(monkeypatch,
+                                                     scale_log):
+    """Under dynamic shapes (``dynamic=True``, or Dynamo's own after a
+    batch of another size: an epoch's last, a batch of longer sequences)
+    the logits' tangent has symbolic sizes and strides: the alternative
+    graph makes its zero with those the region is given (its ``SymInt``
+    input, a product of it), so that a pass that gives the logits no
+    gradient has the cast site of eager GS (it had none: a branch of the
+    logits' zero, ``head.weight`` at another scale; Hugging Face's
+    language models all so). The region returns a size before its
+    tensors, too: the outputs' places count it. Eager GS's scales, plain
+    gradients bit for bit."""
+    compiled_regions = _compiled(monkeypatch)
+    eager = _loss_and_logits_run(None, scale_log, dynamic=True)
+    compiled = _loss_and_logits_run('gs', scale_log, dynamic=True)
+    plain = _loss_and_logits_run('plain', dynamic=True)
+    _assert_same_steps(eager, compiled)
+    assert_exact(compiled, plain)
+    ((region, gm),) = compiled_regions
+    assert any(isinstance(n.meta.get('val'), torch.SymInt)
+               for n in gm.graph.nodes if n.op == 'placeholder')
+    assert region.alternative is not None
+    assert region.alternative_passes == LOGITS_USED.count(False)
+    for (_, _, report), used in zip(compiled, LOGITS_USED):
+        assert 'cast#0' in report
 
 
 @torch.compiler.disable

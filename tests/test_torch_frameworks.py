@@ -534,8 +534,11 @@ def test_transformers_zoo_gradients_are_the_plain_ones(
     assert len(scales) >= 4 and max(scales) >= 2.0 ** 8, scales
 
 
-@pytest.mark.parametrize('name', ['bart', 'clip', 'wav2vec2'])
-def test_transformers_compiled_whole_scale_as_eager_gs(transformers, name):
+@pytest.mark.parametrize('name,dynamic', [
+    ('bart', None), ('clip', None), ('wav2vec2', None), ('bart', True)],
+    ids=['bart', 'clip', 'wav2vec2', 'bart-dynamic'])
+def test_transformers_compiled_whole_scale_as_eager_gs(transformers, name,
+                                                       dynamic):
     """A Hugging Face model compiled whole with GS's backend (aot_eager),
     which returns its logits (and, for CLIP, embeddings) beside the loss
     that alone is given a gradient: every scale eager GS chooses at each
@@ -543,7 +546,10 @@ def test_transformers_compiled_whole_scale_as_eager_gs(transformers, name):
     contrastive pair; Wav2Vec2's CTC loss, whose log-softmax Dynamo
     compiles as a region of its own after a graph break behind
     ``lm_head``), and the gradients of the model compiled without GS, bit
-    for bit (float64, the loss times 2**-24, 3 steps at interval 2)."""
+    for bit (float64, the loss times 2**-24, 3 steps at interval 2).
+    ``dynamic``: compiled with dynamic shapes (the logits' sizes and
+    strides symbolic), as Dynamo compiles again after a batch of another
+    length."""
     import copy
     from gradient_scaling.torch.compile_backend import compile_backend
     torch.compiler.reset()
@@ -553,10 +559,12 @@ def test_transformers_compiled_whole_scale_as_eager_gs(transformers, name):
     models = {k: copy.deepcopy(base) for k in ('plain', 'eager', 'gs')}
     scalers = {k: make(GS, models[k], update_interval=2)
                for k in ('eager', 'gs')}
-    runs = {'plain': torch.compile(models['plain'], backend='aot_eager'),
+    runs = {'plain': torch.compile(models['plain'], backend='aot_eager',
+                                   dynamic=dynamic),
             'eager': models['eager'],
-            'gs': torch.compile(models['gs'], backend=compile_backend(
-                scalers['gs'], inner='aot_eager'))}
+            'gs': torch.compile(models['gs'], dynamic=dynamic,
+                                backend=compile_backend(
+                                    scalers['gs'], inner='aot_eager'))}
     optimizers = {k: torch.optim.SGD(m.parameters(), lr=0.05)
                   for k, m in models.items()}
     for step in range(3):

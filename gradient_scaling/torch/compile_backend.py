@@ -39,7 +39,8 @@ backward FX graph before it is compiled (by Inductor, or run as traced):
   zero there, so that the sites are the eager hook's (the logits' GEMM
   after the softmax, no branch); the hook's pass says which outputs its
   graph feeds, and the second graph checks that the others' tangents
-  were zeros;
+  were zeros; under dynamic shapes the zero's symbolic sizes and strides
+  are read from the graph's inputs;
 * the region's inputs whose gradients its backward makes softmax
   gradients (a loss computed in a region of its own, after a graph break
   behind the logits, or a loss function compiled alone) are marked on
@@ -800,16 +801,20 @@ def _without_absent(gm, slots):
     and that enters a sum (through views and conversions) is a constant
     zero (what the engine hands over for an output given no gradient,
     with the tangent's layout): no gradient, so that the sum hands its
-    other term on, bit for bit as it did. ``slots`` and ``positions``: the
-    outputs and the inputs' places of the tangents so replaced. None where
-    no sum has such a term (the graph is the same)."""
+    other term on, bit for bit as it did. Under dynamic shapes a size or
+    stride of the tangent that is symbolic is read from the graph's inputs
+    (:func:`_layout_arguments`); a tangent whose layout cannot be read so
+    stays. ``slots`` and ``positions``: the outputs and the inputs' places
+    of the tangents so replaced. None where no sum has such a term (the
+    graph is the same)."""
     placeholders = [n for n in gm.graph.nodes if n.op == 'placeholder']
     tangents = [n for n in placeholders if n.name.startswith('tangents')]
     if slots is None or len(slots) != len(tangents):
         return None
     #: node -> the tangents it is zero by, where they are zero.
     zero = {t: frozenset([t]) for t, slot in zip(tangents, slots)
-            if slot is not None and _static_layout(t)}
+            if slot is not None and isinstance(t.meta.get('val'),
+                                               torch.Tensor)}
     summed = set()
     for node in gm.graph.nodes:
         if node.op != 'call_function':
@@ -832,28 +837,99 @@ def _without_absent(gm, slots):
     for n in gm.graph.nodes:
         env[n] = graph.node_copy(n, lambda x: env[x])
     first = next(n for n in graph.nodes if n.op != 'placeholder')
-    for t in summed:
+    inputs = [env[n] for n in placeholders if n not in tangents]
+    replaced = []
+    for t in tangents:  # (in order: the same graph for the same regions)
+        if t not in summed:
+            continue
         copy, value = env[t], _value(t)
         with graph.inserting_before(first), value.fake_mode:
-            empty = graph.call_function(_EMPTY_STRIDED, (
-                tuple(value.shape), tuple(value.stride())), dict(
-                    dtype=value.dtype, device=value.device))
-            empty.meta['val'] = _EMPTY_STRIDED(*empty.args, **empty.kwargs)
+            layout = _layout_arguments(graph, inputs, value)
+            if layout is None:
+                continue  # (the tangent stays: it is taken as given)
+            empty = graph.call_function(_EMPTY_STRIDED, layout, dict(
+                dtype=value.dtype, device=value.device))
+            empty.meta['val'] = _EMPTY_STRIDED(
+                *(_meta_values(a) for a in layout), **empty.kwargs)
             filled = graph.call_function(_FILL, (empty, 0.0))
             filled.meta['val'] = _FILL(empty.meta['val'], 0.0)
         copy.replace_all_uses_with(filled)
+        replaced.append(t)
+    if not replaced:
+        return None
     graph.eliminate_dead_code()
     return (torch.fx.GraphModule(gm, graph),
-            {slots[tangents.index(t)] for t in summed},
-            sorted(placeholders.index(t) for t in summed))
+            {slots[tangents.index(t)] for t in replaced},
+            sorted(placeholders.index(t) for t in replaced))
 
 
-def _static_layout(node):
-    """Whether ``node`` holds a tensor of a size and strides known when
-    compiling (no symbolic ones)."""
-    value = node.meta.get('val')
-    return isinstance(value, torch.Tensor) and all(
-        isinstance(d, int) for d in tuple(value.shape) + value.stride())
+def _layout_arguments(graph, inputs, value):
+    """``(sizes, strides)`` of the tensor ``value`` as arguments of an
+    operation of ``graph`` (inserted at the current point): each a number
+    where it is known when compiling; under dynamic shapes, a symbolic
+    one as a node that gives it: an input of the graph that is that size
+    (Dynamo's ``SymInt`` inputs), else a size or stride of an input
+    tensor that is it (read with ``sym_size`` / ``sym_stride``: a saved
+    activation's batch), else a sum or product of such (a stride
+    ``64*s1``). ``inputs``: the graph's inputs that are no gradient (not
+    the tangents). None where one is not found."""
+    found = {}
+    for node in inputs:
+        given = node.meta.get('val')
+        if isinstance(given, torch.SymInt):
+            found.setdefault(given.node.expr, node)
+    for node in inputs:
+        given = node.meta.get('val')
+        if not isinstance(given, torch.Tensor):
+            continue
+        for read, numbers in ((_SYM_SIZE, tuple(given.shape)),
+                              (_SYM_STRIDE, given.stride())):
+            for d, number in enumerate(numbers):
+                if isinstance(number, torch.SymInt):
+                    found.setdefault(number.node.expr, (read, node, d))
+
+    def built(expression):
+        source = found.get(expression)
+        if isinstance(source, tuple):
+            read, node, d = source
+            source = graph.call_function(read, (node, d))
+            source.meta['val'] = read(node.meta['val'], d)
+            found[expression] = source  # (read once)
+        if source is not None:
+            return source
+        if expression.is_Integer:
+            return int(expression)
+        if not (expression.is_Mul or expression.is_Add):
+            return None
+        combine = operator.mul if expression.is_Mul else operator.add
+        parts = [built(a) for a in expression.args]
+        if any(part is None for part in parts):
+            return None
+        total = parts[0]
+        for part in parts[1:]:
+            value_of = combine(*_meta_values((total, part)))
+            if isinstance(value_of, int):
+                total = value_of
+                continue
+            total = graph.call_function(combine, (total, part))
+            total.meta['val'] = value_of
+        return total
+
+    def argument(number):
+        if not isinstance(number, torch.SymInt):
+            return int(number)
+        return built(number.node.expr)
+    arguments = ([argument(n) for n in value.shape],
+                 [argument(n) for n in value.stride()])
+    if any(a is None for part in arguments for a in part):
+        return None
+    return tuple(tuple(part) for part in arguments)
+
+
+def _meta_values(arguments):
+    """``arguments`` with each node in it replaced by its value."""
+    return tuple(a.meta['val'] if isinstance(a, torch.fx.Node) else a
+                 for a in arguments)
 
 
 # -- the cached variant of a backward graph -----------------------------------
@@ -1522,6 +1598,8 @@ _SUB = _ATEN.sub.Tensor
 _ADDMM = _ATEN.addmm.default
 _EMPTY_STRIDED = _ATEN.empty_strided.default
 _FILL = _ATEN.fill.Scalar
+_SYM_SIZE = _ATEN.sym_size.int
+_SYM_STRIDE = _ATEN.sym_stride.int
 _SLICE = _ATEN.slice.Tensor
 _ABS = _ATEN.abs.default
 _AMAX = _ATEN.amax.default
