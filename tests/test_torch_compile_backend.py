@@ -771,7 +771,7 @@ def test_logits_beside_the_loss_under_dynamic_shapes(monkeypatch,
     logits' zero, ``head.weight`` at another scale; Hugging Face's
     language models all so). The region returns a size before its
     tensors, too: the outputs' places count it. Eager GS's scales, plain
-    gradients bit for bit."""
+    gradients bit for bit, and cached passes that run the cached graph."""
     compiled_regions = _compiled(monkeypatch)
     eager = _loss_and_logits_run(None, scale_log, dynamic=True)
     compiled = _loss_and_logits_run('gs', scale_log, dynamic=True)
@@ -783,6 +783,12 @@ def test_logits_beside_the_loss_under_dynamic_shapes(monkeypatch,
                for n in gm.graph.nodes if n.op == 'placeholder')
     assert region.alternative is not None
     assert region.alternative_passes == LOGITS_USED.count(False)
+    # The cached passes run the cached variant (the cast's cap read from
+    # a gradient of a symbolic size, which Dynamo's guards keep above 0),
+    # not the refresh one: no statistics on a cached step.
+    assert region.full.cached_error is None
+    assert region.alternative.backward.cached_error is None
+    assert region.passes['cached'] > 0
     for (_, _, report), used in zip(compiled, LOGITS_USED):
         assert 'cast#0' in report
 

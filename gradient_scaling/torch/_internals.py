@@ -37,6 +37,8 @@ What the autograd-graph hook needs that PyTorch's public API does not give:
   nothing else reads it before).
 * ``torch._C._will_engine_execute_node``: whether the running backward
   accumulates into a leaf or returns its gradient (``autograd.grad``).
+* ``torch.fx.experimental.symbolic_shapes.statically_known_true``: whether
+  a symbolic size of a graph compiled with dynamic shapes is above 0.
 """
 
 import torch
@@ -351,6 +353,23 @@ def compiled_backward_graph(node):
     function = getattr(type(node), '_forward_cls', None)
     lazy = getattr(function, '_lazy_backward_info', None)
     return getattr(lazy, 'bw_module', None)
+
+
+def known_positive(number):
+    """Whether the size ``number`` (an int, or a ``SymInt`` of a graph
+    compiled with dynamic shapes) is above 0 for every value it can take:
+    for a ``SymInt``, what its shape environment proves without a guard
+    (Dynamo's sizes are at least 2: sizes 0 and 1 are specialised; a size
+    a data-dependent operation made may be 0). False where it cannot be
+    told."""
+    if isinstance(number, int):
+        return number > 0
+    try:
+        from torch.fx.experimental.symbolic_shapes import \
+            statically_known_true
+        return bool(statically_known_true(number > 0))
+    except Exception:  # NOQA: (another version: not told)
+        return False
 
 
 def inductor_graph_cache_off():

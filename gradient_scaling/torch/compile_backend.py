@@ -1000,10 +1000,11 @@ class _CachedVariant(object):
         for k, n in enumerate(casts):
             g = n.args[0][0]
             numel = _value(g).numel()
-            if not isinstance(numel, int):
-                raise _Unsupported('a cast of a dynamic size')
-            if numel == 0:  # max|g| = 0: no cap
-                continue
+            if isinstance(numel, int) and numel == 0:
+                continue  # max|g| = 0: no cap
+            if not internals.known_positive(numel):
+                # (max|g| of an empty gradient is an error in the graph)
+                raise _Unsupported('a cast of a size that may be 0')
             with graph.inserting_before(n):
                 bounds.append(_bound(graph, g, thresholds, k + 1))
         for n in calls:
