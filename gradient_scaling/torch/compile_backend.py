@@ -847,12 +847,9 @@ def _without_absent(gm, slots):
             layout = _layout_arguments(graph, inputs, value)
             if layout is None:
                 continue  # (the tangent stays: it is taken as given)
-            empty = graph.call_function(_EMPTY_STRIDED, layout, dict(
-                dtype=value.dtype, device=value.device))
-            empty.meta['val'] = _EMPTY_STRIDED(
-                *(_meta_values(a) for a in layout), **empty.kwargs)
-            filled = graph.call_function(_FILL, (empty, 0.0))
-            filled.meta['val'] = _FILL(empty.meta['val'], 0.0)
+            filled = _function(graph, _FILL, _function(
+                graph, _EMPTY_STRIDED, *layout, dtype=value.dtype,
+                device=value.device), 0.0)
         copy.replace_all_uses_with(filled)
         replaced.append(t)
     if not replaced:
@@ -891,10 +888,7 @@ def _layout_arguments(graph, inputs, value):
     def built(expression):
         source = found.get(expression)
         if isinstance(source, tuple):
-            read, node, d = source
-            source = graph.call_function(read, (node, d))
-            source.meta['val'] = read(node.meta['val'], d)
-            found[expression] = source  # (read once)
+            source = found[expression] = _function(graph, *source)  # (once)
         if source is not None:
             return source
         if expression.is_Integer:
@@ -907,12 +901,9 @@ def _layout_arguments(graph, inputs, value):
             return None
         total = parts[0]
         for part in parts[1:]:
-            value_of = combine(*_meta_values((total, part)))
-            if isinstance(value_of, int):
-                total = value_of
-                continue
-            total = graph.call_function(combine, (total, part))
-            total.meta['val'] = value_of
+            total = combine(total, part) if isinstance(total, int) and \
+                isinstance(part, int) else _function(graph, combine, total,
+                                                     part)
         return total
 
     def argument(number):
@@ -925,11 +916,6 @@ def _layout_arguments(graph, inputs, value):
         return None
     return tuple(tuple(part) for part in arguments)
 
-
-def _meta_values(arguments):
-    """``arguments`` with each node in it replaced by its value."""
-    return tuple(a.meta['val'] if isinstance(a, torch.fx.Node) else a
-                 for a in arguments)
 
 
 # -- the cached variant of a backward graph -----------------------------------
