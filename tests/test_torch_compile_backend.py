@@ -330,6 +330,70 @@ def test_a_region_the_backend_cannot_read_runs_eagerly(monkeypatch,
     assert_same_scales(eager, compiled)
 
 
+def train_whole(make, batch, gs, log=None, steps=3):
+    """:func:`train`'s steps as a training step compiled whole: zero_grad,
+    forward, backward, step and update in one ``torch.compile``\'d
+    function (``gs``: with GradientScaler and compile_backend, else
+    plain); per step the same record, and how many graphs Dynamo
+    compiled in it."""
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    model = make().double()
+    scaler = GradientScaler(model, update_interval=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    inner = compile_backend(scaler, inner='aot_eager') if gs \
+        else 'aot_eager'
+    compiled = []
+
+    def counting(gm, example_inputs):
+        compiled.append(gm)
+        if gs:
+            return inner(gm, example_inputs)
+        from torch._dynamo.backends.registry import lookup_backend
+        return lookup_backend(inner)(gm, example_inputs)
+
+    @torch.compile(backend=counting)
+    def step(*inputs):
+        optimizer.zero_grad()
+        loss = model(*inputs)
+        if gs:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            loss.backward()
+            optimizer.step()
+        return loss.detach()
+
+    history = []
+    for k in range(steps):
+        start, before = len(log) if log is not None else 0, len(compiled)
+        step(*batch(k))
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()
+                 if p.grad is not None}
+        history.append(_record(grads, log, start, scaler) +
+                       (len(compiled) - before,))
+    return history
+
+
+def test_a_training_step_compiled_whole(scale_log):
+    """Forward, scale, backward, step and update in one compiled function
+    (how many compile their step): GS's step runs at graph breaks,
+    untraced, so Dynamo compiles the step's graphs once, as for the plain
+    step, instead of tracing GS's bookkeeping and compiling again at
+    every step; the scales are eager GS's, the gradients exact."""
+    make, batch = NETS['transformer']
+    eager = train(make, batch, None, scale_log)
+    whole = train_whole(make, batch, True, scale_log)
+    plain = train_whole(make, batch, False)
+    assert_same_scales(eager, [r[:3] for r in whole])
+    assert_exact([r[:3] for r in whole], [r[:3] for r in plain])
+    assert max(r[3] for r in eager[0][2].values()) >= 2.0 ** 10
+    counts = [r[3] for r in whole]
+    assert counts[0] > 0 and plain[0][3] > 0
+    assert counts[1:] == [0, 0] == [r[3] for r in plain[1:]]
+
+
 def test_the_bare_hook_too():
     make, batch = NETS['every_construct']
     reports = []

@@ -533,7 +533,8 @@ class _Region(object):
             if running and self.alternative is not None:
                 backward = self.choose(node)
             return self.run_graph(backward, call, running, node, args)
-        return make_boxed_func(run)
+        # (the engine may run it inside a training step compiled whole)
+        return make_boxed_func(internals.host_side(run))
 
     def choose(self, node):
         """The graph for a pass: the alternative where the pass gives

@@ -472,6 +472,7 @@ class GradientScaling(ControllerViews):
 
     # -- the bare hook: with hook: loss.backward() -------------------------
 
+    @internals.host_side
     def __enter__(self):
         if not self._patched:
             _free_routing()
@@ -479,6 +480,7 @@ class GradientScaling(ControllerViews):
         self._patched = self._bare = True
         return self
 
+    @internals.host_side
     def __exit__(self, *exc):
         self._bare = False
         self._unpatch()

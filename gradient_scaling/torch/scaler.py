@@ -227,6 +227,7 @@ class GradientScaler(object):
 
     # -- GradScaler's verbs ------------------------------------------------
 
+    @internals.host_side
     def scale(self, outputs):
         """The loss (or losses) to call ``backward`` on."""
         if not self._enabled:
@@ -245,6 +246,7 @@ class GradientScaler(object):
             self._losses.extend(_tensors(outputs))
         return outputs if scale == 1.0 else _times(outputs, scale)
 
+    @internals.host_side
     def unscale_(self, optimizer):
         """Decides ``optimizer``'s step; its ``.grad`` then hold the true
         gradients (under GS they already did: it only checks)."""
@@ -254,6 +256,7 @@ class GradientScaler(object):
             raise ValueError('Attempting to unscale FP16 gradients.')
         self._decide(optimizer)
 
+    @internals.host_side
     def step(self, optimizer, *args, **kwargs):
         """``optimizer.step(*args, **kwargs)`` if its gradients are finite;
         returns what it returns, None when skipped. :attr:`step_taken`
@@ -312,6 +315,7 @@ class GradientScaler(object):
         self.step_taken = finite
         return retval
 
+    @internals.host_side
     def update(self, new_scale=None):
         """The mode's transition for the step (grow, back off, commit the
         scales staged); every optimizer is ready again. When every
