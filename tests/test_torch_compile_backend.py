@@ -394,6 +394,71 @@ def test_a_training_step_compiled_whole(scale_log):
     assert counts[1:] == [0, 0] == [r[3] for r in plain[1:]]
 
 
+class BatchNormNet(nn.Module):
+    """A linear layer, batch norm (running statistics: buffers the
+    forward moves) and a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x, t):
+        return F.cross_entropy(self.head(F.relu(self.bn(self.a(x)))),
+                               t) * SMALL
+
+
+def test_a_training_step_compiled_whole_skips_a_bad_batch():
+    """A NaN input at step 2 of a step compiled whole: that step is
+    skipped and changes nothing (parameters, BatchNorm's running
+    statistics, the scales), the steps around it are taken, and Dynamo
+    compiles nothing after the first two steps."""
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    model = BatchNormNet().double()
+    scaler = GradientScaler(model, update_interval=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    backend = compile_backend(scaler, inner='aot_eager')
+    compiled = []
+
+    def counting(gm, example_inputs):
+        compiled.append(gm)
+        return backend(gm, example_inputs)
+
+    @torch.compile(backend=counting)
+    def step(x, t):
+        optimizer.zero_grad()
+        scaler.scale(model(x, t)).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+    g = torch.Generator().manual_seed(0)
+    taken, counts = [], []
+    for k in range(5):
+        x = torch.randn(6, 8, generator=g, dtype=torch.double)
+        t = torch.randint(0, 4, (6,), generator=g)
+        if k == 2:
+            x[0, 0] = math.nan
+        state = [v.clone() for v in model.state_dict().values()]
+        scales = scaler.site_scales()
+        before = len(compiled)
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore', RuntimeWarning)
+            step(x, t)
+        counts.append(len(compiled) - before)
+        taken.append(scaler.step_taken)
+        after = list(model.state_dict().values())
+        if k == 2:
+            assert all(torch.equal(a, b) for a, b in zip(after, state))
+            assert scaler.site_scales() == scales
+        else:
+            assert not torch.equal(after[0], state[0])  # (a step taken)
+    assert taken == [True, True, False, True, True]
+    assert max(scaler.site_scales().values()) >= 2.0 ** 8
+    assert counts[2:] == [0, 0, 0]
+
+
 def test_the_bare_hook_too():
     make, batch = NETS['every_construct']
     reports = []
