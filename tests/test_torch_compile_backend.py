@@ -25,6 +25,7 @@ from gradient_scaling.core.step_scales import StepScales  # NOQA
 from gradient_scaling.torch import GradientScaler  # NOQA
 from gradient_scaling.torch import GradientScaling  # NOQA
 from gradient_scaling.torch import compile_backend  # NOQA
+from gradient_scaling.torch import _internals as internals  # NOQA
 
 # The module (the package's compile_backend is its function).
 backend_module = importlib.import_module(
@@ -349,8 +350,7 @@ def train_whole(make, batch, gs, log=None, steps=3):
         compiled.append(gm)
         if gs:
             return inner(gm, example_inputs)
-        from torch._dynamo.backends.registry import lookup_backend
-        return lookup_backend(inner)(gm, example_inputs)
+        return internals.backend_named(inner)(gm, example_inputs)
 
     @torch.compile(backend=counting)
     def step(*inputs):

@@ -42,6 +42,8 @@ What the autograd-graph hook needs that PyTorch's public API does not give:
 * ``torch._disable_dynamo``: ``torch.compiler.disable`` that imports Dynamo
   (a second) when the function is first called, not when it is decorated
   (:func:`host_side`).
+* ``torch._dynamo.backends.registry.lookup_backend``: a ``torch.compile``
+  backend by its name, as a callable (:func:`backend_named`).
 """
 
 import torch
@@ -201,7 +203,7 @@ def host_side(fn):
     """``fn`` kept out of ``torch.compile``'s tracing. GS's step runs on
     the host between and around the compiled graphs: a training step
     compiled whole (forward, ``scale``, ``backward``, ``step``,
-    ``update`` in one ``torch.compile``\'d function) would otherwise have
+    ``update`` in one ``torch.compile``'d function) would otherwise have
     Dynamo trace into its bookkeeping and its backward's callbacks, guard
     on the step's counters and compile again at every step. Dynamo calls
     ``fn`` as it is, at a graph break, and traces nothing it calls; a
@@ -288,6 +290,13 @@ def aot_autograd(**kwargs):
     """``torch._dynamo.backends.common.aot_autograd(**kwargs)``."""
     from torch._dynamo.backends.common import aot_autograd as factory
     return factory(**kwargs)
+
+
+def backend_named(name):
+    """The ``torch.compile`` backend registered as ``name`` (a callable:
+    ``torch._dynamo.backends.registry.lookup_backend``)."""
+    from torch._dynamo.backends.registry import lookup_backend
+    return lookup_backend(name)
 
 
 def inductor_decompositions():

@@ -918,7 +918,6 @@ def _layout_arguments(graph, inputs, value):
     return tuple(tuple(part) for part in arguments)
 
 
-
 # -- the cached variant of a backward graph -----------------------------------
 
 class _CachedVariant(object):
