@@ -562,6 +562,53 @@ def test_the_native_division_of_left_scaled_gradients_is_the_hooks(
     assert native_checked == python[2] == [0, 1, 2, 4]
 
 
+def test_the_native_division_gives_the_kernels_bits(built):
+    """Small dense CPU gradients are divided by a loop, the others by
+    GradScaler's kernel: each ``.grad`` equal bit for bit to the Python
+    division's (the kernel's), for values of every float32 exponent,
+    quotients that round into the subnormals or to zero, an infinity and
+    a NaN, on both sides of the loop's size (65536 values) and in a
+    non-contiguous view; the same flag."""
+    class Pass(object):
+        def __init__(self):
+            self.in_place_flags, self.checked_in_place = {}, set()
+    hook = GradientScaling(nn.Linear(2, 2))
+    g = torch.Generator().manual_seed(0)
+    bits = []
+    for n in (5, 1 << 16, (1 << 16) + 1):
+        values = torch.ldexp(torch.rand(n, generator=g) + 0.5,
+                             torch.randint(-150, 128, (n,), generator=g))
+        bits.append(values * torch.where(torch.rand(n, generator=g) < 0.5,
+                                         -1.0, 1.0))
+    bits[0][1], bits[1][7] = float('inf'), float('nan')
+    bits.append(torch.randn(4, 6, generator=g).t()[1:])  # (the kernel's)
+    inverses = [2.0 ** -k for k in (1, 24, 60)]
+    outcomes = []
+    for kind in ('native', 'python'):
+        params = [nn.Parameter(torch.zeros_like(b)) for b in bits
+                  for _ in inverses]
+        pairs = []
+        for k, p in enumerate(params):
+            p.grad = bits[k // len(inverses)].clone()
+            pairs.append((p, inverses[k % len(inverses)]))
+        current = Pass()
+        if kind == 'native':
+            divided, rest = built.divide_left_scaled(
+                pairs, current.in_place_flags)
+            assert len(divided) == len(pairs) and rest == []
+        else:
+            hook._unscale_pending([(p, i, current) for p, i in pairs])
+        outcomes.append(([p.grad.contiguous().view(torch.int32)
+                          for p in params],
+                         [f.item() for f in current.in_place_flags.values()]))
+    (native_bits, native_flags), (python_bits, python_flags) = outcomes
+    assert native_flags == python_flags == [1.0]
+    for a, b in zip(native_bits, python_bits):
+        assert torch.equal(a, b)
+    assert any((a.view(torch.float32).abs() < 2.0 ** -126).any() and
+               (a.view(torch.float32) != 0).any() for a in native_bits)
+
+
 def test_the_native_division_checks_into_the_pass_flag(built):
     """A pass's flag for a device, made by the Python division, is the one
     the native division checks into (and a flag it made, the next one);
@@ -1030,6 +1077,48 @@ def test_scaling_hooks_multiply_every_gradient(built, kind):
     assert torch.equal(x.grad, torch.full((2,), 24.0))  # 2 * 4 * 3
     assert torch.equal(y.grad, torch.full((2,), 4.0))  # 2 * 4 * 0.5
     hooks.clear()
+
+
+def test_the_final_check_by_loops_answers_as_the_kernel(built, monkeypatch):
+    """Small dense CPU gradients and losses are checked by a loop, the
+    others by GradScaler's kernel: both final checks answer as the Python
+    one (the kernel alone) and leave the flag as it does, for a NaN or an
+    infinity at either end or none, float32 and float64, on both sides of
+    the loop's size (65536 values), a non-contiguous view and a float16
+    gradient (the kernel's), beside one another."""
+    monkeypatch.setattr(native, 'finite_check', lambda: None)  # (Python)
+    monkeypatch.setattr(native, 'flagless_finite_check', lambda: None)
+    one = torch.ones(1)
+    bads = (None, float('nan'), math.inf, -math.inf)
+    cases = []
+    for dtype in (torch.float32, torch.float64):
+        for n in (1, 7, 1 << 16, (1 << 16) + 1):
+            for bad in bads:
+                for place in ((0, n - 1) if bad is not None else (0,)):
+                    g = torch.full((n,), 0.5, dtype=dtype)
+                    if bad is not None:
+                        g[place] = bad
+                    cases.append(([g], []))
+    clean, nan = torch.ones(3, 4), torch.tensor([1.0, float('nan')])
+    cases += [([clean.t()], []), ([clean[:, ::2], nan], []),
+              ([nan.half()], []), ([clean, nan.half()], []),
+              ([nan, torch.ones(1 << 17)], []),
+              ([clean, torch.ones(1 << 17)], [torch.tensor(float('inf'))]),
+              ([clean], [torch.tensor(2.0)]), ([], [torch.tensor(-math.inf)])]
+    answers = []
+    for tensors, losses in cases:
+        expected = hook_module._all_finite(
+            [t.clone() for t in tensors], losses)
+        assert built.finite_all(tensors, losses) is expected
+        for flag in (0.0, 1.0):
+            found, again = torch.full((1,), flag), torch.full((1,), flag)
+            assert built.finite_into(tensors, losses, found, one) is \
+                (expected and not flag)
+            hook_module._all_finite([t.clone() for t in tensors], losses,
+                                    [again])
+            assert torch.equal(found, again)
+        answers.append(expected)
+    assert answers.count(True) == 2 * 4 + 2 and False in answers
 
 
 def test_the_final_check_falls_back_where_the_kernel_refuses(built):

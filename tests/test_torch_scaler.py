@@ -263,28 +263,33 @@ def test_get_scale_per_site_and_state_dict_is_plain_data():
 
 @pytest.mark.parametrize('loss_kind, reads', [('mse', 1),
                                                ('cross_entropy', 2)])
+@pytest.mark.parametrize('side', [8, 32])
 def test_a_cached_step_reads_the_device_once_and_the_cast_cap_once_more(
-        loss_kind, reads, monkeypatch):
+        loss_kind, reads, side, monkeypatch):
     """A cached step's host reads: the finiteness decision (one read for
     every gradient and the loss, the fused unscale), and, where the model
     has a softmax cast, the per-pass re-check of its cached scale's cap
     (docs/DESIGN.md, 6; natively in a planned pass). A refresh reads more
     (the statistics). Counted as PyTorch dispatches them (one
     ``_local_scalar_dense`` per ``item``, ``float``, ``bool``, ``int``,
-    from Python or C++) and ``tolist`` calls (no dispatch). A planned
-    pass's cap check reads a small CPU gradient's memory by a loop, no
-    dispatch (there is no device to read; a device's tensor is read by
-    ``item``: ``test_a_native_cap_read_dispatches_only_off_the_loop``)."""
+    from Python or C++) and ``tolist`` calls (no dispatch). Where the
+    native module is built, a small dense CPU tensor's memory is read by a
+    loop, no dispatch (there is no device to read): a planned pass's cap
+    check (a device's tensor is read by ``item``:
+    ``test_a_native_cap_read_dispatches_only_off_the_loop``), and the
+    finiteness of gradients that are all such (``side`` 8); one larger
+    (``side`` 32: 81,920 weights) makes it the fused kernel's one read."""
     import collections
     from gradient_scaling.torch import native
     import torch.nn as nn
     import torch.nn.functional as F
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8),
-                          nn.ReLU(), nn.Flatten(), nn.Linear(512, 10))
+                          nn.ReLU(), nn.Flatten(),
+                          nn.Linear(8 * side * side, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = GradientScaler(model, update_interval=10 ** 9)
-    x, t = torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))
+    x, t = torch.randn(4, 3, side, side), torch.randint(0, 10, (4,))
 
     target = F.one_hot(t, 10).float()  # (one_hot reads t's range)
 
@@ -313,8 +318,11 @@ def test_a_cached_step_reads_the_device_once_and_the_cast_cap_once_more(
     assert per_step[0] > reads  # the refresh
     # (the second step is recorded, its callbacks Python's; the others
     # planned where the native module is built, their cap read by a loop)
-    planned = reads if native.module() is None else 1
-    assert per_step[1:] == [reads, planned, planned]
+    if native.module() is None:
+        assert per_step[1:] == [reads] * 3
+    else:
+        finiteness = 1 if side == 32 else 0
+        assert per_step[1:] == [reads - 1 + finiteness] + [finiteness] * 2
 
 
 def _dispatched_reads(fn):

@@ -19,6 +19,7 @@
 // implementation where it cannot (passes are then not planned).
 
 #include <torch/extension.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -32,6 +33,7 @@
 #include <atomic>
 #include <tuple>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <typeinfo>
@@ -302,7 +304,8 @@ bool plain_tensor(const at::Tensor& x) {
 
 // Whether ``x`` is a small dense float32 or float64 CPU tensor outside
 // autograd, a plain one (not a subclass's, nor a wrapper's), in row-major
-// order: read and multiplied by loops here. Their operations are IEEE's
+// order, with no dispatch mode on (which would see ATen's operations):
+// read and multiplied by loops here. Their operations are IEEE's
 // (a maximum, a product by a power of two), so the bits are those ATen's
 // kernels give; what they save is the dispatch and the intermediate
 // tensors.
@@ -311,10 +314,42 @@ bool loop_ready(const at::Tensor& x) {
   if ((dtype != at::kFloat && dtype != at::kDouble) ||
       !x.device().is_cpu() || x.layout() != at::kStrided ||
       x.numel() > kSmallLoop || x.requires_grad() || x.is_neg() ||
-      !x.has_storage() || !standard_strides(x)) {
+      !x.has_storage() || !standard_strides(x) ||
+      c10::impl::dispatch_mode_enabled()) {
     return false;
   }
   return plain_tensor(x);
+}
+
+// GCC at -O2 leaves a loop whose length is known only when it runs
+// unvectorized; these few (each value on its own: a product, a bit test,
+// no sum to reorder) are worth its vector units. (Clang vectorizes them at
+// -O2.)
+#if defined(__GNUC__) && !defined(__clang__)
+#define GS_VECTORIZED __attribute__((optimize("tree-vectorize")))
+#else
+#define GS_VECTORIZED
+#endif
+
+// Whether every element of ``n`` float32 or float64 values is finite (the
+// exponent not all ones), read without a branch per element.
+template <typename Bits>
+GS_VECTORIZED bool finite_values(const void* data, int64_t n, Bits exponent) {
+  const Bits* bits = static_cast<const Bits*>(data);
+  Bits all_ones = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    all_ones |= static_cast<Bits>((bits[i] & exponent) == exponent);
+  }
+  return all_ones == 0;
+}
+
+// Whether every element of loop_ready tensor ``x`` is finite: a yes or
+// no, read where the values are (no copy, nothing written).
+bool finite_loop(const at::Tensor& x) {
+  return x.scalar_type() == at::kFloat
+      ? finite_values<uint32_t>(x.data_ptr(), x.numel(), 0x7f800000u)
+      : finite_values<uint64_t>(x.data_ptr(), x.numel(),
+                                0x7ff0000000000000ull);
 }
 
 // ``max|x|`` of a loop_ready tensor (NaN where one element is; 0 when
@@ -437,15 +472,33 @@ const at::Tensor& inverse_on(double inverse, at::Device device) {
   return found->second;
 }
 
+// GradScaler's kernel on one loop_ready float32 tensor: whether its values
+// are all finite (read before the product), each multiplied in place by
+// ``inverse`` (not where it is 1, as the kernel leaves them).
+GS_VECTORIZED bool divide_loop(at::Tensor& x, float inverse) {
+  float* v = x.data_ptr<float>();
+  int64_t n = x.numel();
+  if (inverse == 1.0f) return finite_values<uint32_t>(v, n, 0x7f800000u);
+  uint32_t all_ones = 0;
+  for (int64_t i = 0; i < n; ++i) {  // (one read of each value)
+    uint32_t bits;
+    std::memcpy(&bits, v + i, sizeof bits);
+    all_ones |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
+    v[i] = v[i] * inverse;
+  }
+  return all_ones == 0;
+}
+
 // The float32 gradients left scaled in ``.grad`` (``pairs``: ``(param,
 // inverse)`` each, in the order they landed) divided in place as
 // GradScaler.unscale_ divides them: by its fused kernel, those of one
-// device and inverse at once, checked in the same read into the pass's
+// device and inverse at once (the small dense CPU ones by divide_loop, its
+// bits), checked in the same read into the pass's
 // flag for their device (``flags``: device -> a one-element tensor, made
 // there where missing); one whose storage an earlier one's shares (the
 // engine made the two ``.grad`` views of one gradient) into a new tensor,
 // read before that one is divided. Returns ``(divided, rest)``: the
-// parameters the kernel divided, and the pairs whose gradient is not
+// parameters divided so, and the pairs whose gradient is not
 // float32 and dense (for the caller, with the storages it may share among
 // them). gradient_scaling.torch.hook's _unscale_pending is its Python twin.
 py::tuple divide_left_scaled(py::iterable pairs, py::dict flags) {
@@ -506,8 +559,22 @@ py::tuple divide_left_scaled(py::iterable pairs, py::dict flags) {
       flags[device] = py::reinterpret_steal<py::object>(
           THPVariable_Wrap(found));
     }
-    at::_amp_foreach_non_finite_check_and_unscale_(
-        g.grads, found, inverse_on(g.inverse, g.device));
+    // The small dense CPU ones by a loop (the kernel's check of each
+    // value, then its one product in float32), the others by the kernel.
+    std::vector<at::Tensor> others;
+    bool finite = true;
+    for (auto& grad : g.grads) {
+      if (loop_ready(grad)) {
+        finite = divide_loop(grad, static_cast<float>(g.inverse)) && finite;
+      } else {
+        others.push_back(grad);
+      }
+    }
+    if (!finite) found.fill_(1.0);
+    if (!others.empty()) {
+      at::_amp_foreach_non_finite_check_and_unscale_(
+          others, found, inverse_on(g.inverse, g.device));
+    }
     for (py::handle p : g.params) divided.append(p);
   }
   return py::make_tuple(divided, rest);
@@ -1537,26 +1604,38 @@ at::ScalarType input_dtype(py::handle node, int64_t slot) {
 }
 
 // The common case of gradient_scaling.torch.hook's _all_finite, in one
-// call: ``tensors`` and a copy of each of ``losses`` checked by GradScaler's
-// kernel into ``found`` (the flag of the division in place, on the device
-// of all of them: multiplied by ``one``, which is 1), then ``found`` read
-// (the step's one host read). None where the kernel refuses them
+// call: ``tensors`` and ``losses`` checked into ``found`` (the flag of the
+// division in place, on the device of all of them), then ``found`` read
+// (the step's one host read): the small dense CPU ones (loop_ready) by a
+// loop, the others (a copy of each loss) by GradScaler's kernel,
+// multiplied by ``one``, which is 1. None where the kernel refuses them
 // (another device, dtype or layout): the caller checks them as it would
 // have.
 py::object finite_into(std::vector<at::Tensor> tensors,
                        const std::vector<at::Tensor>& losses,
                        at::Tensor found, const at::Tensor& one) {
-  for (const auto& loss : losses) {
-    tensors.push_back(loss.reshape(-1).clone());
+  for (const auto& loss : losses) {  // (a loop reads one in place)
+    tensors.push_back(loop_ready(loss) ? loss : loss.reshape(-1).clone());
   }
   for (const auto& t : tensors) {
     if (t.device() != found.device() || t.layout() != at::kStrided) {
       return py::none();
     }
   }
-  if (!tensors.empty()) {
+  // The small dense CPU ones read by a loop (the kernel would multiply
+  // them by 1, which changes no value), the others by the kernel.
+  std::vector<at::Tensor> others;
+  for (const auto& t : tensors) {
+    if (!loop_ready(t)) {
+      others.push_back(t);
+    } else if (!finite_loop(t)) {
+      found.fill_(1.0);  // (as the kernel leaves it)
+      return py::bool_(false);
+    }
+  }
+  if (!others.empty()) {
     try {
-      at::_amp_foreach_non_finite_check_and_unscale_(tensors, found, one);
+      at::_amp_foreach_non_finite_check_and_unscale_(others, found, one);
     } catch (const c10::Error&) {
       return py::none();
     }
@@ -1622,10 +1701,24 @@ bool half_gradients(py::iterable groups) {
 
 // The pass's final check where no division made a flag: finite_into
 // with a flag made here, on the device of the first of ``tensors`` (or of
-// ``losses``). None where that does not apply.
+// ``losses``); none made where a loop reads them all. None where that
+// does not apply.
 py::object finite_all(std::vector<at::Tensor> tensors,
                       const std::vector<at::Tensor>& losses) {
   if (tensors.empty() && losses.empty()) return py::bool_(true);
+  const std::vector<at::Tensor>* lists[] = {&tensors, &losses};
+  bool loops = true;  // (then no flag is made, nor read)
+  for (const auto* list : lists) {
+    for (const auto& t : *list) loops = loops && loop_ready(t);
+  }
+  if (loops) {
+    for (const auto* list : lists) {
+      for (const auto& t : *list) {
+        if (!finite_loop(t)) return py::bool_(false);
+      }
+    }
+    return py::bool_(true);
+  }
   at::Device device =
       tensors.empty() ? losses[0].device() : tensors[0].device();
   at::Tensor found;
@@ -1645,18 +1738,6 @@ py::object finite_all(std::vector<at::Tensor> tensors,
 // call (the same numbers, bit for bit: they sum in the same order); the
 // finiteness of a small dense CPU tensor read by a loop here (a yes or
 // no: no rounding to differ).
-
-// Whether every element of ``n`` float32 or float64 values is finite (the
-// exponent not all ones), read without a branch per element.
-template <typename Bits>
-bool finite_values(const void* data, int64_t n, Bits exponent) {
-  const Bits* bits = static_cast<const Bits*>(data);
-  Bits all_ones = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    all_ones |= static_cast<Bits>((bits[i] & exponent) == exponent);
-  }
-  return all_ones == 0;
-}
 
 // Whether every one of ``n`` float64 values is finite and non-zero (a
 // refresh's log-normal read then selects them all), read by a loop: a
@@ -1679,10 +1760,7 @@ bool finite_and_nonzero(const double* data, int64_t n) {
 at::Tensor finite_witness(const at::Tensor& given) {
   at::Tensor x = given.detach();
   if (loop_ready(x)) {
-    bool finite = x.scalar_type() == at::kFloat
-        ? finite_values<uint32_t>(x.data_ptr(), x.numel(), 0x7f800000u)
-        : finite_values<uint64_t>(x.data_ptr(), x.numel(),
-                                  0x7ff0000000000000ull);
+    bool finite = finite_loop(x);
     return at::scalar_tensor(
         finite ? 0.0 : std::numeric_limits<double>::quiet_NaN(),
         at::TensorOptions().dtype(
