@@ -1121,6 +1121,48 @@ def test_the_final_check_by_loops_answers_as_the_kernel(built, monkeypatch):
     assert answers.count(True) == 2 * 4 + 2 and False in answers
 
 
+def test_the_leaves_final_check_in_one_call_is_the_two(built, monkeypatch):
+    """``leaves_finite``: ``unchecked_grads`` and the final check in one
+    call, as the two: the gradients no division read (a NaN in one that
+    a division read is not looked at again), the losses, the division's
+    flag or none; a large gradient (the kernel's); None where a gradient
+    is on another device than the flag."""
+    monkeypatch.setattr(native, 'finite_check', lambda: None)  # (Python)
+    monkeypatch.setattr(native, 'flagless_finite_check', lambda: None)
+    params = [nn.Parameter(torch.ones(3)) for _ in range(5)]
+    big = nn.Parameter(torch.ones(1 << 17))
+    for p in params[:4] + [big]:
+        p.grad = torch.ones_like(p)
+    loss = torch.tensor(2.0)
+    answers = []
+    for bad in (None, 0, 2, 3, 'big', 'loss'):
+        for p in params[:4] + [big]:
+            p.grad.fill_(1.0)
+        losses = [loss if bad != 'loss' else torch.tensor(math.nan)]
+        if bad == 'big':
+            big.grad[-1] = math.inf
+        elif bad not in (None, 'loss'):
+            params[bad].grad[1] = math.nan
+        leaves = params + [big]
+        divided, done = [[params[0]]], {id(params[3])}
+        unread = built.unchecked_grads(leaves, divided, done)
+        for flag in (None, 0.0, 1.0):
+            found = None if flag is None else torch.full((1,), flag)
+            again = None if flag is None else torch.full((1,), flag)
+            got = built.leaves_finite(leaves, divided, done, losses, found)
+            expected = hook_module._all_finite(
+                [g.clone() for g in unread], losses,
+                [] if again is None else [again])
+            assert got is expected
+            if found is not None:
+                assert torch.equal(found, again)
+            answers.append(got)
+    assert answers == [True, True, False] * 2 + [False] * 3 + \
+        [True, True, False] + [False] * 6
+    meta = torch.zeros(1, device='meta')
+    assert built.leaves_finite(params, [], set(), [], meta) is None
+
+
 def test_the_final_check_falls_back_where_the_kernel_refuses(built):
     """A dispatch mode (or tensor subclass) that refuses GradScaler's
     kernel once: the native final check hands it to the Python one, which

@@ -140,6 +140,8 @@ class GradientScaling(ControllerViews):
         #: The gradients no division read in place, natively (None: the
         #: Python division alone, whose ids the pass keeps).
         self._unchecked = native.unchecked_reader()
+        #: Those and the losses checked in the same call (None: apart).
+        self._leaves_finite = native.leaves_check()
         self._unit_on = False  # a unit set given to it
         self._running_told = False  # what it was told of running passes
         self._bare = False  # active as ``with hook:``
@@ -734,26 +736,35 @@ class GradientScaling(ControllerViews):
             pending.append(landed)
             if len(pending) > 64:
                 self.landed_scales  # NOQA: flushed now and then
-        flags = []
+        flags, finite = [], None
         if self.check_on_landing:  # what landed here, before any average
             unread = [g for _, g in current.witnesses]
         else:
             # (a gradient divided in place was checked in that read)
             done, unread = current.checked_in_place, []
             leaves = current.checked_leaves()
-            if self._unchecked is not None:
+            flags = list(current.in_place_flags.values())
+            if self._leaves_finite is not None and len(flags) <= 1:
+                try:  # (_all_finite's common case, in one native call)
+                    finite = self._leaves_finite(
+                        leaves, current.divided, done, current.losses,
+                        flags[0] if flags else None)
+                except (RuntimeError, NotImplementedError):
+                    finite = None  # (checked below, as it would have been)
+            if finite is None and self._unchecked is not None:
                 unread = self._unchecked(leaves, current.divided, done)
-            else:  # (the Python division alone)
+            elif finite is None:  # (the Python division alone)
                 if not done.issuperset(map(id, leaves)):
                     for p in leaves:
                         if id(p) not in done:
                             grad = p.grad
                             if grad is not None:
                                 unread.append(grad)
-            flags = list(current.in_place_flags.values())
         # The gradients landed unscaled: one fused read checks them and the
         # losses (GradScaler's check, with nothing left to divide).
-        if _all_finite(unread, current.losses, flags):
+        if finite is None:
+            finite = _all_finite(unread, current.losses, flags)
+        if finite:
             result = FINITE
         else:
             result = self._result(current, current.witnesses if

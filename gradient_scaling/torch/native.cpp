@@ -1647,8 +1647,9 @@ py::object finite_into(std::vector<at::Tensor> tensors,
 // division read in place: not a parameter of the lists of ``divided``
 // (each a native division's) nor one whose ``id`` is in the set
 // ``done`` (the Python division's).
-py::list unchecked_grads(py::iterable leaves, py::iterable divided,
-                         py::handle done) {
+std::vector<at::Tensor> unchecked_tensors(py::iterable leaves,
+                                          py::iterable divided,
+                                          py::handle done) {
   PointerTable<char> read;
   for (auto list : divided) {
     for (auto param : list) read.emplace(param.ptr(), 1);
@@ -1657,7 +1658,7 @@ py::list unchecked_grads(py::iterable leaves, py::iterable divided,
     throw py::type_error("gradient_scaling native: done is not a set");
   }
   bool ids = PySet_GET_SIZE(done.ptr()) > 0;
-  py::list out;
+  std::vector<at::Tensor> out;
   for (auto leaf : leaves) {
     if (read.find(leaf.ptr()) != nullptr) continue;
     if (ids) {
@@ -1673,9 +1674,17 @@ py::list unchecked_grads(py::iterable leaves, py::iterable divided,
                            "tensor");
     }
     const at::Tensor& grad = THPVariable_Unpack(leaf.ptr()).grad();
-    if (grad.defined()) {
-      out.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(grad)));
-    }
+    if (grad.defined()) out.push_back(grad);
+  }
+  return out;
+}
+
+// unchecked_tensors as Python tensors.
+py::list unchecked_grads(py::iterable leaves, py::iterable divided,
+                         py::handle done) {
+  py::list out;
+  for (const auto& grad : unchecked_tensors(leaves, divided, done)) {
+    out.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(grad)));
   }
   return out;
 }
@@ -1730,6 +1739,25 @@ py::object finite_all(std::vector<at::Tensor> tensors,
   }
   return finite_into(std::move(tensors), losses, found,
                      inverse_on(1.0, device));
+}
+
+// The pass's final check of the gradients of ``leaves`` that no division
+// read (unchecked_grads's, not made Python tensors) and ``losses``:
+// finite_into with ``found`` (the division's flag, a one-element tensor)
+// or, None, finite_all.
+py::object leaves_finite(py::iterable leaves, py::iterable divided,
+                         py::handle done,
+                         const std::vector<at::Tensor>& losses,
+                         py::handle found) {
+  std::vector<at::Tensor> grads = unchecked_tensors(leaves, divided, done);
+  if (found.is_none()) return finite_all(std::move(grads), losses);
+  if (!THPVariable_Check(found.ptr())) {
+    throw py::type_error("gradient_scaling native: a pass's flag that is "
+                         "not a tensor");
+  }
+  const at::Tensor& flag = THPVariable_Unpack(found.ptr());
+  return finite_into(std::move(grads), losses, flag,
+                     inverse_on(1.0, flag.device()));
 }
 
 // -- what a refresh reads of a tensor (TorchOps's statistics) -------------
@@ -2003,6 +2031,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("finite_into", &finite_into);
   m.def("finite_all", &finite_all);
   m.def("unchecked_grads", &unchecked_grads);
+  m.def("leaves_finite", &leaves_finite);
   m.def("half_gradients", &half_gradients);
   m.def("times_power_of_two", &times_power_of_two);
   m.def("max_abs", &max_abs);

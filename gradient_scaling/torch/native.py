@@ -429,6 +429,17 @@ def unchecked_reader():
     return None if native is None else native.unchecked_grads
 
 
+def leaves_check():
+    """``leaves_finite(leaves, divided, done, losses, found)`` of the
+    native module (:func:`unchecked_reader`'s gradients and the losses
+    checked as :func:`finite_check` checks them into the division's flag
+    ``found``, or as :func:`flagless_finite_check` where it is None, in
+    one call: None where it does not apply), or None where it is not
+    built."""
+    native = module()
+    return None if native is None else native.leaves_finite
+
+
 def half_gradients(build=True):
     """``half_gradients(param_groups)`` of the native module (whether a
     parameter of an optimizer's groups has a float16 gradient), or the
