@@ -329,6 +329,15 @@ def test_a_gradient_divided_in_place_is_checked_in_the_same_read(
         checked.append(([t.data_ptr() for t in tensors], len(flags)))
         return all_finite(tensors, losses, flags)
     monkeypatch.setattr(hook_module, '_all_finite', spy)
+    hook = scaler.hook
+    leaves_finite = hook._leaves_finite
+    if leaves_finite is not None:  # (the same check in one native call)
+        def spy_native(leaves, divided, done, losses, found):
+            read = hook._unchecked(leaves, divided, done)
+            checked.append(([t.data_ptr() for t in read],
+                            int(found is not None)))
+            return leaves_finite(leaves, divided, done, losses, found)
+        monkeypatch.setattr(hook, '_leaves_finite', spy_native)
     poison = []
     before = None
     for poisoned in (False, True):
