@@ -750,7 +750,7 @@ class GradientScaling(ControllerViews):
                         leaves, current.divided, done, current.losses,
                         flags[0] if flags else None)
                 except (RuntimeError, NotImplementedError):
-                    finite = None  # (checked below, as it would have been)
+                    pass  # (checked below, as it would have been)
             if finite is None and self._unchecked is not None:
                 unread = self._unchecked(leaves, current.divided, done)
             elif finite is None:  # (the Python division alone)
