@@ -1266,6 +1266,11 @@ def _statistics_cases():
             (2, 3, 1, 1), (3, 1, 9, 9)),
         'large': big, 'large inf': big_inf,
         'matrix': torch.randn(32, 96, generator=g, requires_grad=True),
+        'inf last': torch.tensor([1e-3, -2.0, math.inf]),
+        'nan last, -inf': torch.tensor([-math.inf, 5.0, math.nan]),
+        'the loop\'s largest size': torch.randn(2 ** 16, generator=g),
+        'parameter with nan': torch.nn.Parameter(
+            with_nan.clone().reshape(64, 64)),
     }
 
 
@@ -1294,6 +1299,32 @@ def test_the_refresh_reads_natively_what_python_reads_bit_for_bit(
     assert (read is not None) == own
     if own:
         assert repr(read) == repr(python_reads[5])
+
+
+@pytest.mark.parametrize('case', ['gradient', 'parameter', 'zeros', 'nan',
+                                  'float16', 'strided', 'too large'])
+def test_a_small_float32_spread_reads_its_maximum_by_a_loop(built, case):
+    # A small float32 CPU tensor's max|x| is read by a loop (no aminmax),
+    # its sums only where that maximum is finite and not 0; another
+    # tensor's by ATen's operations, as Python reads it.
+    g = torch.Generator().manual_seed(5)
+    x = {'gradient': torch.randn(8, 96, generator=g),
+         'parameter': torch.nn.Parameter(torch.randn(96, 32, generator=g)),
+         'zeros': torch.zeros(300),
+         'nan': torch.tensor([1.0, math.nan, 2.0]),
+         'float16': torch.randn(300, generator=g).half(),
+         'strided': torch.randn(32, 96, generator=g).t(),
+         'too large': torch.randn(statistics.SPREAD_SAMPLE + 1,
+                                  generator=g)}[case]
+    with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        read = built.small_spread_and_max(x, statistics.SPREAD_SAMPLE)
+    ran = {event.name for event in profile.events()}
+    loop = case in ('gradient', 'parameter', 'zeros', 'nan')
+    assert ('aten::aminmax' in ran) == (not loop and read is not None)
+    assert ('aten::dot' in ran) == (case in ('gradient', 'parameter',
+                                             'float16', 'strided'))
+    assert (read is None) == (case == 'too large')
 
 
 def test_the_refresh_reads_keep_the_default_dtype_and_device(built):

@@ -11,7 +11,8 @@ three-consumer tensor, cat, a transposed convolution) and in float16; a
 cast whose cap binds plans again, or hands the pass to the Python
 callbacks; a backward of part of the graph runs in Python; a hook out of
 the planned order is noticed, one reached before the pass started
-refuses.
+refuses. A refresh's leaves whose scale a GEMM's edge sets land natively,
+told it by the GEMM's pre-hook: the Python landing's results bit for bit.
 """
 
 import sys
@@ -713,3 +714,128 @@ def test_a_partial_pass_without_cast_sites_runs_every_callback(
         assert len(a) == len(b)
         for x, y in zip(a, b):
             assert torch.equal(x, y)
+
+
+# -- a refresh's leaves landing natively, their scales learned --------------
+
+
+@pytest.fixture
+def learned(monkeypatch):
+    """Counts of the landings per pass that called the Python landing
+    (:meth:`GradientScaling.land`), and of the parameters each pass's
+    GEMM pre-hooks told the native landing (a list per pass)."""
+    from gradient_scaling.torch import backward_rules
+    counts = {'land': 0, 'learned': []}
+    land, learn = GradientScaling.land, backward_rules.BackwardPass._learn
+
+    def counted_land(self, leaf, grad):
+        counts['land'] += 1
+        return land(self, leaf, grad)
+
+    def counted_learn(self, node):
+        found = self._learning[1].get(self.plan.index[node], ())
+        counts['learned'].append(len(found))
+        return learn(self, node)
+    monkeypatch.setattr(GradientScaling, 'land', counted_land)
+    monkeypatch.setattr(backward_rules.BackwardPass, '_learn',
+                        counted_learn)
+    return counts
+
+
+def _unlearned(monkeypatch):
+    from gradient_scaling.torch import backward_rules
+    monkeypatch.setattr(backward_rules.BackwardPass, '_learn_landing',
+                        lambda self: None)
+
+
+@pytest.mark.parametrize('case', ['gpt', 'every_construct', 'float16',
+                                  'two passes', 'no native landing'])
+def test_a_refresh_lands_natively_what_python_lands(
+        built, learned, monkeypatch, case):
+    """Every pass a refresh (interval 1): the leaves whose scale a GEMM's
+    edge sets (the weights and biases of the GEMMs, the layer norms
+    before them) land natively, told their scale by the GEMM's pre-hook,
+    divided or left scaled in ``.grad`` as the Python landing does: the
+    same gradients, landed scales, reports and results bit for bit; two
+    passes accumulated per step (the second lands into a gradient: divided
+    at once); the Python landing where the module is not built."""
+    make = _every_construct if case == 'every_construct' else \
+        _gpt_case(torch.float16 if case == 'float16' else torch.float32)
+    passes = 2 if case == 'two passes' else 1
+    if case == 'no native landing':
+        monkeypatch.setattr(native, '_loaded', [None])
+    learning = _history(False, make, steps=5, interval=1, passes=passes)
+    by_learning, learned_counts = learned['land'], list(learned['learned'])
+    learned['land'] = 0
+    with monkeypatch.context() as patched:
+        _unlearned(patched)
+        python = _history(False, make, steps=5, interval=1, passes=passes)
+    _assert_same(learning, python)
+    assert sum(learned_counts) > 0
+    # (each learned parameter lands without a Python call)
+    assert by_learning == learned['land'] - sum(learned_counts)
+
+
+def test_a_refresh_learns_the_gpts_leaves_but_the_embeddings(built,
+                                                             learned):
+    """On the transformer, every leaf but the two embeddings (their
+    gradient is a sum of branches, its scale unified as they land) has a
+    GEMM's edge as its scale's source."""
+    net, batch = _gpt_case()()
+    hook = GradientScaling(net, update_interval=1)
+    for step in range(3):
+        net.zero_grad(set_to_none=True)
+        learned['land'], learned['learned'] = 0, []
+        with hook:
+            net(*batch(step)).backward()
+    params = len(list(net.parameters()))
+    assert sum(learned['learned']) == params - 2
+    assert learned['land'] == 2
+
+
+@pytest.mark.parametrize('kind', ['tensor hook', 'post-accumulate hook'])
+def test_a_refresh_with_another_hook_on_a_parameter(built, learned,
+                                                    monkeypatch, kind):
+    """A user's hook on a learned parameter sees the true gradient: the
+    parameter's gradient lands divided at once, never left scaled in
+    ``.grad`` for it to read."""
+    def hooked(seen):
+        def setup(net):
+            weight = net.blocks[0].c_fc.weight
+            if kind == 'tensor hook':
+                weight.register_hook(lambda g: seen.append(g.clone()))
+            else:
+                weight.register_post_accumulate_grad_hook(
+                    lambda p: seen.append(p.grad.clone()))
+        return setup
+    seen_learning, seen_python = [], []
+    learning = _history(False, _gpt_case(), steps=4, interval=1,
+                        setup=hooked(seen_learning))
+    assert sum(learned['learned']) > 0
+    with monkeypatch.context() as patched:
+        _unlearned(patched)
+        python = _history(False, _gpt_case(), steps=4, interval=1,
+                          setup=hooked(seen_python))
+    _assert_same(learning, python)
+    assert len(seen_learning) == len(seen_python) == 4
+    for a, b in zip(seen_learning, seen_python):
+        assert torch.equal(a, b)
+
+
+def test_a_refresh_by_autograd_grad_learns_nothing(built, learned):
+    """``torch.autograd.grad`` returns its gradients rather than
+    accumulating them: each lands through the Python landing, exact."""
+    net, (idx, targets) = _gpt()
+    hook = GradientScaling(net, update_interval=1)
+    params = list(net.parameters())
+    for _ in range(2):  # a walked plan, then a reused one
+        net.zero_grad(set_to_none=True)
+        with hook:
+            net(idx, targets).backward()
+    learned['land'], learned['learned'] = 0, []
+    plain = torch.autograd.grad(net(idx, targets), params)
+    with hook:
+        scaled = torch.autograd.grad(net(idx, targets), params)
+    assert learned['learned'] == [] and learned['land'] == len(params)
+    for a, b in zip(plain, scaled):
+        assert torch.equal(a, b)

@@ -146,6 +146,13 @@ class BackwardPass(object):
         #: structure that could not be planned this time); None: the
         #: Python callbacks.
         self.planned = None
+        #: A pass of the Python callbacks on a reused plan: ``(unit,
+        #: gemm_landings, leaves)`` while its GEMMs' pre-hooks tell the
+        #: native landing the scales they set (:meth:`_learn_landing`).
+        self._learning = None
+        #: ``(leaf, inverse)`` of the gradients that landing left scaled
+        #: in ``.grad`` (:meth:`take_left_scaled`).
+        self.left_scaled = None
         self.hooks = hook.hook_set()  # the callbacks on the graph's nodes
         self.handles = []  # the hooks on leaves not the model's
         if not planning:
@@ -309,11 +316,12 @@ class BackwardPass(object):
         """``(leaf, inverse)`` of each gradient the native landing left
         scaled in ``.grad`` in this pass so far (handed over once)."""
         planned = self.planned
-        if not isinstance(planned, planned_pass.PlannedRun) or \
-                not planned.pending:
+        pending = planned.pending if isinstance(
+            planned, planned_pass.PlannedRun) else self.left_scaled
+        if not pending:
             return []
-        left = list(planned.pending)
-        del planned.pending[:]  # (the list the landing appends to)
+        left = list(pending)
+        del pending[:]  # (the list the landing appends to)
         return left
 
     def planned_natively(self):
@@ -449,6 +457,48 @@ class BackwardPass(object):
             self.hook.queue_end(self._finished)
             if isinstance(self.planned, planned_pass.PlannedRun):
                 self.planned.started()
+            elif self.planned is None:
+                self._learn_landing()
+
+    def _learn_landing(self):
+        """A pass of the Python callbacks (a refresh), the innermost one
+        running, of a whole graph whose plan is reused: the leaves whose
+        scale a GEMM's edge sets (:meth:`~gradient_scaling.torch.graph.
+        Plan.gemm_landings`) land natively, each told its scale by the
+        GEMM's pre-hook (:meth:`_learn`), as :meth:`~gradient_scaling.
+        torch.hook.GradientScaling.land` lands it: recorded, and divided
+        or left scaled in ``.grad`` (with the leaves with other hooks
+        excluded), as a planned pass's landing does. Not where a
+        compiled region may set a leaf's scale."""
+        hook, plan = self.hook, self.plan
+        if self.nested or self.partial or hook._capturing or \
+                plan.compiled or hook._running[-1:] != [self]:
+            return
+        landings = plan.gemm_landings()
+        if not landings:
+            return
+        unit, leaves = hook.landing_set(()), plan.leaf_tensors()
+        node = plan.an_accumulator()
+        if self.defers and node is not None and self.accumulates(node):
+            native = hook.planned_native
+            others = (internals.leaves_with_other_hooks if native is None
+                      else native.leaves_with_other_hooks)(leaves)
+            self.left_scaled = []
+            hook.unit_landing(self, unit, self.left_scaled, others)
+        else:
+            hook.unit_landing(self, unit)
+        if hook._unit_on:  # (not where each gradient is checked landing)
+            self._learning = (unit, landings, leaves)
+
+    def _learn(self, node):
+        """GEMM ``node``'s pre-hook has set its edges' scales: those of
+        the leaves they set told to the native landing."""
+        unit, landings, leaves = self._learning
+        found = landings.get(self.plan.index[node])
+        if found:
+            edge_scales = self.edge_scales
+            self.hook.landing_learn(unit, [
+                (leaves[i], edge_scales[node, edge]) for edge, i in found])
 
     def _finished(self):
         self.finished = True
@@ -493,6 +543,8 @@ class BackwardPass(object):
             edge_scales = self.edge_scales
             for i in range(site.edges):
                 edge_scales[node, i] = alpha * gammas.get(i, beta)
+            if self._learning is not None:
+                self._learn(node)
             if node in self.posts:
                 self.sites[node] = chosen
             if site.scales_itself:

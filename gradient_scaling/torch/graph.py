@@ -264,6 +264,14 @@ class Plan(object):
         """One of the graph's accumulation nodes, or None."""
         return next(iter(self.accumulators), None)
 
+    def gemm_landings(self):
+        """GEMM position -> ``((edge, i), ...)``: the leaves (``i``: a
+        position in :meth:`leaf_tensors`) whose scale is that of the
+        GEMM's ``edge``, known as soon as its pre-hook has set it (the
+        nearest of their :meth:`scale_sources`); None where the plan has
+        no template (a walked one)."""
+        return None
+
     def consumers_of(self, slot):
         """The edges that feed ``slot``, or None."""
         if self.template is None:
@@ -292,12 +300,7 @@ class Plan(object):
         none (plain nodes pass their gradient on at its scale), so the
         first found is what following the consumers slot by slot would
         give. (Found once per slot of the template, kept there.)"""
-        at = (self.index[node], k)
-        known = self.template.sources
-        found = known.get(at)
-        if found is None:
-            found = known[at] = tuple(_scale_sources(self.template, *at))
-        return found
+        return _sources(self.template, (self.index[node], k))
 
 
 class Reads(object):
@@ -864,6 +867,21 @@ class _ReusedPlan(Plan):
         positions = self.template.accumulators
         return self.order[positions[0]] if positions else None
 
+    def gemm_landings(self):
+        template = self.template
+        known = template.gemm_landings
+        if known is None:
+            gemms = set(template.gemm_at) | template.extra_sites
+            found = {}
+            for i, a in enumerate(template.accumulators):
+                nearest = next(iter(_sources(template, (a, 0))), None)
+                if nearest is not None and nearest[0] == 1 and \
+                        nearest[1] in gemms:
+                    found.setdefault(nearest[1], []).append((nearest[2], i))
+            known = template.gemm_landings = {
+                c: tuple(edges) for c, edges in found.items()}
+        return known
+
     def _site(self, entry):
         """The site of a template's GEMM entry on this graph (made once)."""
         i, w, data, parameters, edge, part, weight_index, edges = entry
@@ -1087,6 +1105,18 @@ class _Template(object):
         self.memo = {}
         #: Position -> its entry of :attr:`gemms`.
         self.gemm_at = {entry[0]: entry for entry in self.gemms}
+        #: :meth:`Plan.gemm_landings`, as found.
+        self.gemm_landings = None
+
+
+def _sources(template, at):
+    """:meth:`Plan.scale_sources` of slot ``at`` (positions) of
+    ``template``, found once."""
+    known = template.sources
+    found = known.get(at)
+    if found is None:
+        found = known[at] = tuple(_scale_sources(template, *at))
+    return found
 
 
 def _scale_sources(template, n, k):

@@ -125,6 +125,9 @@ class GradientScaling(ControllerViews):
         #: with its scale (``landing_set([(param, scale), ...])``).
         self.unit_set = self._landing_state.unit_set
         self.landing_set = self._landing_state.landing_set
+        #: ``landing_learn(unit, [(param, scale), ...])``: their scales
+        #: added to such a set as a pass learns them.
+        self.landing_learn = self._landing_state.learn
         #: The class of a pass's set of node callbacks (native or Python).
         self.hook_set = native.hook_set_class()
         #: Whether cached passes are planned before they run, their sites

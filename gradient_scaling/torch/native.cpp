@@ -302,23 +302,27 @@ bool plain_tensor(const at::Tensor& x) {
          typeid(*x.unsafeGetTensorImpl()) == typeid(c10::TensorImpl);
 }
 
-// Whether ``x`` is a small dense float32 or float64 CPU tensor outside
-// autograd, a plain one (not a subclass's, nor a wrapper's), in row-major
-// order, with no dispatch mode on (which would see ATen's operations):
-// read and multiplied by loops here. Their operations are IEEE's
-// (a maximum, a product by a power of two), so the bits are those ATen's
-// kernels give; what they save is the dispatch and the intermediate
-// tensors.
-bool loop_ready(const at::Tensor& x) {
+// Whether ``x`` is a small dense float32 or float64 CPU tensor, a plain
+// one (not a subclass's, nor a wrapper's), in row-major order, with no
+// dispatch mode on (which would see ATen's operations): its values read
+// by loops here (a parameter's too).
+bool loop_readable(const at::Tensor& x) {
   auto dtype = x.scalar_type();
   if ((dtype != at::kFloat && dtype != at::kDouble) ||
       !x.device().is_cpu() || x.layout() != at::kStrided ||
-      x.numel() > kSmallLoop || x.requires_grad() || x.is_neg() ||
-      !x.has_storage() || !standard_strides(x) ||
-      c10::impl::dispatch_mode_enabled()) {
+      x.numel() > kSmallLoop || x.is_neg() || !x.has_storage() ||
+      !standard_strides(x) || c10::impl::dispatch_mode_enabled()) {
     return false;
   }
   return plain_tensor(x);
+}
+
+// ... and outside autograd: read and multiplied by loops here. Their
+// operations are IEEE's (a maximum, a product by a power of two), so the
+// bits are those ATen's kernels give; what they save is the dispatch and
+// the intermediate tensors.
+bool loop_ready(const at::Tensor& x) {
+  return !x.requires_grad() && loop_readable(x);
 }
 
 // GCC at -O2 leaves a loop whose length is known only when it runs
@@ -365,6 +369,21 @@ double max_abs_loop(const T* v, int64_t n) {
   }
   return nan ? std::numeric_limits<double>::quiet_NaN()
              : static_cast<double>(largest);
+}
+
+// max_abs_loop of float32 values by their bits: |x|'s bits order as its
+// values do (NaN's above infinity's), and an integer maximum vectorizes.
+GS_VECTORIZED double max_abs_float(const float* v, int64_t n) {
+  const uint32_t* bits = reinterpret_cast<const uint32_t*>(v);
+  uint32_t largest = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t a = bits[i] & 0x7fffffffu;
+    largest = a > largest ? a : largest;
+  }
+  if (largest > 0x7f800000u) return std::numeric_limits<double>::quiet_NaN();
+  float value;
+  std::memcpy(&value, &largest, sizeof value);
+  return value;
 }
 
 double max_abs(const at::Tensor& x) {
@@ -873,9 +892,11 @@ using UnitSet = PointerTable<double>;
 
 // A set of parameters with the scale each one's gradient carries
 // (Landing.landing_set, or Landing.unit_set: all at 1; made once per
-// plan: set_unit swaps a pointer).
+// plan: set_unit swaps a pointer). A refresh pass makes an empty one of
+// its own and adds each parameter's scale as it learns it, before the
+// gradient lands (Landing.learn).
 struct Unit {
-  std::shared_ptr<const UnitSet> set;
+  std::shared_ptr<UnitSet> set;
 };
 
 const c10::TensorImpl* tensor_impl(PyObject* obj) {
@@ -891,18 +912,37 @@ Unit unit_set(py::iterable params) {
   return Unit{std::move(set)};
 }
 
+void check_landing_scale(double scale) {
+  int exponent = 0;
+  if (!(scale > 0.0) || std::frexp(scale, &exponent) != 0.5) {
+    throw py::value_error("gradient_scaling native: a landing scale "
+                          "that is no power of two");
+  }
+}
+
 Unit landing_set(std::vector<std::pair<py::object, double>> pairs) {
   auto set = std::make_shared<UnitSet>();
   for (const auto& pair : pairs) {
-    double scale = pair.second;
-    int exponent = 0;
-    if (!(scale > 0.0) || std::frexp(scale, &exponent) != 0.5) {
-      throw py::value_error("gradient_scaling native: a landing scale "
-                            "that is no power of two");
-    }
-    set->emplace(tensor_impl(pair.first.ptr()), scale);
+    check_landing_scale(pair.second);
+    set->emplace(tensor_impl(pair.first.ptr()), pair.second);
   }
   return Unit{std::move(set)};
+}
+
+// Each ``(param, scale)`` of ``pairs``: ``param``'s gradient lands at
+// ``scale`` (a power of two) in ``unit``, added where it has none (a
+// parameter's scale, once known, is kept).
+void learn(Unit& unit, py::iterable pairs) {
+  for (auto item : pairs) {
+    auto pair = item.cast<py::tuple>();
+    if (pair.size() != 2) {
+      throw py::value_error("gradient_scaling native: learn takes "
+                            "(param, scale) pairs");
+    }
+    double scale = pair[1].cast<double>();
+    check_landing_scale(scale);
+    unit.set->emplace(tensor_impl(pair[0].ptr()), scale);
+  }
 }
 
 // ``grad / scale`` as the adapter's Python landing divides it
@@ -1825,7 +1865,10 @@ std::vector<double> values_of(std::vector<at::Tensor> tensors) {
 // widen exactly) CPU or CUDA tensor of 1 to ``limit`` elements: arrays.py's
 // _small_spread_and_max, every operation the same, and the arithmetic on
 // their values, in one call: (standard deviation, max |x|); nothing for
-// another tensor (Python reads it).
+// another tensor (Python reads it). A small float32 CPU tensor's extremes
+// are max|x| (NaN where a value is), which a loop reads where the values
+// are, exact (a maximum: no order to keep); its sums then only where a
+// finite, non-zero maximum needs them.
 std::optional<std::tuple<double, double>> small_spread_and_max(
     const at::Tensor& given, int64_t limit) {
   // (a plain tensor first: its size is asked of no Python)
@@ -1839,19 +1882,32 @@ std::optional<std::tuple<double, double>> small_spread_and_max(
        dtype != at::kBFloat16) || n == 0 || n > limit) {
     return std::nullopt;
   }
-  at::Tensor y = given.detach().reshape(-1).to(at::kDouble);
-  auto extremes = at::aminmax(y);
-  std::vector<double> v = values_of({std::get<0>(extremes),
-                                     std::get<1>(extremes), y.sum(),
-                                     at::dot(y, y)});
-  const double low = v[0], high = v[1];
-  const double largest = high > -low ? high : -low;  // max(-low, high)
+  at::Tensor y;
+  std::vector<double> v;
+  double largest;
+  if (loop_readable(given)) {
+    // max(-min, max) is max|x|, NaN where one is: read by a loop, exact
+    // (no sum), and the two sums only where they are used.
+    largest = max_abs_float(given.data_ptr<float>(), n);
+    if (std::isfinite(largest) && largest != 0) {
+      y = given.detach().reshape(-1).to(at::kDouble);
+      v = values_of({y.sum(), at::dot(y, y)});
+    }
+  } else {
+    y = given.detach().reshape(-1).to(at::kDouble);
+    auto extremes = at::aminmax(y);
+    v = values_of({std::get<0>(extremes), std::get<1>(extremes), y.sum(),
+                   at::dot(y, y)});
+    const double low = v[0], high = v[1];
+    largest = high > -low ? high : -low;  // max(-low, high)
+    v.erase(v.begin(), v.begin() + 2);
+  }
   if (!std::isfinite(largest)) {
     return std::make_tuple(std::numeric_limits<double>::quiet_NaN(),
                            largest);
   }
   if (largest == 0) return std::make_tuple(0.0, 0.0);
-  double total = v[2], squares = v[3];
+  double total = v[0], squares = v[1];
   const double count = static_cast<double>(n);
   if (total * total > 0.5 * count * squares) {  // centred first
     at::Tensor d = y - total / count;
@@ -2004,6 +2060,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<>())
       .def_static("unit_set", &unit_set)
       .def_static("landing_set", &landing_set)
+      .def_static("learn", &learn)
       .def("set_running", &Landing::set_running)
       .def("set_unit", &Landing::set_unit, py::arg("unit"),
            py::arg("record"), py::arg("pending") = py::none(),

@@ -495,10 +495,14 @@ class PythonLanding(object):
     @staticmethod
     def landing_set(pairs):
         for _, scale in pairs:
-            if not scale > 0 or math.frexp(scale)[0] != 0.5:
-                raise ValueError('gradient_scaling: a landing scale that is '
-                                 'no power of two')
+            _check_landing_scale(scale)
         return {id(p): scale for p, scale in pairs}
+
+    @staticmethod
+    def learn(unit, pairs):
+        for param, scale in pairs:
+            _check_landing_scale(scale)
+            unit.setdefault(id(param), scale)
 
     def hook(self, param, fn):
         return functools.partial(_python_landing, self, id(param),
@@ -513,6 +517,12 @@ class PythonLanding(object):
     @staticmethod
     def unadopt(param, hook):
         pass
+
+
+def _check_landing_scale(scale):
+    if not scale > 0 or math.frexp(scale)[0] != 0.5:
+        raise ValueError('gradient_scaling: a landing scale that is no '
+                         'power of two')
 
 
 def _python_landing(state, key, record, fn, grad):
@@ -541,7 +551,9 @@ def Landing():
     """The state of a hook's landing hooks: ``set_running(bool)``,
     ``unit_set(params)`` and ``landing_set([(param, scale), ...])`` (made
     once for a plan: parameters whose gradients reach them at scale 1, or
-    at the scale given, a power of two), ``set_unit(unit or None,
+    at the scale given, a power of two), ``learn(unit, [(param, scale),
+    ...])`` (each ``param``'s scale added to such a set, where it has
+    none: a refresh pass learns them as it runs), ``set_unit(unit or None,
     record, pending=None, excluded=())`` (the parameters of ``unit`` have
     their gradients land at its scale in the running pass: each recorded
     as ``(param, scale)`` appended to the list ``record``, and divided by
