@@ -300,3 +300,55 @@ def test_softmax_gradient_passes_adds_to_same_shape_operands_only(
                   for n in plan.softmax_gemms) == softmax_weights
     scaled_gradients_are_exact(
         model, lambda m: m(x.detach().requires_grad_(), t))
+
+
+@pytest.mark.parametrize('case', ['separate', 'kv', 'self', 'sliced',
+                                  'every construct'])
+def test_a_refresh_reads_each_gemms_length_as_the_node_gives_it(
+        monkeypatch, case):
+    """A refresh takes a matrix product's ``N`` from its incoming
+    gradient's shape (the axis its data GEMM sums over is its output's):
+    at every GEMM site of a refresh, the node's own saved sizes give the
+    same; a convolution's is read from the node."""
+    import numpy as np
+    from torch_nets import EveryConstructNet, every_construct_batch
+    torch.manual_seed(0)
+    if case == 'every construct':
+        model = EveryConstructNet().double()
+        x, t = every_construct_batch(np.random.default_rng(0))[2:]
+
+        def loss_fn(m):
+            return m(x, t)
+    elif case == 'sliced':
+        model = Sliced().double()
+        g = torch.Generator().manual_seed(2)
+        x = torch.randn(6, D, generator=g, dtype=torch.float64,
+                        requires_grad=True)
+        t = torch.randn(6, D, generator=g, dtype=torch.float64)
+
+        def loss_fn(m):
+            return m(x, t)
+    else:
+        model = Attention(case).double()
+        inputs = attention_inputs()
+
+        def loss_fn(m):
+            return m(*inputs)
+    asked = []
+    length_for = graph.GemmSite.length_for
+
+    def checked(site, grad):
+        from_grad = callable(site.length)
+        n = length_for(site, grad)
+        from_grad = from_grad and callable(site.length)
+        assert n == site.accumulation_length  # (now read from the node)
+        asked.append((type(site.node).__name__, from_grad))
+        return n
+    monkeypatch.setattr(graph.GemmSite, 'length_for', checked)
+    scaled_gradients_are_exact(model, loss_fn)
+    assert asked
+    for name, from_grad in asked:
+        assert from_grad == (name in ('MmBackward0', 'AddmmBackward0'))
+    if case == 'every construct':
+        assert {name for name, _ in asked} >= {'ConvolutionBackward0',
+                                               'AddmmBackward0'}

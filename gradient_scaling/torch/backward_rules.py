@@ -564,7 +564,7 @@ class BackwardPass(object):
             key = step.gemm_key(self.hook.site_name(site.weight, site.part))
             beta, incoming_finite = step.gemm(
                 key, g, site.weight_values,
-                lambda: site.accumulation_length, alpha,
+                lambda: site.length_for(g), alpha,
                 lambda: site.data_gradient(g))
         # A PyTorch GEMM computes its weight gradients from the scaled
         # input: they keep its scale (exact, unscaled by the scaler), a

@@ -139,6 +139,18 @@ class GemmSite(object):
             self.length = self.length()
         return self.length
 
+    def length_for(self, grad):
+        """:attr:`accumulation_length`, the node's incoming gradient being
+        ``grad``: of a matrix product (``mm``, ``addmm``) the axis its
+        data GEMM sums over is its output's, so ``grad``'s shape gives
+        ``N`` without a read of the node."""
+        if callable(self.length) and grad.dim() == 2:
+            axis = _GRAD_AXIS.get((type(self.node).__name__,
+                                   self.weight_edge))
+            if axis is not None:
+                return int(grad.shape[axis])
+        return self.accumulation_length
+
     def operands(self):
         """The forward's (input, weight or its part), for telling a data
         fault from an overflow (read while the node has not run)."""
@@ -694,6 +706,9 @@ _GEMM_SUMS = {
     ('MmBackward0', 1): ('mat2_sym_sizes', -1),
     ('MmBackward0', 0): ('self_sym_sizes', -2),
 }
+# ... that axis of out (and of its gradient): out = a @ b has b's last and
+# a's second to last.
+_GRAD_AXIS = {key: axis for key, (_, axis) in _GEMM_SUMS.items()}
 
 
 def _accumulation_length(node, name, weight_edge, shape):
