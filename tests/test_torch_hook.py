@@ -1,6 +1,7 @@
 """GradientScaling in PyTorch: exactness, the rules' sites, names, errors."""
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -86,6 +87,56 @@ def test_bare_hook_decides_each_pass_and_a_data_fault_changes_nothing(
     assert hook.skipped and hook.last_result.cause == 'data'
     assert hook.table.scales == table and hook.controller.age == age
     assert hook.guard.skips == {'data': 1, 'scale': 0}
+
+
+class _Masked(torch.nn.Module):
+    """Two linear layers whose loss leaves out the rows of ``mask``: an
+    input row there reaches the weight gradient of the first layer (``g^T
+    x``, with ``g`` zero there) but never the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 8)
+        self.b = torch.nn.Linear(8, 3)
+
+    def forward(self, x, mask):
+        y = self.b(torch.relu(self.a(x)))
+        return torch.where(mask[:, None], y, torch.zeros_like(y)).sum()
+
+
+@pytest.mark.parametrize('fault', ['input', 'overflow'])
+def test_a_refresh_attributes_a_failed_weight_gradient(fault):
+    """A refresh records what tells a failed weight gradient's cause
+    (the GEMM's incoming gradient's and operands' finiteness): an
+    infinite input the loss never sees is a data fault; a product that
+    overflows from finite operands, the scale's."""
+    torch.manual_seed(0)
+    net = _Masked()
+    hook = GradientScaling(net, update_interval=1, patience=5)
+    x, mask = torch.randn(5, 4), torch.ones(5, dtype=torch.bool)
+    with hook:  # a walked plan, then the same graph's reused plan
+        net(x, mask).backward()
+    net.zero_grad(set_to_none=True)
+    with hook:
+        net(x, mask).backward()
+    assert hook.last_result.finite
+    net.zero_grad(set_to_none=True)
+    if fault == 'input':
+        x[2, 1], mask[2] = math.inf, False
+    else:  # (the loss finite, g^T x not)
+        x[:, 1] = 3e38
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', RuntimeWarning)
+        with hook:
+            net(x, mask).backward()
+    result = hook.last_result
+    assert not result.finite and hook.skipped
+    assert not torch.isfinite(net.a.weight.grad).all()
+    if fault == 'input':
+        assert result.cause == 'data'
+    else:  # (its weight-gradient GEMMs told apart: their paths back off)
+        assert result.cause == 'scale'
+        assert set(result.weight_paths) == {'a.weight', 'b.weight'}
 
 
 def test_refuses_double_backprop_and_inputs(every_construct):

@@ -300,11 +300,16 @@ class BackwardPass(object):
         for node in plan.casts:
             add('cast', node, self._cast(node))
         backoff = self.hook.controller.backoff.scales
+        refresh = self.step.refresh
+        measures = refresh and self.step.recipe.measure_underflow
         for node, site in plan.gemms.items():
             add('gemm', node, self._gemm_in(node, site))
-            if self.step.refresh or backoff and any(
-                    self.hook.parameter_name(p) in backoff
-                    for p in site.parameters.values()):
+            # (a refresh's other sites keep their weight gradients at the
+            # data path's scale: the pre-hook records their traces)
+            if backoff and any(self.hook.parameter_name(p) in backoff
+                               for p in site.parameters.values()) or \
+                    refresh and site.scales_itself or \
+                    measures and site.data is not None:
                 self.posts.add(node)
                 hooks.add_post(node, self._gemm_out(node, site))
         for node in plan.multi_output:
@@ -547,6 +552,8 @@ class BackwardPass(object):
                 self._learn(node)
             if node in self.posts:
                 self.sites[node] = chosen
+            elif chosen[5] is not None:  # (a refresh's, without a post)
+                self._trace(chosen)
             if site.scales_itself:
                 node.gradient_scales = (beta, gammas)
             elif beta != 1.0:
@@ -604,9 +611,14 @@ class BackwardPass(object):
         return alpha, beta, gammas, key, incoming_finite, operands, names
 
     def _gemm_out(self, node, site):
-        """On a refresh, or where a weight path is backed off: the weight
+        """Where a weight path is backed off, or on a refresh of a site
+        that scales itself or whose underflow is measured: the weight
         gradients brought to their own scale, the data gradient's
-        underflow measured, what a failure's cause needs recorded."""
+        underflow measured, what a failure's cause needs recorded. (On a
+        refresh, another site's weight gradients keep the data path's
+        scale: with no backoff its weight path's scale is the data
+        path's, within a range of powers of two; its pre-hook records
+        its traces.)"""
         def post(grad_inputs, grad_outputs):
             chosen = self.sites.pop(node, None)
             if chosen is None:
@@ -621,10 +633,18 @@ class BackwardPass(object):
             if site.data is not None and gi[site.data] is not None:
                 self.step.measure(key, gi[site.data])
             if operands is not None:
-                for i, name in names.items():
-                    self.step.trace(name, incoming_finite, operands, gi[i])
+                self._trace(chosen, gi)
             return tuple(gi) if changed else None
         return post
+
+    def _trace(self, chosen, grads=None):
+        """A refresh's traces of a GEMM's parameters (what attributes a
+        failed weight gradient), ``grads`` its weight gradients where its
+        post-hook has them."""
+        _, _, _, _, incoming_finite, operands, names = chosen
+        for i, name in names.items():
+            self.step.trace(name, incoming_finite, operands,
+                            None if grads is None else grads[i])
 
     def _unify_outputs(self, node):
         def pre(grad_outputs):
