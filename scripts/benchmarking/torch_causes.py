@@ -144,7 +144,8 @@ def cause_samples(variant, steps):
     [CPU seconds of each step])`` over ``steps`` steps of ``variant`` (a
     ``TorchStep`` with a GS scaler). A landing hook is timed from
     :meth:`~gradient_scaling.torch.hook.GradientScaling.land` (what it
-    calls on every gradient an eager pass scaled)."""
+    calls on every gradient an eager pass scaled whose scale the native
+    landing was not given before it landed)."""
     per_step = {cause: [] for cause, _ in CAUSES}
     calls = collections.Counter()
     totals = []
