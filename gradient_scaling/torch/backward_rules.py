@@ -482,18 +482,29 @@ class BackwardPass(object):
         landings = plan.gemm_landings()
         if not landings:
             return
-        unit, leaves = hook.landing_set(()), plan.leaf_tensors()
+        unit, self.left_scaled = hook.landing_set(()), []
+        if self.land_natively(unit, self.left_scaled):
+            self._learning = (unit, landings, plan.leaf_tensors())
+
+    def land_natively(self, unit, pending):
+        """The leaves of ``unit`` (the innermost running pass's) land in
+        the native landing: recorded, and divided as they land, or, where
+        the Python landing would leave them scaled in an empty ``.grad``
+        (:attr:`defers`; not the leaves with other hooks, which read it),
+        left so, each ``(leaf, inverse)`` appended to the list
+        ``pending`` (divided in place at the pass's end). Returns whether
+        they do (not where each gradient is checked as it lands)."""
+        hook, plan = self.hook, self.plan
         node = plan.an_accumulator()
         if self.defers and node is not None and self.accumulates(node):
             native = hook.planned_native
             others = (internals.leaves_with_other_hooks if native is None
-                      else native.leaves_with_other_hooks)(leaves)
-            self.left_scaled = []
-            hook.unit_landing(self, unit, self.left_scaled, others)
+                      else native.leaves_with_other_hooks)(
+                          plan.leaf_tensors())
+            hook.unit_landing(self, unit, pending, others)
         else:
             hook.unit_landing(self, unit)
-        if hook._unit_on:  # (not where each gradient is checked landing)
-            self._learning = (unit, landings, leaves)
+        return hook._unit_on
 
     def _learn(self, node):
         """GEMM ``node``'s pre-hook has set its edges' scales: those of

@@ -541,20 +541,9 @@ class PlannedRun(object):
         self.table.set(entry.factors, entry.checks)
         hook = current.hook
         if hook._running and hook._running[-1] is current:
-            # Gradients left scaled in ``.grad`` where the Python landing
-            # would leave them (divided at the pass's end, in place).
-            plan = current.plan
-            node = plan.an_accumulator()
-            if current.defers and node is not None and \
-                    current.accumulates(node):
-                if self.pending is None:
-                    self.pending = []
-                others = hook.planned_native.leaves_with_other_hooks(
-                    plan.leaf_tensors())
-                hook.unit_landing(current, entry.landing, self.pending,
-                                  others)
-            else:
-                hook.unit_landing(current, entry.landing)
+            if self.pending is None:
+                self.pending = []
+            current.land_natively(entry.landing, self.pending)
 
     def bound(self, seq, largest):
         """The cast site of event ``seq`` chooses another scale than
