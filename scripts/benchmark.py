@@ -69,6 +69,7 @@ import datetime
 import functools
 import importlib
 import importlib.util
+import statistics
 import sys
 import time
 import traceback
@@ -214,8 +215,11 @@ def run_targets(args, adapter, device, model, results, log):
 def run_eager_targets(args, adapter, device, model, results, log):
     shape = shapes_of(args, adapter, 'targets')[model]
     variants = adapter.target_variants(model, shape, device)
-    samples = harness.time_alternately(variants, args.target_rounds, log=log)
+    cold = {}
+    samples = harness.time_alternately(variants, args.target_rounds, log=log,
+                                       block=args.target_block, cold=cold)
     baseline = getattr(adapter, 'TARGET_BASELINE', rows.PLAIN_CHECK)
+    note_cold(results, case_name(adapter, model), shape, cold, baseline)
     if 'gs-cached' in samples:  # GS@100 amortised from refresh and cached
         samples['gs@100'] = harness.amortised(samples['gs@1'],
                                               samples['gs-cached'], 100)
@@ -225,8 +229,9 @@ def run_eager_targets(args, adapter, device, model, results, log):
         case_name(adapter, model), shape_text(shape), 'fp32', samples,
         'cpu' if _on_cpu(device) else 'wall', baseline, targets)
     # Each phase over the timed rounds (the warm-up round's step first).
-    phases = {v.label: v.phases[-len(samples[v.label]):] for v in variants
-              if getattr(v, 'phases', None)}
+    phases = {v.label: harness.steady_steps(v.phases, len(samples[v.label]),
+                                            args.target_block)
+              for v in variants if getattr(v, 'phases', None)}
     if phases and _on_cpu(device):
         results.phases += rows.phase_rows(
             case_name(adapter, model), shape_text(shape), 'fp32', phases)
@@ -260,9 +265,13 @@ def run_compiled_targets(args, adapter, device, model, results, log):
     log('  compiled ({}): compiling'.format(args.compile_inner))
     with adapter.CompileCounter(reset=True) as warm:
         variants = build(model, shape, device, args.compile_inner)
+    cold = {}
     with adapter.CompileCounter() as timed:
         samples = harness.time_alternately(variants, args.target_rounds,
-                                           log=log)
+                                           log=log, block=args.target_block,
+                                           cold=cold)
+    note_cold(results, case_name(adapter, model), shape, cold,
+              adapter.COMPILED_BASELINE)
     log('  compiled: {} graphs compiled in the warm-up steps, {} while '
         'timing'.format(warm.text(), timed.text()))
     samples[prefix + 'gs@100'] = harness.amortised(
@@ -282,6 +291,26 @@ def run_compiled_targets(args, adapter, device, model, results, log):
             name, shape_text(shape), args.compile_inner,
             adapter.COMPILED_BASELINE, adapter.COMPILE_WARM_UP, warm.text(),
             args.target_rounds, timed.text()))
+
+
+def note_cold(results, name, shape, cold, baseline):
+    """A note of the first steps of the turns (``--target-block`` > 1:
+    each after another variant's steps, its caches cold), which the rows
+    leave out: each variant's ratio of minima and median ratio (CPU time)
+    against ``baseline``'s."""
+    if not cold:
+        return
+    base = cold[baseline]
+    results.target_notes.append(
+        '{} {}: the first step of each turn (after another variant\'s '
+        'steps, caches cold; {} per variant, left out of the rows), CPU '
+        'min ratio / median ratio against `{}`: {}.'.format(
+            name, shape_text(shape), len(base), baseline, ', '.join(
+                '`{}` {:.3f} / {:.3f}'.format(
+                    label, min(s.cpu for s in runs) /
+                    min(s.cpu for s in base),
+                    statistics.median(harness.ratios(runs, base)))
+                for label, runs in cold.items() if label != baseline)))
 
 
 def _on_cpu(device):
@@ -486,6 +515,11 @@ def parse_args(argv):
         'table of no scaling, GS\'s cached pass and GS@k against Dyn-LS')
     add('--target-rounds', type=int, default=None,
         help='rounds of the targets mode (default: 20, --quick 2)')
+    add('--target-block', type=int, default=1, metavar='K',
+        help='targets mode: steps of a variant per turn, run back to back '
+        'as a training loop runs them; above 1, the first of each turn '
+        '(its caches cold, after another variant\'s steps) is left out '
+        'of the rows and summarised in a note (default: %(default)s)')
     add('--compiled', nargs='?', const='also', default=None,
         choices=('also', 'only'),
         help='targets mode, PyTorch: also (--compiled, --compiled also) or '
@@ -522,7 +556,8 @@ def parse_args(argv):
     add('--quiet', action='store_true')
     args = parser.parse_args(argv)
     for name, default, quick in (('repeat', 5, 2), ('memory_repeat', 2, 1),
-                                 ('target_rounds', 20, 2), ('passes', 5, 1)):
+                                 ('target_rounds', 20, 2), ('passes', 5, 1),
+                                 ('target_block', 1, 1)):
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else default)
         elif getattr(args, name) < 1:

@@ -270,6 +270,39 @@ def test_one_loop_alternates_and_budget_adds_rounds():
     assert len(samples['c']) == rounds
 
 
+def test_blocks_run_each_variants_steps_back_to_back():
+    order = []
+    variants = [_Busy('a', order), _Busy('b', order), _Busy('c', order)]
+    cold = {}
+    samples = harness.time_alternately(variants, 4, block=3, cold=cold)
+    # the warm-up round (one step each), then each turn three steps of
+    # one variant, the turns in the Williams design's orders
+    assert ''.join(order) == 'abc' + 'aaabbbccc' + 'bbbcccaaa' + \
+        'cccaaabbb' + 'cccbbbaaa'
+    assert {k: len(v) for k, v in samples.items()} == \
+        {'a': 8, 'b': 8, 'c': 8}
+    assert {k: len(v) for k, v in cold.items()} == {'a': 4, 'b': 4, 'c': 4}
+    assert variants[1].prepared == 1 + 12
+    # one step a turn: every sample is a turn's first, none is cold
+    cold = {}
+    samples = harness.time_alternately(variants, 2, block=1, cold=cold)
+    assert cold == {} and len(samples['a']) == 2
+    with pytest.raises(ValueError):
+        harness.time_alternately(variants, 2, block=0)
+
+
+def test_the_steady_steps_are_those_kept_as_samples():
+    # one entry per step: the warm-up's, then 3 rounds of 4 steps
+    entries = ['w'] + ['{}.{}'.format(r, k) for r in range(3)
+                       for k in range(4)]
+    assert harness.steady_steps(entries, 9, 4) == [
+        '{}.{}'.format(r, k) for r in range(3) for k in (1, 2, 3)]
+    assert harness.steady_steps(entries, 12, 1) == entries[1:]
+    # entries from steps before (another mode's) are left out too
+    assert harness.steady_steps(['x', 'y'] + entries, 9, 4) == \
+        harness.steady_steps(entries, 9, 4)
+
+
 @pytest.mark.parametrize('n', range(1, 9))
 def test_balanced_orders_put_every_variant_after_every_other_equally(n):
     rows = harness.balanced_orders(n)

@@ -28,9 +28,9 @@ import sys
 import time
 import tracemalloc
 
-__all__ = ['Sample', 'time_alternately', 'peak_memory', 'HostPeak',
-           'TorchCpuPeak', 'TorchCudaPeak', 'CupyPeak', 'SectionTimes',
-           'TimedCalls',
+__all__ = ['Sample', 'time_alternately', 'steady_steps', 'peak_memory',
+           'HostPeak', 'TorchCpuPeak', 'TorchCudaPeak', 'CupyPeak',
+           'SectionTimes', 'TimedCalls',
            'ratios', 'amortised', 'quartiles', 'BlasThreads', 'MAX_ROUNDS']
 
 #: Rounds a ``budget`` may add up to.
@@ -69,8 +69,9 @@ def balanced_orders(n):
     return rows
 
 
-def time_alternately(variants, rounds, budget=0.0, warm_up=True, log=None):
-    """Times one step of every variant per round, alternated.
+def time_alternately(variants, rounds, budget=0.0, warm_up=True, log=None,
+                     block=1, cold=None):
+    """Times ``block`` steps of every variant per round, alternated.
 
     Every variant runs once per round, the rounds' orders those of a
     Williams design (:func:`balanced_orders`), so that each sees the same
@@ -81,39 +82,70 @@ def time_alternately(variants, rounds, budget=0.0, warm_up=True, log=None):
     (``time.process_time``) are both taken; on a shared machine the CPU
     time is the steadier.
 
+    With ``block`` > 1, each variant runs ``block`` steps back to back in
+    its turn, as a training loop runs its step: the first of them follows
+    another variant's steps, its caches cold (another model, other code),
+    and goes to ``cold``; the others, steps in the steady state a training
+    loop is in, are the samples. With ``block`` = 1 every sample is such
+    a first step.
+
     Args:
         variants (list): Objects with ``label`` and ``step()``.
         rounds (int): Timed rounds, at least.
         budget (float): More rounds while they fit in this many seconds,
             estimated from the warm-up round (at most :data:`MAX_ROUNDS`).
         warm_up (bool): One untimed round first (allocations, caches, a
-            hook's first refresh).
+            hook's first refresh), of one step per variant.
         log (callable): Gets a progress line per round.
+        block (int): Steps of a variant per turn.
+        cold (dict): With ``block`` > 1, filled with label -> list of
+            :class:`Sample` of the first step of each turn.
 
     Returns:
-        dict: label -> list of :class:`Sample`, one per round.
+        dict: label -> list of :class:`Sample`, ``block - 1`` per round
+        (one where ``block`` is 1), in the order they were taken.
 
     """
+    if block < 1:
+        raise ValueError('block must be >= 1, not {}'.format(block))
     samples = {v.label: [] for v in variants}
+    firsts = {v.label: [] for v in variants}
     if warm_up:
         start = time.perf_counter()
         for v in variants:
             _prepare(v)
             v.step()
-        seconds = time.perf_counter() - start
+        seconds = (time.perf_counter() - start) * block
         if budget > 0 and seconds > 0:
             rounds = max(rounds, min(int(budget / seconds), MAX_ROUNDS))
     orders = balanced_orders(len(variants))
     for r in range(rounds):
         for v in [variants[i] for i in orders[r % len(orders)]]:
-            _prepare(v)
-            wall, cpu = time.perf_counter(), time.process_time()
-            v.step()
-            samples[v.label].append(Sample(time.perf_counter() - wall,
-                                           time.process_time() - cpu))
+            for k in range(block):
+                _prepare(v)
+                wall, cpu = time.perf_counter(), time.process_time()
+                v.step()
+                sample = Sample(time.perf_counter() - wall,
+                                time.process_time() - cpu)
+                (firsts if k == 0 and block > 1 else samples)[
+                    v.label].append(sample)
         if log is not None:
             log('    round {}/{}'.format(r + 1, rounds))
+    if cold is not None and block > 1:
+        cold.update(firsts)
     return samples
+
+
+def steady_steps(entries, samples, block):
+    """Of ``entries``, one per step of a variant in order (its ``phases``:
+    the warm-up round's first), those of the steps :func:`time_alternately`
+    with ``block`` kept as its ``samples`` (a count): the last rounds'
+    steps, less the first of each turn where ``block`` > 1."""
+    if block == 1:
+        return entries[len(entries) - samples:]
+    steps = samples // (block - 1) * block
+    return [e for i, e in enumerate(entries[len(entries) - steps:])
+            if i % block]
 
 
 def peak_memory(variants, tracker, rounds):

@@ -239,7 +239,12 @@ class TargetRow(object):
     model (a GradientScaler's forward pre-hook, which saves the buffers a
     skipped step puts back, would run in every variant of one copy), and
     GS@100 amortised from the GS@1 and cached rounds,
-    `(t_1 + 99 t_cached) / 100`; targets: cached <= 1.05, GS@100 <= 1.02."""
+    `(t_1 + 99 t_cached) / 100`; targets: cached <= 1.05, GS@100 <= 1.02.
+    With `--target-block k` (k > 1), each variant runs k steps back to back
+    in its turn, as a training loop runs its step, and "rounds" counts the
+    steps kept: all but the first of each turn, which follows another
+    variant's steps with its caches cold and is summarised in a note
+    below the table instead."""
 
 
 #: The phases of a PyTorch step (``torch_variants.TorchStep``), in order.
@@ -251,30 +256,29 @@ _MIN_MEDIAN = '{0[0]:.2f} / {0[1]:.2f}'
           [(phase, tuple, phase + ' (ms)', _MIN_MEDIAN)
            for phase in PHASES + ('total',)])
 class PhaseRow(object):
-    """Where a PyTorch step's time goes, the framework-bound targets'
-    eager variants (each on its own model copy, alternated, the timed
-    rounds): CPU time of each phase of `TorchStep.step`, minimum / median
-    over the rounds in ms: the forward, `scaler.scale(loss)` (GS: attaching
-    the pass), the backward (GS: its hooks run inside it), `scaler.step`
-    (GradScaler: `unscale_`, its one fused check and divide; GS: the
-    pass's finiteness check of what was not checked as it was divided, the
-    gradients already unscaled: those divided in `.grad` at the backward's
-    end by the same fused kernel, the backward's) and
-    `scaler.update`. `GradScaler + no-op hooks` is GradScaler's step with
-    a Python hook that does nothing wherever GS's Python callbacks have
-    one (read from GS's plan of the same graph: the root's, each GEMM
-    site's and cast site's pre-hook, each branch consumer's post-hook;
-    every parameter's tensor hook; a planned cached pass hooks only the
-    events that need a hook, fewer), registered as GS registers them (at `scale`, the
-    graph's structure read first; removed at `step`): its excess over
-    GradScaler is what PyTorch's calls into Python cost, and GS's excess
-    over it what GS does inside them. `GradScaler + native scaling hooks`
-    multiplies by 1 in C++ hooks what GS's sites multiply (a GEMM's, cast's
-    or split's incoming gradient, each contribution to a branch: a real
-    multiplication each, no Python; the parameters' hooks return at once):
-    the floor of a cached pass whose work were all native, the structure
-    read and one multiplication per scaled gradient, on top of
-    GradScaler's own unscale."""
+    """Where a PyTorch step's time goes, the framework-bound targets' eager
+    variants (each on its own model copy, alternated, the timed rounds; with
+    `--target-block`, the steps kept): CPU time of each phase of
+    `TorchStep.step`, minimum / median over the rounds in ms: the forward,
+    `scaler.scale(loss)` (GS: attaching the pass), the backward (GS: its hooks
+    run inside it), `scaler.step` (GradScaler: `unscale_`, its one fused check
+    and divide; GS: the pass's finiteness check of what was not checked as it
+    was divided, the gradients already unscaled: those divided in `.grad` at
+    the backward's end by the same fused kernel, the backward's) and
+    `scaler.update`. `GradScaler + no-op hooks` is GradScaler's step with a
+    Python hook that does nothing wherever GS's Python callbacks have one (read
+    from GS's plan of the same graph: the root's, each GEMM site's and cast
+    site's pre-hook, each branch consumer's post-hook; every parameter's tensor
+    hook; a planned cached pass hooks only the events that need a hook, fewer),
+    registered as GS registers them (at `scale`, the graph's structure read
+    first; removed at `step`): its excess over GradScaler is what PyTorch's
+    calls into Python cost, and GS's excess over it what GS does inside them.
+    `GradScaler + native scaling hooks` multiplies by 1 in C++ hooks what GS's
+    sites multiply (a GEMM's, cast's or split's incoming gradient, each
+    contribution to a branch: a real multiplication each, no Python; the
+    parameters' hooks return at once): the floor of a cached pass whose work
+    were all native, the structure read and one multiplication per scaled
+    gradient, on top of GradScaler's own unscale."""
 
 
 def phase_rows(model, shape, precision, phases):
