@@ -7,6 +7,7 @@ import doctest
 import importlib.util
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -586,6 +587,41 @@ def test_compiled_targets_against_compiled_gradscaler(tmp_path):
     assert '(aot_eager)' in note[0]
     assert 'warm-up steps per variant: 0' not in note[0]
     assert note[0].endswith('the 3 timed rounds: 0.'), note[0]
+
+
+def test_target_blocks_keep_the_steady_steps_and_note_the_cold_ones(
+        tmp_path):
+    """``--target-block 3``: each variant's three steps a turn; the rows
+    and the phases keep the two after the first (2 rounds: 4 steps), and
+    a note gives the turns' first steps (2 a variant) against GradScaler.
+    """
+    pytest.importorskip('torch')
+    out = tmp_path / 'blocks.md'
+    result = _run('benchmark.py', '--quick', '--framework', 'torch',
+                  '--modes', 'targets', '--target-models', 'gpt',
+                  '--target-rounds', '2', '--target-block', '3', '--quiet',
+                  '--out', str(out))
+    assert result.returncode == 0, result.stderr
+    text = out.read_text()
+    table = _table(text, '## Framework-bound targets')
+    assert [int(r[4]) for r in table] == [4] * len(table)
+    phases = _table(text, "## PyTorch's step by phase")
+    assert phases and all(int(r[4]) == 4 for r in phases)
+    note = [line for line in text.splitlines()
+            if line.startswith('* gpt (torch) 1x8: the first step')]
+    assert len(note) == 1, text
+    assert '2 per variant' in note[0]
+    assert 'against `GradScaler`' in note[0]
+    cold = re.findall(r'`([^`]+)` (\d+\.\d+) / (\d+\.\d+)', note[0])
+    assert [label for label, _, _ in cold] == [
+        'GradScaler (A/A)', 'GradScaler + no-op hooks',
+        'GradScaler + native scaling hooks', 'gs-cached', 'gs@1']
+    assert all(float(a) > 0 and float(b) > 0 for _, a, b in cold)
+    bad = _run('benchmark.py', '--quick', '--framework', 'torch',
+               '--modes', 'targets', '--target-block', '0', '--out',
+               str(tmp_path / 'bad.md'))
+    assert bad.returncode == 2
+    assert '--target-block must be >= 1' in bad.stderr
 
 
 def test_compiled_variants_each_on_its_own_compiled_copy():
