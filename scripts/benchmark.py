@@ -69,7 +69,6 @@ import datetime
 import functools
 import importlib
 import importlib.util
-import statistics
 import sys
 import time
 import traceback
@@ -300,17 +299,17 @@ def note_cold(results, name, shape, cold, baseline):
     against ``baseline``'s."""
     if not cold:
         return
-    base = cold[baseline]
+    ratios = ['`{}` {:.3f} / {:.3f}'.format(
+        row.variant, row.cpu_min_ratio, row.cpu_median_ratio)
+        for row in rows.target_rows(name, shape_text(shape), 'fp32', cold,
+                                    'cpu', baseline, {})
+        if row.variant != baseline]
     results.target_notes.append(
         '{} {}: the first step of each turn (after another variant\'s '
         'steps, caches cold; {} per variant, left out of the rows), CPU '
         'min ratio / median ratio against `{}`: {}.'.format(
-            name, shape_text(shape), len(base), baseline, ', '.join(
-                '`{}` {:.3f} / {:.3f}'.format(
-                    label, min(s.cpu for s in runs) /
-                    min(s.cpu for s in base),
-                    statistics.median(harness.ratios(runs, base)))
-                for label, runs in cold.items() if label != baseline)))
+            name, shape_text(shape), len(cold[baseline]), baseline,
+            ', '.join(ratios)))
 
 
 def _on_cpu(device):
