@@ -1343,6 +1343,96 @@ def test_the_refresh_reads_keep_the_default_dtype_and_device(built):
         is None
 
 
+def _gemm_cases(seed, count):
+    """(grad, weight, n): float32 operands at scales from 2**-150 (all
+    subnormal or zero) to 2**120 (products that overflow), with constant,
+    all-zero, off-centre and non-finite ones among them."""
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(low, high):
+        return int(torch.randint(low, high, (1,), generator=g))
+    for i in range(count):
+        grad = torch.randn(draw(1, 9), draw(1, 70), generator=g) * \
+            2.0 ** draw(-150, 121)
+        weight = torch.randn(draw(1, 70), draw(1, 40), generator=g) * \
+            2.0 ** draw(-150, 121)
+        if i % 7 == 1:
+            grad = torch.full_like(grad, 2.0 ** draw(-140, 100))
+        if i % 11 == 2:
+            weight = torch.zeros_like(weight)
+        if i % 13 == 3:
+            grad = grad + 1.0  # mean >> spread: centred first
+        if i % 17 == 4:
+            grad[0, 0] = (math.inf, -math.inf, math.nan)[i % 3]
+        if i % 19 == 5:
+            weight[-1, -1] = math.nan
+        yield grad, weight, draw(1, 5000)
+
+
+@pytest.mark.parametrize('fmt', ['float16', 'bfloat16'])
+@pytest.mark.parametrize('rate', [1e-3, 0.3])
+def test_the_native_gemm_scale_is_python_s_bit_for_bit(built, monkeypatch,
+                                                       fmt, rate):
+    """ModelEstimator.gemm's native call (both reads and Theorem 1's capped
+    scale) returns what GemmReads and gemm_scale_from_stats give: scales
+    from MIN_SCALE to MAX_SCALE, caps that bind, constant and zero
+    operands, the same error where a read is not finite."""
+    from gradient_scaling.core import estimators, formats, underflow
+    from gradient_scaling.torch import arrays as torch_arrays
+    estimator = estimators.ModelEstimator(rate, formats.get(fmt))
+    natively = []
+    fused = torch_arrays.TorchOps.gemm_model_scale
+
+    def counted(self, *args):
+        read = fused(self, *args)
+        natively.append(read is not None)
+        return read
+    monkeypatch.setattr(torch_arrays.TorchOps, 'gemm_model_scale', counted)
+
+    def chosen(grad, weight, n):
+        try:
+            return repr(estimator.gemm(grad, weight, n, 1.0, 'k', None,
+                                       None))
+        except underflow.NonFiniteStatisticsError as e:
+            return 'raises ' + str(e)
+    betas = set()
+    for grad, weight, n in _gemm_cases(len(fmt) + int(rate * 10), 250):
+        ours = chosen(grad, weight, n)
+        with monkeypatch.context() as python:
+            python.setattr(native, '_loaded', [None])
+            theirs = chosen(grad, weight, n)
+        assert ours == theirs, (grad, weight, n)
+        if not ours.startswith('raises'):
+            betas.add(eval(ours)[0])
+    assert all(natively[::2]) and not any(natively[1::2])
+    assert {1.0, underflow.MAX_SCALE} <= betas
+    # (float16's cap below MIN_SCALE; bfloat16's range is float32's)
+    assert (underflow.MIN_SCALE in betas) == (fmt == 'float16')
+    assert any(b < 1 for b in betas - {underflow.MIN_SCALE})
+
+
+def test_the_native_gemm_scale_reads_only_what_python_would_not_(built):
+    """Nothing (Python reads and raises) for a tensor small_spread_and_max
+    does not read, a length that is not a positive int."""
+    from gradient_scaling.core import arrays, underflow
+    ops = arrays.ops_for(torch.ones(1))
+    c = underflow.gemm_target_coefficient()
+    g, w = torch.randn(4, 8), torch.randn(8, 8)
+    assert ops.gemm_model_scale(g, w, 8, c, 65504.0) is not None
+    too_large = torch.randn(statistics.SPREAD_SAMPLE + 1)
+    for grad, weight, n in [(g.double(), w, 8), (g, w.double(), 8),
+                            (too_large, w, 8), (g, too_large, 8),
+                            (g, w, 0), (g, w, 8.0), (g, w, np.int64(8))]:
+        assert ops.gemm_model_scale(grad, weight, n, c, 65504.0) is None
+    # (the numbers of arrays.py's own reads)
+    beta, g_std, g_max, w_std, w_max = ops.gemm_model_scale(
+        g, w, 8, c, 65504.0)
+    assert (g_std, g_max) == ops.spread_and_max(g, sample=False)
+    assert (w_std, w_max, w_max) == ops.spread_and_max_bounds(w)
+    assert beta == underflow.gemm_scale_from_stats(g_std, g_max, w_std,
+                                                   w_max, 8)
+
+
 @pytest.mark.parametrize('name', sorted(_statistics_cases()))
 @pytest.mark.parametrize('ratio', [2.0 ** -3, 2.0 ** 20, 2.0 ** -140,
                                    2.0 ** 130])

@@ -52,6 +52,17 @@ class ArrayOps(object):
         inf where it met non-finite values)."""
         return statistics.spread_and_max_bounds(x)
 
+    def gemm_model_scale(self, grad, weight, n, coefficient, fmt_max):
+        """Theorem 1's capped scale of a GEMM read in one call, where
+        this library has such a call for these arrays: ``(beta, std(grad),
+        max|grad|, std(weight), max|weight|)``, ``beta`` NaN where a read
+        is not finite, each number the one :class:`~gradient_scaling.
+        core.estimators.GemmReads` and :func:`~gradient_scaling.core.
+        underflow.gemm_scale_from_stats` give (``coefficient``:
+        :func:`~gradient_scaling.core.underflow.gemm_target_coefficient`).
+        None (here, always): the caller reads and computes them itself."""
+        return None
+
     def max_abs(self, x):
         """``max|x|`` as a float (NaN or inf when ``x`` is not finite)."""
         return statistics.max_abs(x)

@@ -107,7 +107,10 @@ class ModelEstimator(object):
 
     def gemm(self, grad, weight, n, alpha, key, staged, data_gradient):
         """(beta, estimated rate at beta, estimated rate at 1) of a GEMM's
-        data path, for the incoming gradient ``grad`` (at scale alpha).
+        data path, for the incoming gradient ``grad`` (at scale alpha):
+        read and chosen in one call where the array library has one
+        (:meth:`~gradient_scaling.core.arrays.ArrayOps.gemm_model_scale`,
+        the same numbers), else through :class:`GemmReads`.
 
         Args:
             grad: The gradient entering the GEMM's backward.
@@ -122,7 +125,18 @@ class ModelEstimator(object):
                 ``grad`` computed in FP32 (read by the closed loop only).
 
         """
-        return self._model_gemm(GemmReads(grad, weight), n)
+        fmt = formats.get(self.fmt)
+        read = arrays.ops_for(grad).gemm_model_scale(
+            grad, weight, n, underflow.gemm_target_coefficient(
+                self.underflow_rate, fmt), fmt.max)
+        if read is None:
+            return self._model_gemm(GemmReads(grad, weight), n)
+        beta, g_std, g_max, w_std, w_max = read
+        if beta != beta:  # (NaN: as GemmReads raises)
+            raise underflow.NonFiniteStatisticsError(
+                'non-finite gradient' if not math.isfinite(g_max) else
+                'non-finite weights')
+        return self._rates(beta, math.sqrt(n) * g_std * w_std)
 
     def _model_gemm(self, reads, n):
         def scale(w_max):
@@ -130,7 +144,11 @@ class ModelEstimator(object):
                 reads.g_std, reads.g_max, reads.w_std, w_max, n,
                 self.underflow_rate, self.fmt)
         beta = scale(reads.weight_max(scale))
-        sigma = math.sqrt(n) * reads.g_std * reads.w_std
+        return self._rates(beta, math.sqrt(n) * reads.g_std * reads.w_std)
+
+    def _rates(self, beta, sigma):
+        """``(beta, estimated rate at beta, at 1)`` of a GEMM output of
+        spread ``sigma``."""
         return (beta, underflow.gemm_underflow_rate(sigma, beta, self.fmt),
                 underflow.gemm_underflow_rate(sigma, 1.0, self.fmt))
 

@@ -70,7 +70,8 @@ from gradient_scaling.core import rules
 __all__ = ['MIN_SCALE', 'MAX_SCALE', 'NonFiniteStatisticsError',
            'gemm_underflow_rate', 'lognormal_underflow_rate',
            'gemm_scale_from_stats', 'lognormal_scale_from_stats',
-           'unify_scales_from_max', 'branch_scale', 'gemm_cap', 'cast_cap']
+           'unify_scales_from_max', 'branch_scale', 'gemm_cap', 'cast_cap',
+           'gemm_target_coefficient']
 
 
 #: Smallest scale returned. Scales and their reciprocals stay normal float32.
@@ -189,12 +190,25 @@ def gemm_scale_from_stats(std_grad, max_grad, std_weight, max_weight,
         # lambda_min / (sqrt(2) * sigma * erfinv(gamma')), divided step by
         # step so that tiny statistics overflow to inf (clamped below)
         # instead of underflowing to a zero denominator.
-        target = fmt.min / (math.sqrt(2.0) * _quantile(special.erfinv,
-                                                      underflow_rate))
+        target = _coefficient(underflow_rate, fmt)
         target = target / math.sqrt(n) / std_grad / std_weight
 
     return _power_of_two_scale(target, _gemm_cap(max_grad, max_weight, n,
                                                  fmt))
+
+
+def gemm_target_coefficient(underflow_rate=1e-3, fmt='float16'):
+    """``lambda_min / (sqrt(2) * erfinv(gamma'))``: Theorem 1's target
+    scale is this over ``sqrt(N) * std(dY) * std(W)``, divided in that
+    order (:func:`gemm_scale_from_stats`; for an array library that
+    computes the scale itself, :meth:`~gradient_scaling.core.arrays.
+    ArrayOps.gemm_model_scale`)."""
+    return _coefficient(_check_rate(underflow_rate), _format(fmt))
+
+
+def _coefficient(underflow_rate, fmt):
+    return fmt.min / (math.sqrt(2.0) * _quantile(special.erfinv,
+                                                 underflow_rate))
 
 
 def _gemm_cap(max_grad, max_weight, n, fmt):

@@ -176,6 +176,15 @@ class TorchOps(arrays.ArrayOps):
             return _small_spread_and_max(flat)
         return _spread_and_max(flat, sample)
 
+    def gemm_model_scale(self, grad, weight, n, coefficient, fmt_max):
+        # (natively where both are small float32, float16 or bfloat16
+        # tensors: the two reads of spread_and_max and the arithmetic)
+        built = native.built()
+        if built is None or type(n) is not int:
+            return None
+        return built.gemm_model_scale(grad, weight, n, coefficient,
+                                      fmt_max, statistics.SPREAD_SAMPLE)
+
     def spread_and_max_bounds(self, x):
         # aminmax reads a tensor about as fast as a sum of squares: the
         # exact maximum costs no more than bounds.

@@ -1861,6 +1861,19 @@ std::vector<double> values_of(std::vector<at::Tensor> tensors) {
   return std::vector<double>(v, v + stacked.numel());
 }
 
+// Whether small_spread_and_max (below) reads ``given``.
+bool small_spread_readable(const at::Tensor& given, int64_t limit) {
+  // (a plain tensor first: its size is asked of no Python)
+  if (!plain_tensor(given) || given.layout() != at::kStrided ||
+      !(given.device().is_cpu() || given.device().is_cuda())) {
+    return false;
+  }
+  auto dtype = given.scalar_type();
+  const int64_t n = given.numel();
+  return (dtype == at::kFloat || dtype == at::kHalf ||
+          dtype == at::kBFloat16) && n != 0 && n <= limit;
+}
+
 // TorchOps.spread_and_max of a plain float32 (or float16, bfloat16: they
 // widen exactly) CPU or CUDA tensor of 1 to ``limit`` elements: arrays.py's
 // _small_spread_and_max, every operation the same, and the arithmetic on
@@ -1871,17 +1884,8 @@ std::vector<double> values_of(std::vector<at::Tensor> tensors) {
 // finite, non-zero maximum needs them.
 std::optional<std::tuple<double, double>> small_spread_and_max(
     const at::Tensor& given, int64_t limit) {
-  // (a plain tensor first: its size is asked of no Python)
-  if (!plain_tensor(given) || given.layout() != at::kStrided ||
-      !(given.device().is_cpu() || given.device().is_cuda())) {
-    return std::nullopt;
-  }
-  auto dtype = given.scalar_type();
+  if (!small_spread_readable(given, limit)) return std::nullopt;
   const int64_t n = given.numel();
-  if ((dtype != at::kFloat && dtype != at::kHalf &&
-       dtype != at::kBFloat16) || n == 0 || n > limit) {
-    return std::nullopt;
-  }
   at::Tensor y;
   std::vector<double> v;
   double largest;
@@ -1919,6 +1923,60 @@ std::optional<std::tuple<double, double>> small_spread_and_max(
   double var = squares / count - mean * mean;
   if (0.0 > var) var = 0.0;  // max(var, 0.0)
   return std::make_tuple(std::sqrt(var), largest);
+}
+
+// rules.py's pow2_ceil and pow2_floor of a positive finite x (frexp reads
+// its exponent: exact).
+double pow2_ceil(double x) {
+  int exponent;
+  const double mantissa = std::frexp(x, &exponent);
+  return std::ldexp(1.0, mantissa == 0.5 ? exponent - 1 : exponent);
+}
+
+double pow2_floor(double x) {
+  int exponent;
+  std::frexp(x, &exponent);
+  return std::ldexp(1.0, exponent - 1);
+}
+
+// estimators.py's ModelEstimator.gemm (Theorem 1, capped: underflow.py's
+// gemm_scale_from_stats and _power_of_two_scale, the same operations in
+// the same order) for an incoming gradient and a weight that
+// small_spread_and_max reads: both reads and the scale in one call,
+// (beta, std(g), max|g|, std(W), max|W|); beta NaN where a read is not
+// finite (the weight then unread where the gradient is not). nothing
+// where either tensor is not such a tensor, or n < 1 (Python reads them,
+// and raises). ``coefficient``: underflow.gemm_target_coefficient's.
+std::optional<std::tuple<double, double, double, double, double>>
+gemm_model_scale(const at::Tensor& grad, const at::Tensor& weight,
+                 int64_t n, double coefficient, double fmt_max,
+                 int64_t limit) {
+  constexpr double kMinScale = 0x1p-126, kMaxScale = 0x1p126;
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  if (n < 1 || !small_spread_readable(weight, limit)) return std::nullopt;
+  auto g = small_spread_and_max(grad, limit);
+  if (!g) return std::nullopt;
+  const double g_std = std::get<0>(*g), g_max = std::get<1>(*g);
+  if (!std::isfinite(g_max)) {
+    return std::make_tuple(nan, g_std, g_max, nan, nan);
+  }
+  auto w = small_spread_and_max(weight, limit);
+  const double w_std = std::get<0>(*w), w_max = std::get<1>(*w);
+  if (!std::isfinite(w_max)) {
+    return std::make_tuple(nan, g_std, g_max, w_std, w_max);
+  }
+  const double length = static_cast<double>(n);
+  double target = 1.0;
+  if (g_std != 0 && w_std != 0) {
+    target = coefficient / std::sqrt(length) / g_std / w_std;
+  }
+  const double cap = (g_max == 0 || w_max == 0)
+                         ? std::numeric_limits<double>::infinity()
+                         : fmt_max / length / g_max / w_max;
+  double scale = target < kMaxScale ? pow2_ceil(target > 1.0 ? target : 1.0)
+                                    : kMaxScale;
+  if (cap < scale) scale = cap >= kMinScale ? pow2_floor(cap) : kMinScale;
+  return std::make_tuple(scale, g_std, g_max, w_std, w_max);
 }
 
 // TorchOps.log_statistics's reads of ``x``: (count, finite count, mean,
@@ -2095,6 +2153,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("finite_witness", &finite_witness,
         py::call_guard<py::gil_scoped_release>());
   m.def("small_spread_and_max", &small_spread_and_max,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gemm_model_scale", &gemm_model_scale,
         py::call_guard<py::gil_scoped_release>());
   m.def("log_moments", &log_moments,
         py::call_guard<py::gil_scoped_release>());
