@@ -1944,7 +1944,7 @@ double pow2_floor(double x) {
 // the same order) for an incoming gradient and a weight that
 // small_spread_and_max reads: both reads and the scale in one call,
 // (beta, std(g), max|g|, std(W), max|W|); beta NaN where a read is not
-// finite (the weight then unread where the gradient is not). nothing
+// finite (the weight then unread where the gradient is not); nothing
 // where either tensor is not such a tensor, or n < 1 (Python reads them,
 // and raises). ``coefficient``: underflow.gemm_target_coefficient's.
 std::optional<std::tuple<double, double, double, double, double>>
