@@ -837,17 +837,16 @@ def test_the_hook_adopts_its_landing_hooks(built):
     assert native.PythonLanding.adopt(lin.weight, None) is False
 
 
-def _gs_history(steps=7, interval=3, dtype=torch.float64):
+def _gs_history(steps=7, interval=3, dtype='float64'):
     """Gradients, landed scales and report of GS on EveryConstructNet
     (eager), a refresh every ``interval`` steps."""
     torch.manual_seed(0)
-    net = EveryConstructNet().to(dtype)
+    net = EveryConstructNet().to(getattr(torch, dtype))
     hook = GradientScaling(net, update_interval=interval)
     rng = np.random.default_rng(0)
     history = []
     for step in range(steps):
-        _, _, x, t = every_construct_batch(
-            rng, dtype=np.dtype(str(dtype).split('.')[1]))
+        _, _, x, t = every_construct_batch(rng, dtype=np.dtype(dtype))
         net.zero_grad(set_to_none=True)
         with hook:
             net(x, t).backward()
@@ -860,7 +859,7 @@ def _gs_history(steps=7, interval=3, dtype=torch.float64):
     return history
 
 
-@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+@pytest.mark.parametrize('dtype', ['float64', 'float32'])
 def test_gs_eager_is_the_same_natively_and_in_python(built, monkeypatch,
                                                      dtype):
     # (float32: each GEMM site's reads and scale in one native call)
