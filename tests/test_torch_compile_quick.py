@@ -22,12 +22,17 @@ import pytest
 torch = pytest.importorskip('torch')
 
 from gradient_scaling.torch import GradientScaler  # NOQA
+from gradient_scaling.torch import compile_backend  # NOQA
 from gradient_scaling.torch import graph  # NOQA
 from gradient_scaling.torch import _internals as internals  # NOQA
 
 import torch.nn as nn  # NOQA: after the skip
 
 from test_torch_compile_backend import NETS  # NOQA
+from test_torch_compile_backend import SMALL  # NOQA
+from test_torch_compile_backend import _record  # NOQA
+from test_torch_compile_backend import assert_exact  # NOQA
+from test_torch_compile_backend import backend_module  # NOQA
 from test_torch_compile_backend import fresh_compiled  # NOQA
 from test_torch_compile_backend import nan_at_step_1  # NOQA
 from test_torch_compile_backend import scale_log  # NOQA: a fixture
@@ -265,3 +270,92 @@ def test_a_gradient_not_finite_as_it_leaves_a_compiled_model(user_hook,
     assert taken is False and eager is False
     assert not torch.isfinite(grad).all()
     assert not torch.isfinite(eager_grad).all()
+
+
+class Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 5)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+class TwoHeads(nn.Module):
+    """Two heads of one class; a step trains one of them, in turn."""
+
+    def __init__(self):
+        super().__init__()
+        self.heads = nn.ModuleList([Head(), Head()])
+
+
+def _heads_run(compiled, log=None):
+    """Per step (a refresh every third): gradients, scales logged and
+    ``report()`` of :class:`TwoHeads`, step k training head k % 2 through
+    one function
+    (its loss inside), eager (None), compiled with GS's backend ('gs') or
+    plainly ('plain')."""
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    model = TwoHeads().double()
+
+    def make(scaler):
+        def loss(head, x, y):
+            return nn.functional.cross_entropy(head(x), y) * SMALL
+        run = loss if compiled is None else torch.compile(
+            loss, backend=compile_backend(scaler, inner='aot_eager')
+            if compiled == 'gs' else 'aot_eager')
+        return lambda x, y, step: run(model.heads[step % 2], x, y)
+    scaler = GradientScaler(model, update_interval=3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss_of, history = make(scaler), []
+    for step in range(10):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(6, 8, generator=g, dtype=torch.float64)
+        y = torch.randint(0, 5, (6,), generator=g)
+        optimizer.zero_grad()
+        start = len(log) if log is not None else 0
+        total = loss_of(x, y, step)
+        if compiled == 'plain':
+            total.backward()
+        else:
+            scaler.scale(total).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()
+                 if p.grad is not None}
+        if compiled == 'plain':
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
+        history.append(_record(grads, log, start, scaler))
+    return history
+
+
+def test_a_graph_run_for_two_heads_on_the_quick_path(scale_log,
+                                                     monkeypatch):
+    """One compiled graph (the loss of a head, its weights the graph's
+    inputs) run for two heads in turn, each pass's graph the region's
+    node over one head's leaves (the quick path): each head's sites are
+    named by and measured on its own weights (the binding the quick
+    plan's memo keeps, per head, asked of the edges once), as in eager GS
+    (``report()`` at every step, the scales each refresh chose); the
+    plain graph's gradients bit for bit."""
+    asked = []
+    binding_of = backend_module._Region.binding_of
+
+    def spy(self, node, memo=None):
+        binding = binding_of(self, node, memo)
+        asked.append((memo is not None, binding is not None))
+        return binding
+    monkeypatch.setattr(backend_module._Region, 'binding_of', spy)
+    eager = _heads_run(None, scale_log)
+    compiled = _heads_run('gs', scale_log)
+    assert asked[2:] and all(memo for memo, _ in asked[2:])
+    assert (True, True) in asked  # (the second head's, memoised)
+    for step, (e, c) in enumerate(zip(eager, compiled)):
+        assert c[2] == e[2], step
+        if step % 3 == 0:  # (a refresh: heads 0, 1, 0, 1)
+            assert c[1] == e[1], step
+    assert_exact(compiled, _heads_run('plain'))
+    assert {'heads.0.b.weight', 'heads.1.b.weight'} <= set(compiled[-1][2])

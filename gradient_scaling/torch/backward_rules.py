@@ -402,6 +402,18 @@ class BackwardPass(object):
         slots.update(k for n, k in self.roots if n is node)
         return slots
 
+    def root_memo(self, node):
+        """Where ``node`` is the root of a plan of :class:`~gradient_
+        scaling.torch.graph.PlanCache`'s quick path (a compiled region
+        over the leaves, each edge of its one of the same accumulation
+        nodes pass after pass): the dict shared by every plan of that
+        structure, in which what depends on the edges alone is kept
+        (:attr:`~gradient_scaling.torch.graph.Plan.shared`); else None."""
+        plan = self.plan
+        if plan.leaf_edges and node is plan.roots[0]:
+            return plan.shared
+        return None
+
     def region_left(self, node, scales):
         """The compiled region ``node`` returns its gradients with
         ``scales`` (``{edge: scale}``)."""
@@ -707,6 +719,7 @@ class BackwardPass(object):
             g = _times(g, common / s) if s != common else g
             total = g if total is None else total + g
         return total
+
 
 def _times(tensor, ratio):
     """``tensor * ratio`` (a power of two), a new tensor unless it is 1."""

@@ -630,13 +630,13 @@ class _Region(object):
         entered = hook.region_entered(node)
         if entered is None:
             return _Call(None, 1.0), False, None
-        alpha, softmax = entered
+        alpha, softmax, memo = entered
         call = _Call(hook.controller.step, alpha, softmax)
         if self.positions:
-            call.binding = self.binding_of(node)
+            call.binding = self.binding_of(node, memo)
         return call, True, node
 
-    def binding_of(self, node):
+    def binding_of(self, node, memo=None):
         """The parameters that the run of ``node`` has in place of those
         the region was compiled with, or None where it has its own.
         Dynamo runs one compiled graph for every module of the same code
@@ -644,7 +644,14 @@ class _Region(object):
         each, their parameters the graph's inputs): each run's sites are
         named by, and measured on, its own weights, read from the
         accumulation nodes its node feeds (kept here, with what they
-        give)."""
+        give). ``memo``: a dict kept for every node of the same edges
+        (:meth:`~gradient_scaling.torch.hook.GradientScaling.
+        region_entered`), where the binding is kept too (the edges are not
+        read again)."""
+        if memo is not None:
+            known = memo.get(self, _UNBOUND)
+            if known is not _UNBOUND:
+                return known
         key = self._pick(node.next_functions)
         known = self.bindings.get(key, _UNBOUND)
         if known is _UNBOUND:
@@ -652,6 +659,8 @@ class _Region(object):
                 self.bindings.clear()
             known = self.bindings[key] = _Binding.of(
                 self, [node for node, _ in key])
+        if memo is not None:
+            memo[self] = known
         return known
 
 

@@ -343,7 +343,6 @@ class GradientScaling(ControllerViews):
                 group = groups[key] = []
             group.append((leaf, grad))
         for (current, _, inverse, dtype), grads in groups.items():
-            device = grads[0][1].device
             if dtype != torch.float32:
                 factor = torch_arrays.power_of_two(inverse, dtype)
                 for _, grad in grads:
@@ -381,9 +380,12 @@ class GradientScaling(ControllerViews):
 
     def region_entered(self, node):
         """A compiled region's backward (``node``) starts, scaling its
-        inside itself: ``(scale, softmax)``, the scale its gradients enter
-        with and whether they are a softmax's; None when no pass of the
-        hook runs ``node`` (nothing to scale)."""
+        inside itself: ``(scale, softmax, memo)``, the scale its gradients
+        enter with, whether they are a softmax's, and a dict kept for
+        every pass of a graph of this structure where ``node`` is its
+        root over the leaves (:meth:`~gradient_scaling.torch.
+        backward_rules.BackwardPass.root_memo`; else None); None when no
+        pass of the hook runs ``node`` (nothing to scale)."""
         if not self._running or node is None:
             return None
         current = self._running[-1]
@@ -392,7 +394,8 @@ class GradientScaling(ControllerViews):
         except (KeyError, RuntimeError):
             return None
         current.self_scaled.add(node)
-        return scale, node in current.plan.softmax_gradients
+        return scale, node in current.plan.softmax_gradients, \
+            current.root_memo(node)
 
     def region_slots(self, node):
         """The slots of the compiled region ``node`` (its outputs) that
