@@ -96,8 +96,9 @@ class GradientScaler(object):
             growth_interval, enabled: GradScaler's.
             ``mode='dynamic-gradscaler'`` grows and backs off with them;
             gradient scaling keeps them (its getters and ``state_dict``
-            report them) and has no use for them. ``enabled=False``: nothing is scaled or checked,
-            ``step`` always steps, as GradScaler.
+            report them) and has no use for them. ``enabled=False``:
+            nothing is scaled or checked, ``step`` always steps, as
+            GradScaler.
         recipe (~gradient_scaling.core.recipes.Recipe): Every setting at
             once, or ``**settings``: the recipe's fields (``underflow_rate``,
             ``update_interval``, ``fmt``, ``estimator``, ``loss_scale``,
