@@ -762,12 +762,13 @@ def _compiler(scaler, backend, inner, dynamic=None):
 
 
 def _history(model, make, steps, plain, log=None, lr=0.1, classes=5,
-             rows=6):
+             rows=6, interval=2):
     """Per step: ``(gradients, scales logged, report())`` of the loss
     ``make(scaler)(x, y, step)`` gives on that step's batch (``rows``
-    rows), for ``model`` with a GS scaler at interval 2 (refreshes and
-    cached passes), or, ``plain``, without GS."""
-    scaler = GradientScaler(model, update_interval=2)
+    rows), for ``model`` with a GS scaler at ``interval`` (refreshes and
+    cached passes), or, ``plain``, without GS; the gradients of the
+    parameters the step reached."""
+    scaler = GradientScaler(model, update_interval=interval)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     loss_of = make(scaler)
     history = []
@@ -782,7 +783,8 @@ def _history(model, make, steps, plain, log=None, lr=0.1, classes=5,
             total.backward()
         else:
             scaler.scale(total).backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()
+                 if p.grad is not None}
         if plain:
             optimizer.step()
         else:

@@ -30,7 +30,7 @@ import torch.nn as nn  # NOQA: after the skip
 
 from test_torch_compile_backend import NETS  # NOQA
 from test_torch_compile_backend import SMALL  # NOQA
-from test_torch_compile_backend import _record  # NOQA
+from test_torch_compile_backend import _history  # NOQA
 from test_torch_compile_backend import assert_exact  # NOQA
 from test_torch_compile_backend import backend_module  # NOQA
 from test_torch_compile_backend import fresh_compiled  # NOQA
@@ -293,9 +293,8 @@ class TwoHeads(nn.Module):
 def _heads_run(compiled, log=None):
     """Per step (a refresh every third): gradients, scales logged and
     ``report()`` of :class:`TwoHeads`, step k training head k % 2 through
-    one function
-    (its loss inside), eager (None), compiled with GS's backend ('gs') or
-    plainly ('plain')."""
+    one function (its loss inside), eager (None), compiled with GS's
+    backend ('gs') or plainly ('plain')."""
     torch.compiler.reset()
     torch.manual_seed(0)
     model = TwoHeads().double()
@@ -307,29 +306,7 @@ def _heads_run(compiled, log=None):
             loss, backend=compile_backend(scaler, inner='aot_eager')
             if compiled == 'gs' else 'aot_eager')
         return lambda x, y, step: run(model.heads[step % 2], x, y)
-    scaler = GradientScaler(model, update_interval=3)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    loss_of, history = make(scaler), []
-    for step in range(10):
-        g = torch.Generator().manual_seed(step)
-        x = torch.randn(6, 8, generator=g, dtype=torch.float64)
-        y = torch.randint(0, 5, (6,), generator=g)
-        optimizer.zero_grad()
-        start = len(log) if log is not None else 0
-        total = loss_of(x, y, step)
-        if compiled == 'plain':
-            total.backward()
-        else:
-            scaler.scale(total).backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters()
-                 if p.grad is not None}
-        if compiled == 'plain':
-            optimizer.step()
-        else:
-            scaler.step(optimizer)
-            scaler.update()
-        history.append(_record(grads, log, start, scaler))
-    return history
+    return _history(model, make, 10, compiled == 'plain', log, interval=3)
 
 
 def test_a_graph_run_for_two_heads_on_the_quick_path(scale_log,
