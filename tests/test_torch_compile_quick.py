@@ -13,6 +13,7 @@ same ``report()`` and landed scales; a leaf input that leaves the region at
 its own scale lands divided by it, exactly.
 """
 
+import gc
 import importlib
 import math
 import warnings
@@ -30,6 +31,7 @@ import torch.nn as nn  # NOQA: after the skip
 
 from test_torch_compile_backend import NETS  # NOQA
 from test_torch_compile_backend import SMALL  # NOQA
+from test_torch_compile_backend import _compiled  # NOQA
 from test_torch_compile_backend import _history  # NOQA
 from test_torch_compile_backend import assert_exact  # NOQA
 from test_torch_compile_backend import backend_module  # NOQA
@@ -336,3 +338,34 @@ def test_a_graph_run_for_two_heads_on_the_quick_path(scale_log,
             assert c[1] == e[1], step
     assert_exact(compiled, _heads_run('plain'))
     assert {'heads.0.b.weight', 'heads.1.b.weight'} <= set(compiled[-1][2])
+
+
+def test_the_quick_plans_memo_keeps_no_region_alive(monkeypatch):
+    """The binding a quick pass keeps with its structure, in the plan
+    cache (which lives as long as the scaler), is held under the
+    region's id with a weak reference: the cache adds no reference to
+    the region, which PyTorch's compiled function keeps alive as long as
+    it keeps it, with its compiled graphs."""
+    regions = _compiled(monkeypatch)
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    model = Head().double()
+    scaler = GradientScaler(model, update_interval=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = torch.compile(
+        lambda x, y: nn.functional.cross_entropy(model(x), y) * SMALL,
+        backend=compile_backend(scaler, inner='aot_eager'))
+    for step in range(3):
+        optimizer.zero_grad()
+        loss = run(torch.randn(6, 8, dtype=torch.float64),
+                   torch.arange(6) % 5)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    memos = [quick.shared for quick in scaler.hook.plans._quick.values()]
+    kept = [v for memo in memos for v in memo.values()]
+    assert regions and any(isinstance(key, int) for memo in memos
+                           for key in memo)  # (the binding, kept)
+    for region, _ in regions:
+        holders = gc.get_referrers(region)
+        assert not any(h is m for h in holders for m in memos + kept)

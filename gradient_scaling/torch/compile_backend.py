@@ -647,11 +647,13 @@ class _Region(object):
         give). ``memo``: a dict kept for every node of the same edges
         (:meth:`~gradient_scaling.torch.hook.GradientScaling.
         region_entered`), where the binding is kept too (the edges are not
-        read again)."""
+        read again), under the region's ``id`` with a weak reference to
+        it: the plan cache that keeps the dict does not keep the region,
+        nor its compiled graphs, alive."""
         if memo is not None:
-            known = memo.get(self, _UNBOUND)
-            if known is not _UNBOUND:
-                return known
+            known = memo.get(id(self))
+            if known is not None and known[0]() is self:
+                return known[1]
         key = self._pick(node.next_functions)
         known = self.bindings.get(key, _UNBOUND)
         if known is _UNBOUND:
@@ -660,7 +662,7 @@ class _Region(object):
             known = self.bindings[key] = _Binding.of(
                 self, [node for node, _ in key])
         if memo is not None:
-            memo[self] = known
+            memo[id(self)] = (weakref.ref(self), known)
         return known
 
 
