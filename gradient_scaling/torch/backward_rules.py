@@ -417,14 +417,14 @@ class BackwardPass(object):
     def region_left(self, node, scales):
         """The compiled region ``node`` returns its gradients with
         ``scales`` (``{edge: scale}``)."""
-        plan = self.plan
-        if plan.leaf_edges and node is plan.roots[0]:
+        plan, memo = self.plan, self.root_memo(node)
+        if memo is not None:
             # The root region's edges feed the leaves directly, one each:
             # a leaf's gradient is at its edge's scale (its slot's, kept by
             # accumulation node: :meth:`slot_scale` is not asked for
             # them). A region's memoised cached pass gives the same dict
             # of scales each time: what follows from it is kept with it.
-            known = plan.shared.get('scales')
+            known = memo.get('scales')
             if known is None or known[0] is not scales:
                 leaf_scales = {accumulator: scales[i]
                                for i, accumulator in plan.leaf_edges
@@ -435,8 +435,7 @@ class BackwardPass(object):
                      if scale == 1.0])
                 leaves = {i for i, _ in plan.leaf_edges}
                 rest = [(i, s) for i, s in scales.items() if i not in leaves]
-                known = plan.shared['scales'] = (scales, leaf_scales, unit,
-                                                 rest)
+                known = memo['scales'] = (scales, leaf_scales, unit, rest)
             self.leaf_scales = known[1]
             for i, scale in known[3]:
                 self.edge_scales[node, i] = scale
