@@ -419,7 +419,8 @@ def test_quick_torch_tables_against_pytorchs_own_baselines(torch_report):
     assert '## Peak memory' not in torch_report  # --memory-only's table
     everything = _table(torch_report, '## Framework-bound targets')
     variants = ('GradScaler', 'GradScaler (A/A)', 'GradScaler + no-op hooks',
-                'GradScaler + native scaling hooks', 'gs-cached', 'gs@1',
+                'GradScaler + native scaling hooks',
+                'GradScaler + native refresh reads', 'gs-cached', 'gs@1',
                 'gs@100')
     # --quick's targets: ResNet-50 and the framework-bound transformer.
     assert [(r[0], r[1], r[3]) for r in everything] == [
@@ -615,7 +616,8 @@ def test_target_blocks_keep_the_steady_steps_and_note_the_cold_ones(
     cold = re.findall(r'`([^`]+)` (\d+\.\d+) / (\d+\.\d+)', note[0])
     assert [label for label, _, _ in cold] == [
         'GradScaler (A/A)', 'GradScaler + no-op hooks',
-        'GradScaler + native scaling hooks', 'gs-cached', 'gs@1']
+        'GradScaler + native scaling hooks',
+        'GradScaler + native refresh reads', 'gs-cached', 'gs@1']
     assert all(float(a) > 0 and float(b) > 0 for _, a, b in cold)
     bad = _run('benchmark.py', '--quick', '--framework', 'torch',
                '--modes', 'targets', '--target-block', '0', '--out',
@@ -757,6 +759,52 @@ def test_native_scaling_control_multiplies_where_gs_does_and_changes_nothing(
         v.step()
     for a, b in zip(plain.model.parameters(), control.model.parameters()):
         assert torch.equal(a, b) and torch.equal(a.grad, b.grad)
+
+
+def test_refresh_reads_control_reads_what_a_gs_refresh_reads():
+    """``GradScaler + native refresh reads``: the scaling control, its
+    GEMM and cast sites also reading as GS's refresh reads (each GEMM's
+    weight and accumulation length as GS's sites give them, the logits'
+    GEMM's log-normal read first, as its cast site), in the engine's
+    order; GradScaler's own gradients, bit for bit."""
+    torch = pytest.importorskip('torch')
+    from gradient_scaling.core import estimators
+    from gradient_scaling.torch import arrays, graph
+    from benchmarking import torch_variants
+    variants = {v.label: v for v in torch_variants.target_variants(
+        'gpt', (1, 8), torch.device('cpu'))}
+    plain = variants[torch_variants.TARGET_BASELINE]
+    control = variants[torch_variants.READS_CONTROL]
+    estimator = estimators.ModelEstimator(1e-3, 'float16')
+    ops = arrays.TorchOps()
+    for step in range(3):
+        # what GS's refresh reads, from a plain backward of the same model
+        # and loss scale (GradScaler's: the control's gradients carry it)
+        loss = control.model(*control.inputs) * control.scaler.get_scale()
+        plan = graph.walk([loss.grad_fn])
+        expected = []
+
+        def reader(node, site):
+            def read(grads):
+                g = grads[0]
+                if node in plan.softmax_gemms:
+                    expected.append(ops.log_statistics(g).log_mean)
+                expected.append(estimator.gemm(
+                    g, site.weight_values, site.length_for(g), 1.0, None,
+                    None, None)[0])
+            return read
+        handles = [node.register_prehook(reader(node, site))
+                   for node, site in plan.gemms.items()]
+        loss.backward()
+        for handle in handles:
+            handle.remove()
+        assert len(expected) == len(plan.gemms) + 1 == 10
+        for v in (plain, control):
+            v.prepare()
+            v.step()
+        assert control.scaler.reads == expected, step
+        for a, b in zip(plain.model.parameters(), control.model.parameters()):
+            assert torch.equal(a, b) and torch.equal(a.grad, b.grad)
 
 
 def test_compile_counter_sees_a_recompilation():

@@ -1082,6 +1082,70 @@ def test_scaling_hooks_multiply_every_gradient(built, kind):
     hooks.clear()
 
 
+
+@pytest.mark.parametrize('kind', ['native', 'python'])
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
+def test_refresh_read_hooks_read_as_a_refresh_and_change_nothing(
+        built, kind, dtype):
+    """``add_refresh_read`` (the benchmark's floor of a native refresh):
+    at a GEMM, Theorem 1's scale of its incoming gradient and weight, as
+    GS's refresh reads it (natively for small float32 tensors; through
+    the Python read given otherwise, here float64, as GS's refresh then
+    reads), at another node its log-normal read (the mean of log |g|),
+    kept in the order they ran; every gradient unchanged, bit for bit."""
+    from gradient_scaling.core import estimators, statistics, underflow
+    from gradient_scaling.torch import arrays
+    estimator = estimators.ModelEstimator(1e-3, 'float16')
+    ops = arrays.TorchOps()
+    called = []
+
+    def gemm_read(g):
+        called.append('gemm')
+        return estimator.gemm(g, lin.weight, 5, 1.0, None, None, None)[0]
+
+    def log_read(g):
+        called.append('log')
+        return ops.log_statistics(g).log_mean
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(6, 5).to(dtype)
+    x = torch.randn(4, 6, dtype=dtype, requires_grad=True)
+
+    def run(hooks=None):
+        lin.zero_grad()
+        x.grad = None
+        out = lin(x)
+        loss = (out.sin() * 1e-6).sum()  # (small: a scale above 1)
+        gemm, seen = out.grad_fn, {}
+        sin = loss.grad_fn.next_functions[0][0].next_functions[0][0]
+        assert type(gemm).__name__ == 'AddmmBackward0'
+        assert type(sin).__name__ == 'SinBackward0'
+        gemm.register_prehook(lambda g: seen.update(gemm=g[0]))
+        sin.register_prehook(lambda g: seen.update(sin=g[0]))
+        if hooks is not None:
+            coefficient = underflow.gemm_target_coefficient(1e-3, 'float16')
+            hooks.add_refresh_read(sin, None, 0, coefficient, 65504.0,
+                                   statistics.SPREAD_SAMPLE, log_read)
+            hooks.add_refresh_read(gemm, lin.weight, 5, coefficient,
+                                   65504.0, statistics.SPREAD_SAMPLE,
+                                   gemm_read)
+        loss.backward()
+        return seen, [t.grad.clone() for t in (x, lin.weight, lin.bias)]
+    seen, plain = run()
+    hooks = built.HookSet() if kind == 'native' else native.PythonHooks()
+    _, read = run(hooks)
+    assert all(torch.equal(a, b) for a, b in zip(plain, read))
+    expected = [ops.log_statistics(seen['sin']).log_mean,
+                estimator.gemm(seen['gemm'], lin.weight, 5, 1.0, None, None,
+                               None)[0]]
+    reads = hooks.take_reads()
+    assert reads == expected and hooks.take_reads() == []
+    assert expected[1] not in (0.0, 1.0) and math.isfinite(expected[0])
+    # natively, the Python reads only where GS's refresh makes them there
+    assert called == (['log', 'gemm'] if kind == 'python' else
+                      ['gemm'] if dtype == torch.float64 else [])
+    hooks.clear()
+
+
 def test_the_final_check_by_loops_answers_as_the_kernel(built, monkeypatch):
     """Small dense CPU gradients and losses are checked by a loop, the
     others by GradScaler's kernel: both final checks answer as the Python

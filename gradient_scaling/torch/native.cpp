@@ -790,6 +790,57 @@ PlannedEvents planned_events(
   return out;
 }
 
+// A refresh's reads, defined below (TorchOps's statistics).
+std::optional<std::tuple<double, double, double, double, double>>
+gemm_model_scale(const at::Tensor& grad, const at::Tensor& weight,
+                 int64_t n, double coefficient, double fmt_max,
+                 int64_t limit);
+std::tuple<int64_t, double, double, double, double, int64_t, double, double>
+log_moments(const at::Tensor& given);
+
+// The benchmark's control of a refresh's reads: at a GEMM site, the reads
+// a GS refresh makes of its incoming gradient and weight and Theorem 1's
+// capped scale (gemm_model_scale), or, where those are not tensors it
+// reads (Python reads them in a GS refresh too), ``fallback(grad)``'s; at
+// a cast site (no weight), its log-normal read (log_moments); then the
+// gradient times 1, as the scaling control's hook. Each read's result
+// (the GEMM's scale, the cast's mean of log |g|) appended to ``out``: no
+// other Python, what a refresh whose work were native would cost.
+struct RefreshReadHook : torch::autograd::FunctionPreHook {
+  at::Tensor weight;  // (undefined: a cast site)
+  int64_t n;
+  double coefficient, fmt_max;
+  int64_t limit;
+  std::shared_ptr<PyRef> fallback;
+  std::shared_ptr<std::vector<double>> out;
+  RefreshReadHook(at::Tensor w, int64_t n_, double c, double m, int64_t l,
+                  std::shared_ptr<PyRef> f,
+                  std::shared_ptr<std::vector<double>> o)
+      : weight(std::move(w)), n(n_), coefficient(c), fmt_max(m), limit(l),
+        fallback(std::move(f)), out(std::move(o)) {}
+  variable_list operator()(const variable_list& grads) override {
+    if (grads.empty() || !grads[0].defined()) return grads;
+    if (!weight.defined()) {
+      out->push_back(std::get<6>(log_moments(grads[0])));
+    } else if (auto read = gemm_model_scale(grads[0], weight, n,
+                                            coefficient, fmt_max, limit)) {
+      out->push_back(std::get<0>(*read));
+    } else {
+      py::gil_scoped_acquire gil;
+      py::object g = py::reinterpret_steal<py::object>(
+          THPVariable_Wrap(grads[0]));
+      PyObject* beta =
+          PyObject_CallFunctionObjArgs(fallback->obj, g.ptr(), nullptr);
+      if (beta == nullptr) throw python_error();
+      const double value = PyFloat_AsDouble(beta);
+      Py_DECREF(beta);
+      if (value == -1.0 && PyErr_Occurred()) throw python_error();
+      out->push_back(value);
+    }
+    return times(grads, 1.0, {0});
+  }
+};
+
 // The callbacks of one backward pass, taken off all at once.
 class HookSet {
  public:
@@ -811,6 +862,31 @@ class HookSet {
   void add_scaling_post(py::handle node, double factor,
                         std::vector<int64_t> indices) {
     add<ScalingPostHook>(node, factor, std::move(indices));
+  }
+
+  // The refresh-read control's hook on ``node`` (RefreshReadHook): a GEMM
+  // site's, ``weight`` a tensor (``n``: its accumulation length), or a
+  // cast site's, ``weight`` None.
+  void add_refresh_read(py::handle node, py::handle weight, int64_t n,
+                        double coefficient, double fmt_max, int64_t limit,
+                        py::handle fallback) {
+    at::Tensor w;
+    if (!weight.is_none()) {
+      if (!THPVariable_Check(weight.ptr())) {
+        throw py::type_error("gradient_scaling native: a weight that is "
+                             "not a tensor");
+      }
+      w = THPVariable_Unpack(weight.ptr()).detach();
+    }
+    add<RefreshReadHook>(node, std::move(w), n, coefficient, fmt_max, limit,
+                         std::make_shared<PyRef>(fallback.ptr()), reads_);
+  }
+
+  // What the refresh-read hooks read so far, in order (then forgotten).
+  std::vector<double> take_reads() {
+    std::vector<double> taken;
+    taken.swap(*reads_);
+    return taken;
   }
 
   // A planned pass's hook on ``node``: its gradients (incoming for a
@@ -885,6 +961,8 @@ class HookSet {
     bool pre;
   };
   std::vector<Entry> entries_;
+  std::shared_ptr<std::vector<double>> reads_ =
+      std::make_shared<std::vector<double>>();
 };
 
 // Parameters -> the scale their gradients carry in a pass.
@@ -2097,6 +2175,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_post", &HookSet::add_post)
       .def("add_scaling_pre", &HookSet::add_scaling_pre)
       .def("add_scaling_post", &HookSet::add_scaling_post)
+      .def("add_refresh_read", &HookSet::add_refresh_read)
+      .def("take_reads", &HookSet::take_reads)
       .def("add_planned", &HookSet::add_planned)
       .def("add_planned_events", &HookSet::add_planned_events)
       .def("clear", &HookSet::clear)

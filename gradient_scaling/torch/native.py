@@ -332,6 +332,7 @@ class PythonHooks(object):
 
     def __init__(self):
         self._handles = []
+        self._reads = []
 
     def add_pre(self, node, fn):
         self._handles.append(node.register_prehook(fn))
@@ -349,6 +350,28 @@ class PythonHooks(object):
         ``factor``."""
         self.add_post(node, lambda grad_inputs, grad_outputs:
                       _times(factor, indices, grad_inputs))
+
+    def add_refresh_read(self, node, weight, n, coefficient, fmt_max,
+                         limit, fallback):
+        """The benchmark's control of a refresh's reads: ``fallback(g)``
+        of the incoming gradient ``g`` (natively, the refresh's own reads
+        where it makes them natively: a GEMM's of ``g`` and ``weight``,
+        a cast's, ``weight`` None, of ``g``), its result kept (:meth:`take_
+        reads`); ``g`` then times 1."""
+        reads = self._reads
+
+        def read(grads):
+            if grads[0] is None:
+                return None
+            reads.append(float(fallback(grads[0])))
+            return _times(1.0, (0,), grads)
+        self.add_pre(node, read)
+
+    def take_reads(self):
+        """What the refresh-read hooks read so far, in order (then
+        forgotten)."""
+        taken, self._reads[:] = list(self._reads), []
+        return taken
 
     def clear(self):
         for handle in self._handles:
@@ -370,8 +393,9 @@ def hook_set_class():
     ``node.register_hook``, ``clear()``; ``add_scaling_pre`` and
     ``add_scaling_post(node, factor, indices)``: those gradients
     multiplied, natively without Python, the benchmark's floor of a
-    native pass): native or Python. Asked once (a hook keeps it: a pass
-    then calls no Python here)."""
+    native pass; ``add_refresh_read`` and ``take_reads``: a refresh's
+    reads so, the floor of a native refresh): native or Python. Asked
+    once (a hook keeps it: a pass then calls no Python here)."""
     native = module()
     return PythonHooks if native is None else native.HookSet
 

@@ -278,7 +278,12 @@ class PhaseRow(object):
     contribution to a branch: a real multiplication each, no Python; the
     parameters' hooks return at once): the floor of a cached pass whose work
     were all native, the structure read and one multiplication per scaled
-    gradient, on top of GradScaler's own unscale."""
+    gradient, on top of GradScaler's own unscale. `GradScaler + native
+    refresh reads` is that control with a GS refresh's reads at its GEMM and
+    cast sites, each made as GS's refresh makes it (natively where it does:
+    a GEMM's incoming gradient and weight and Theorem 1's scale, a cast's
+    log-normal moments), the gradient then multiplied by 1: the floor of a
+    refresh whose work were all native but its reads."""
 
 
 def phase_rows(model, shape, precision, phases):

@@ -24,7 +24,13 @@ import time
 import numpy
 import torch
 
+from gradient_scaling.core import estimators
+from gradient_scaling.core import formats
+from gradient_scaling.core import recipes
+from gradient_scaling.core import statistics
+from gradient_scaling.core import underflow
 from gradient_scaling.torch import GradientScaler
+from gradient_scaling.torch import arrays
 from gradient_scaling.torch import compile_backend
 from gradient_scaling.torch import graph
 from gradient_scaling.torch import native
@@ -44,6 +50,7 @@ __all__ = ['TorchStep', 'use_device', 'memory_tracker', 'training_variants',
            'CompileCounter', 'COMPILED', 'COMPILED_TARGETS',
            'COMPILED_BASELINE', 'COMPILED_BASELINE_AA', 'COMPILE_WARM_UP',
            'HookedGradScaler', 'HOOKS_CONTROL', 'SCALING_CONTROL',
+           'READS_CONTROL',
            'cause_samples']
 
 NEVER = rows.NEVER
@@ -73,6 +80,11 @@ HOOKS_CONTROL = 'GradScaler + no-op hooks'
 #: Python in them (:class:`HookedGradScaler` with ``scaling``): the floor
 #: of a cached pass done natively in eager PyTorch.
 SCALING_CONTROL = 'GradScaler + native scaling hooks'
+#: That control with a refresh's reads at its GEMM and cast sites, made as
+#: GS's refresh makes them (natively where it does), no other Python
+#: (:class:`HookedGradScaler` with ``reads``): the floor of a refresh done
+#: natively.
+READS_CONTROL = 'GradScaler + native refresh reads'
 #: The compiled variants' labels: the eager ones', prefixed.
 COMPILED = 'compiled '
 COMPILED_BASELINE, COMPILED_BASELINE_AA = (COMPILED + TARGET_BASELINE,
@@ -210,19 +222,37 @@ class HookedGradScaler(object):
     work were all native (the structure read, one multiplication per
     scaled gradient), on top of GradScaler's own unscale.
 
+    ``reads`` (with ``scaling``): the hooks of the GEMM and cast sites
+    also make the reads of a GS refresh (``HookSet.add_refresh_read``:
+    a GEMM's incoming gradient and weight and Theorem 1's scale, a cast's
+    log-normal moments; natively where GS's refresh reads natively, in
+    Python where it does, for GS's recipe at ``fmt``), before the
+    gradient is multiplied by 1: what a refresh would cost whose work
+    were all native but its reads (not the saved inputs' finiteness, a
+    loop over each, nor a branch's maxima, which a refresh reads only
+    where its contributions' scales differ). :attr:`reads` keeps the
+    last pass's results, in the order the engine read them (each GEMM's
+    scale, each cast's mean of ``log |g|``; of gradients at GradScaler's
+    loss scale, not GS's site scales: other values, the same work).
+
     Raises:
         RuntimeError: When a graph's structure is not the first one's.
 
     """
 
-    def __init__(self, scaler, model, scaling=False):
+    def __init__(self, scaler, model, scaling=False, reads=False,
+                 fmt='float16'):
         self.scaler = scaler
-        self.scaling = scaling
+        self.scaling = scaling or reads
+        self.reading = reads
+        self.fmt = fmt
+        self.reads = []
+        self._readers = {}  # position -> [(weight, n, fallback), ...]
         self._hooks, self._signature = native.Hooks(), None
         landing = native.Landing()
         # (a no-op hook calls Python, as GS's does in a pass; a scaling
         # control's returns at once, as a native landing would)
-        landing.set_running(not scaling)
+        landing.set_running(not self.scaling)
         for param in model.parameters():
             if param.requires_grad:
                 param.register_hook(landing.hook(param, _nothing))
@@ -240,6 +270,8 @@ class HookedGradScaler(object):
         self._sites = sorted(index[n] for n in sites)
         self._post = sorted(post)
         self._post_edges = post
+        if self.reading:
+            self._readers = _refresh_readers(plan, index, self.fmt)
 
     def scale(self, loss):
         roots = [loss.grad_fn]
@@ -250,7 +282,13 @@ class HookedGradScaler(object):
             raise RuntimeError('HookedGradScaler: the graph changed')
         if self.scaling:
             for i in self._sites:
-                self._hooks.add_scaling_pre(order[i], 1.0, [0])
+                readers = self._readers.get(i)
+                if readers is None:
+                    self._hooks.add_scaling_pre(order[i], 1.0, [0])
+                for weight, n, fallback in readers or ():
+                    self._hooks.add_refresh_read(
+                        order[i], weight, n, *_READ_SETTINGS[self.fmt],
+                        fallback)
             for i in self._post:
                 self._hooks.add_scaling_post(order[i], 1.0,
                                              self._post_edges[i])
@@ -262,6 +300,8 @@ class HookedGradScaler(object):
         return self.scaler.scale(loss)
 
     def step(self, optimizer):
+        if self.reading:
+            self.reads = self._hooks.take_reads()
         self._hooks.clear()
         return self.scaler.step(optimizer)
 
@@ -274,6 +314,45 @@ class HookedGradScaler(object):
 
 def _nothing(*args):
     return None
+
+
+#: Per format: what a GS refresh's GEMM read is given besides its tensors
+#: (Theorem 1's coefficient at the default underflow rate, the format's
+#: largest value, the sample a spread is read from).
+_READ_SETTINGS = {
+    fmt: (underflow.gemm_target_coefficient(1e-3, fmt),
+          formats.get(fmt).max, statistics.SPREAD_SAMPLE)
+    for fmt in ('float16', 'bfloat16')}
+
+
+def _refresh_readers(plan, index, fmt):
+    """Position -> the refresh reads of a GS refresh at that node of
+    ``plan``, in its order: ``(weight, n, fallback)`` of a GEMM site (its
+    weight as multiplied, its accumulation length), ``(None, 0,
+    fallback)`` of a cast site (the cast before a softmax, or the entry
+    of the logits' GEMM where no cast precedes it and the recipe does
+    not share the data path's scale with the weight path); ``fallback``:
+    the read in Python, as GS's refresh makes it where the native one
+    does not apply."""
+    estimator = estimators.ModelEstimator(1e-3, fmt)
+    ops = arrays.TorchOps()
+    shares = recipes.GradientScalingRecipe.weight_path_shares_data_scale
+
+    def log_mean(g):
+        return ops.log_statistics(g).log_mean
+
+    def gemm_read(site):
+        weight, n = site.weight_values, site.accumulation_length
+
+        def read(g):
+            return estimator.gemm(g, weight, n, 1.0, None, None, None)[0]
+        return weight, n, read
+    readers = {index[node]: [(None, 0, log_mean)] for node in plan.casts}
+    for node, site in plan.gemms.items():
+        cast = [(None, 0, log_mean)] if node in plan.softmax_gemms and \
+            not shares else []
+        readers[index[node]] = cast + [gemm_read(site)]
+    return readers
 
 
 def build_case(name, shape, device, seed=0):
@@ -292,9 +371,11 @@ def _scaler(kind, model, device, precision, interval=NEVER, measure=False):
                                     growth_interval=NEVER)
     if kind == 'dynamic':
         return torch.amp.GradScaler(device.type)
-    if kind in ('hooks', 'scaling-hooks'):
+    if kind in ('hooks', 'scaling-hooks', 'read-hooks'):
         return HookedGradScaler(torch.amp.GradScaler(device.type), model,
-                                scaling=kind == 'scaling-hooks')
+                                scaling=kind == 'scaling-hooks',
+                                reads=kind == 'read-hooks',
+                                fmt=_format(precision))
     return GradientScaler(model, update_interval=interval,
                           fmt=_format(precision), measure_underflow=measure)
 
@@ -350,6 +431,7 @@ def target_variants(name, shape, device):
              (TARGET_BASELINE_AA, 'dynamic', NEVER),
              (HOOKS_CONTROL, 'hooks', NEVER),
              (SCALING_CONTROL, 'scaling-hooks', NEVER),
+             (READS_CONTROL, 'read-hooks', NEVER),
              ('gs-cached', 'gs', NEVER), ('gs@1', 'gs', 1)]
     variants = []
     for label, kind, interval in specs:
