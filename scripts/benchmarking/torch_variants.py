@@ -246,6 +246,7 @@ class HookedGradScaler(object):
         self.scaling = scaling or reads
         self.reading = reads
         self.fmt = fmt
+        self._settings = _read_settings(fmt) if reads else None
         self.reads = []
         self._readers = {}  # position -> [(weight, n, fallback), ...]
         self._hooks, self._signature = native.Hooks(), None
@@ -286,9 +287,9 @@ class HookedGradScaler(object):
                 if readers is None:
                     self._hooks.add_scaling_pre(order[i], 1.0, [0])
                 for weight, n, fallback in readers or ():
-                    self._hooks.add_refresh_read(
-                        order[i], weight, n, *_READ_SETTINGS[self.fmt],
-                        fallback)
+                    self._hooks.add_refresh_read(order[i], weight, n,
+                                                 *self._settings,
+                                                 fallback)
             for i in self._post:
                 self._hooks.add_scaling_post(order[i], 1.0,
                                              self._post_edges[i])
@@ -316,13 +317,12 @@ def _nothing(*args):
     return None
 
 
-#: Per format: what a GS refresh's GEMM read is given besides its tensors
-#: (Theorem 1's coefficient at the default underflow rate, the format's
-#: largest value, the sample a spread is read from).
-_READ_SETTINGS = {
-    fmt: (underflow.gemm_target_coefficient(1e-3, fmt),
-          formats.get(fmt).max, statistics.SPREAD_SAMPLE)
-    for fmt in ('float16', 'bfloat16')}
+def _read_settings(fmt):
+    """What a GS refresh's GEMM read at ``fmt`` is given besides its
+    tensors: Theorem 1's coefficient at the default underflow rate, the
+    format's largest value, the sample a spread is read from."""
+    return (underflow.gemm_target_coefficient(1e-3, fmt),
+            formats.get(fmt).max, statistics.SPREAD_SAMPLE)
 
 
 def _refresh_readers(plan, index, fmt):
