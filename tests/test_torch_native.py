@@ -1082,7 +1082,6 @@ def test_scaling_hooks_multiply_every_gradient(built, kind):
     hooks.clear()
 
 
-
 @pytest.mark.parametrize('kind', ['native', 'python'])
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
 def test_refresh_read_hooks_read_as_a_refresh_and_change_nothing(
@@ -1370,10 +1369,10 @@ def test_the_refresh_reads_natively_what_python_reads_bit_for_bit(
 
 @pytest.mark.parametrize('case', ['gradient', 'parameter', 'zeros', 'nan',
                                   'float16', 'strided', 'too large'])
-def test_a_small_float32_spread_reads_its_maximum_by_a_loop(built, case):
-    # A small float32 CPU tensor's max|x| is read by a loop (no aminmax),
-    # its sums only where that maximum is finite and not 0; another
-    # tensor's by ATen's operations, as Python reads it.
+def test_a_small_cpu_spread_is_read_by_loops(built, case):
+    # A small CPU tensor's max|x| and sums are read by loops (no aminmax,
+    # sum or dot: the sums in lanes, lane_sums), a float16 or strided
+    # one's from a float32 copy; a tensor beyond the limit not at all.
     g = torch.Generator().manual_seed(5)
     x = {'gradient': torch.randn(8, 96, generator=g),
          'parameter': torch.nn.Parameter(torch.randn(96, 32, generator=g)),
@@ -1387,11 +1386,117 @@ def test_a_small_float32_spread_reads_its_maximum_by_a_loop(built, case):
             activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         read = built.small_spread_and_max(x, statistics.SPREAD_SAMPLE)
     ran = {event.name for event in profile.events()}
-    loop = case in ('gradient', 'parameter', 'zeros', 'nan')
-    assert ('aten::aminmax' in ran) == (not loop and read is not None)
-    assert ('aten::dot' in ran) == (case in ('gradient', 'parameter',
-                                             'float16', 'strided'))
+    assert not ran & {'aten::aminmax', 'aten::sum', 'aten::dot'}
+    assert ('aten::copy_' in ran) == (case in ('float16', 'strided'))
     assert (read is None) == (case == 'too large')
+
+
+def _in_lanes(values):
+    """(sum, sum of squares) of Python floats in the lanes' order, one
+    value at a time: value i in lane i % 8, each lane in order, the lanes
+    combined ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7))."""
+    sums, squares = [0.0] * 8, [0.0] * 8
+    for i, v in enumerate(values):
+        sums[i % 8] += v
+        squares[i % 8] += v * v
+    return tuple(((a + b) + (c + d)) + ((e + f) + (g + h))
+                 for a, b, c, d, e, f, g, h in (sums, squares))
+
+
+def test_a_small_cpu_spread_sums_in_lanes(built):
+    # The lanes' order: value i in lane i % 8, each lane in order, the
+    # lanes combined ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)); summed
+    # here one value at a time in Python floats, for every length of the
+    # last row, a centred spread (mean >> spread) and subnormal values.
+    from gradient_scaling.torch import arrays
+    lanes = _in_lanes
+    g = torch.Generator().manual_seed(6)
+    for n, shift, scale in [(1, 0, 1), (7, 0, 1), (8, 0, 1), (13, 0, 1),
+                            (100, 3.0, 1e-3), (61, 0, 1e-40)]:
+        x = torch.randn(n, generator=g) * scale + shift
+        values = x.double().tolist()
+        total, squares = lanes(values)
+        if total * total > 0.5 * n * squares:
+            total, squares = lanes([v - total / n for v in values])
+        mean = total / n
+        expected = (math.sqrt(max(squares / n - mean * mean, 0.0)),
+                    float(x.abs().max()))
+        assert built.small_spread_and_max(
+            x, statistics.SPREAD_SAMPLE) == expected
+        assert arrays._small_spread_and_max(x) == expected
+        exact = float(x.double().std(unbiased=False))
+        assert expected[0] == pytest.approx(exact, rel=1e-12)
+
+
+@pytest.mark.parametrize('case', ['plain', 'zeros', 'nan and inf',
+                                  'float64', 'one value', 'none finite'])
+def test_a_small_cpu_cast_read_takes_its_moments_in_lanes(built, case):
+    # The log-normal read of a small CPU tensor: the mean and variance of
+    # its finite values and of the logs of their magnitudes, each in two
+    # passes of lane sums (the mean, then the squared deviations from
+    # it), natively and in Python alike.
+    from gradient_scaling.torch import arrays
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(77, generator=g) * 1e-3 + 2e-4
+    if case == 'zeros':
+        x[::5] = 0
+    elif case == 'nan and inf':
+        x[3], x[40] = math.nan, -math.inf
+    elif case == 'float64':
+        x = x.double()
+    elif case == 'one value':
+        x = x[:1]
+    elif case == 'none finite':
+        x = torch.tensor([math.nan, math.inf])
+    values = [v for v in x.double().tolist() if math.isfinite(v)]
+    logs = torch.tensor([abs(v) for v in values if v != 0],
+                        dtype=torch.float64).log().tolist()
+
+    def moments(vs):
+        if not vs:
+            return 0.0, 0.0
+        mean = _in_lanes(vs)[0] / len(vs)
+        return mean, _in_lanes([v - mean for v in vs])[1] / len(vs)
+    largest = max((abs(v) for v in values), default=0.0)
+    expected = (x.numel(), float(len(values))) + moments(values) + (
+        largest, len(logs)) + moments(logs)
+    assert tuple(built.log_moments(x)) == expected
+    assert tuple(arrays._log_moments(x)) == expected
+    if len(logs) > 1:
+        exact = torch.tensor(logs, dtype=torch.float64).var(unbiased=False)
+        assert expected[7] == pytest.approx(float(exact), rel=1e-12)
+
+
+def test_the_cpu_reads_under_a_dispatch_mode_are_python_s(built):
+    # Under a dispatch mode (which sees ATen's operations) no loop reads
+    # the tensor: the spread is left to Python's operations, the moments
+    # are summed in lanes by ATen's (lane_sums_by_aten), the same
+    # numbers as Python's and as without the mode.
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from gradient_scaling.torch import arrays
+    from gradient_scaling.torch.arrays import TORCH_OPS
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(str(func))
+            return func(*args, **(kwargs or {}))
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(300, generator=g) * 1e-3
+    x[::7] = 0
+    plain = (tuple(built.log_moments(x)), TORCH_OPS.spread_and_max(x))
+    with Seen() as seen:
+        native_reads = (tuple(built.log_moments(x)),
+                        TORCH_OPS.spread_and_max(x))
+        assert built.small_spread_and_max(
+            x, statistics.SPREAD_SAMPLE) is None
+    assert 'aten.cumsum.default' in seen.ops
+    python_reads = (tuple(arrays._log_moments(x)),
+                    arrays._small_spread_and_max(x))
+    assert native_reads == python_reads == plain
 
 
 def test_the_refresh_reads_keep_the_default_dtype_and_device(built):

@@ -92,26 +92,53 @@ def _spread_and_max(flat, sample=True):
 
 def _small_spread_and_max(flat):
     """:func:`_spread_and_max` of a float32 tensor of at most
-    ``SPREAD_SAMPLE`` elements with one host read where its values are
-    not near-constant: extremes, sum and sum of squares at once, in
-    float64, as :func:`_spread` sums such a tensor. The squares of float32
-    numbers are normal float64 numbers, so the power-of-two factor that
-    :func:`_spread` may apply first changes no bit of the result (every
-    rounding commutes with it): the same standard deviation."""
+    ``SPREAD_SAMPLE`` elements with one host read for its extremes and one
+    for its sums, in float64: on the CPU in lanes (:func:`_lane_sums`, the
+    order in which the native read sums at a loop's speed), elsewhere by
+    ATen's reductions. The squares of float32 numbers are normal float64
+    numbers, so the power-of-two factor that :func:`_spread` may apply
+    first would change no bit of the result (every rounding commutes with
+    it)."""
     y = flat.to(torch.float64)
-    low, high, total, squares = _values(*torch.aminmax(y), y.sum(),
-                                        torch.dot(y, y))
+    low, high = _values(*torch.aminmax(y))
     largest = max(-low, high)
     if not math.isfinite(largest):
         return math.nan, largest
     if largest == 0:
         return 0.0, 0.0
+    sums = _lane_sums if y.device.type == 'cpu' else _sums
+    total, squares = sums(y)
     n = flat.numel()
     if total * total > 0.5 * n * squares:  # mean >> spread: centre first
-        d = flat.to(torch.float64) - total / n
-        total, squares = _values(d.sum(), torch.dot(d, d))
+        total, squares = sums(y - total / n)
     mean = total / n
     return math.sqrt(max(squares / n - mean * mean, 0.0)), largest
+
+
+def _sums(y):
+    """``(sum(y), sum(y * y))`` of a flat float64 tensor by ATen's
+    reductions (``sum``, ``dot``), with one host read."""
+    return tuple(_values(y.sum(), torch.dot(y, y)))
+
+
+#: The lanes of :func:`_lane_sums`.
+_LANES = 8
+
+
+def _lane_sums(y):
+    """``(sum(y), sum(y * y))`` of a flat float64 CPU tensor in a fixed
+    order: value i added to lane ``i % 8``, each lane in order from 0.0
+    (a cumulative sum, which the CPU makes in order; the zeros that pad
+    the last row change no sum), the eight lanes then combined as ``((0 +
+    1) + (2 + 3)) + ((4 + 5) + (6 + 7))``. The native read
+    (``native.cpp``'s ``lane_sums``) makes the same additions by loops."""
+    rows = torch.stack([y, y * y])
+    pad = -y.numel() % _LANES
+    if pad:
+        rows = torch.nn.functional.pad(rows, (0, pad))
+    lanes = rows.reshape(2, -1, _LANES).cumsum(1)[:, -1].tolist()
+    return tuple(((a + b) + (c + d)) + ((e + f) + (g + h))
+                 for a, b, c, d, e, f, g, h in lanes)
 
 
 def max_abs(x):
@@ -126,17 +153,26 @@ def max_abs(x):
 
 def _log_moments(x):
     """:meth:`TorchOps.log_statistics`'s reads of ``x`` over its finite
-    values, in float64, with one host transfer: (count, finite count,
-    mean, variance, ``max|x|``, non-zero count, mean and variance of
-    ``log|x|``); natively (``log_moments``) the same operations, less
-    the two selections where they select every value (no NaN, inf or 0:
-    the same values reduced in the same order)."""
+    values, in float64: (count, finite count, mean, variance, ``max|x|``,
+    non-zero count, mean and variance of ``log|x|``); the moments of a CPU
+    tensor of up to :data:`_LOOP_LIMIT` elements in lanes
+    (:func:`_lane_moments`), another's by ``var_mean`` with one host
+    transfer. Natively (``log_moments``) the same operations, less the two
+    selections where they select every value (no NaN, inf or 0: the same
+    values reduced in the same order)."""
     x = x.detach().to(torch.float64).reshape(-1)
     finite = torch.isfinite(x)
     values = x[finite]
     magnitudes = values.abs()
     logs = torch.log(magnitudes[magnitudes != 0])
     zero = torch.zeros((), dtype=torch.float64, device=x.device)
+    largest = magnitudes.max() if values.numel() else zero
+    if x.device.type == 'cpu' and x.numel() <= _LOOP_LIMIT:
+        (mean, var), (log_mean, log_var) = (_lane_moments(values),
+                                            _lane_moments(logs))
+        n_finite, largest = _values(finite.sum(), largest)
+        return (x.numel(), n_finite, mean, var, largest, logs.numel(),
+                log_mean, log_var)
 
     def moments(v):
         if v.numel() == 0:
@@ -146,10 +182,26 @@ def _log_moments(x):
     mean, var = moments(values)
     log_mean, log_var = moments(logs)
     (n_finite, mean, var, largest, log_mean,
-     log_var) = _values(finite.sum(), mean, var, magnitudes.max()
-                        if values.numel() else zero, log_mean, log_var)
+     log_var) = _values(finite.sum(), mean, var, largest, log_mean,
+                        log_var)
     return (x.numel(), n_finite, mean, var, largest, logs.numel(),
             log_mean, log_var)
+
+
+#: The largest tensor whose moments are summed in lanes (``native.cpp``'s
+#: ``kSmallLoop``: a loop there reads it).
+_LOOP_LIMIT = 2 ** 16
+
+
+def _lane_moments(v):
+    """The mean and variance of a flat float64 CPU tensor in two passes of
+    :func:`_lane_sums` (the sum gives the mean, the squares of the
+    deviations from it the variance); ``(0.0, 0.0)`` where empty."""
+    n = v.numel()
+    if n == 0:
+        return 0.0, 0.0
+    mean = _lane_sums(v)[0] / n
+    return mean, _lane_sums(v - mean)[1] / n
 
 
 class TorchOps(arrays.ArrayOps):

@@ -11,9 +11,11 @@
 // (PlannedTable, HookSet.add_planned). The small tensors GS adds
 // operations on (a cast's max|g|, a factor's product, a landing's
 // division) are read and multiplied by loops where that gives ATen's bits
-// (loop_ready), and a refresh's reads of a tensor are ATen's operations in
-// one call each (finite_witness, small_spread_and_max, log_moments: the
-// last skips its selections where a loop finds they select every value).
+// (loop_ready), and a refresh's reads of a tensor are one call each
+// (finite_witness, small_spread_and_max, log_moments): ATen's operations,
+// but a small CPU tensor's spread, whose sums loops make in lanes, and
+// log_moments's selections, skipped where a loop finds they select every
+// value.
 // gradient_scaling/torch/native.py
 // builds this file once per PyTorch version and falls back to the Python
 // implementation where it cannot (passes are then not planned).
@@ -1952,50 +1954,104 @@ bool small_spread_readable(const at::Tensor& given, int64_t limit) {
           dtype == at::kBFloat16) && n != 0 && n <= limit;
 }
 
+// The sum of ``n`` values, and the sum of their squares, in float64 and
+// in lanes (arrays.py's _lane_sums, the same additions in the same order):
+// value i goes to lane i % 8, each lane summed in order from 0.0, the
+// eight lanes then combined as ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)).
+// A fixed order, which a loop keeps at a loop's speed (eight running sums
+// are eight independent chains; ATen's sum and dot of a small tensor cost
+// a few microseconds each in dispatch and intermediate tensors). Value i
+// is ``v[i]`` widened, less ``mean`` (0 but where centred), one IEEE
+// subtraction; its square one IEEE product (no contraction: the build's
+// -ffp-contract).
+struct LaneSums {
+  double total, squares;
+};
+
+inline double combined(const double* lane) {
+  return ((lane[0] + lane[1]) + (lane[2] + lane[3])) +
+         ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+}
+
+template <typename T>
+LaneSums lane_sums(const T* v, int64_t n, double mean) {
+  double sums[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  double squares[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int j = 0; j < 8; ++j) {
+      const double x = static_cast<double>(v[i + j]) - mean;
+      sums[j] += x;
+      squares[j] += x * x;
+    }
+  }
+  for (; i < n; ++i) {
+    const double x = static_cast<double>(v[i]) - mean;
+    sums[i % 8] += x;
+    squares[i % 8] += x * x;
+  }
+  return {combined(sums), combined(squares)};
+}
+
 // TorchOps.spread_and_max of a plain float32 (or float16, bfloat16: they
 // widen exactly) CPU or CUDA tensor of 1 to ``limit`` elements: arrays.py's
-// _small_spread_and_max, every operation the same, and the arithmetic on
-// their values, in one call: (standard deviation, max |x|); nothing for
-// another tensor (Python reads it). A small float32 CPU tensor's extremes
-// are max|x| (NaN where a value is), which a loop reads where the values
-// are, exact (a maximum: no order to keep); its sums then only where a
-// finite, non-zero maximum needs them.
+// _small_spread_and_max, the same sums and the arithmetic on them, in one
+// call: (standard deviation, max |x|); nothing for another tensor (Python
+// reads it). On the CPU its values are read by loops, as float32 (a copy
+// where they are not a plain row-major float32 tensor's): max|x| (NaN
+// where a value is; a maximum: no order to keep), then the sums in lanes
+// (lane_sums) only where a finite, non-zero maximum needs them. Where a
+// dispatch mode is on (its operations are Python's to see), nothing. On
+// a CUDA device, ATen's reductions in float64.
 std::optional<std::tuple<double, double>> small_spread_and_max(
     const at::Tensor& given, int64_t limit) {
   if (!small_spread_readable(given, limit)) return std::nullopt;
   const int64_t n = given.numel();
-  at::Tensor y;
-  std::vector<double> v;
-  double largest;
-  if (loop_readable(given)) {
-    // max(-min, max) is max|x|, NaN where one is: read by a loop, exact
-    // (no sum), and the two sums only where they are used.
-    largest = max_abs_float(given.data_ptr<float>(), n);
-    if (std::isfinite(largest) && largest != 0) {
-      y = given.detach().reshape(-1).to(at::kDouble);
-      v = values_of({y.sum(), at::dot(y, y)});
+  const double count = static_cast<double>(n);
+  double largest, total, squares;
+  if (given.device().is_cpu()) {
+    if (c10::impl::dispatch_mode_enabled()) return std::nullopt;
+    at::Tensor x = given;
+    if (!loop_readable(given) || given.scalar_type() != at::kFloat) {
+      x = given.detach().resolve_neg().reshape(-1).to(at::kFloat)
+              .contiguous();
+    }
+    const float* values = x.data_ptr<float>();
+    largest = max_abs_float(values, n);
+    if (!std::isfinite(largest)) {
+      return std::make_tuple(std::numeric_limits<double>::quiet_NaN(),
+                             largest);
+    }
+    if (largest == 0) return std::make_tuple(0.0, 0.0);
+    LaneSums sums = lane_sums(values, n, 0.0);
+    total = sums.total;
+    squares = sums.squares;
+    if (total * total > 0.5 * count * squares) {  // centred first
+      sums = lane_sums(values, n, total / count);
+      total = sums.total;
+      squares = sums.squares;
     }
   } else {
-    y = given.detach().reshape(-1).to(at::kDouble);
+    at::Tensor y = given.detach().reshape(-1).to(at::kDouble);
     auto extremes = at::aminmax(y);
-    v = values_of({std::get<0>(extremes), std::get<1>(extremes), y.sum(),
-                   at::dot(y, y)});
+    std::vector<double> v = values_of(
+        {std::get<0>(extremes), std::get<1>(extremes), y.sum(),
+         at::dot(y, y)});
     const double low = v[0], high = v[1];
     largest = high > -low ? high : -low;  // max(-low, high)
-    v.erase(v.begin(), v.begin() + 2);
-  }
-  if (!std::isfinite(largest)) {
-    return std::make_tuple(std::numeric_limits<double>::quiet_NaN(),
-                           largest);
-  }
-  if (largest == 0) return std::make_tuple(0.0, 0.0);
-  double total = v[0], squares = v[1];
-  const double count = static_cast<double>(n);
-  if (total * total > 0.5 * count * squares) {  // centred first
-    at::Tensor d = y - total / count;
-    v = values_of({d.sum(), at::dot(d, d)});
-    total = v[0];
-    squares = v[1];
+    if (!std::isfinite(largest)) {
+      return std::make_tuple(std::numeric_limits<double>::quiet_NaN(),
+                             largest);
+    }
+    if (largest == 0) return std::make_tuple(0.0, 0.0);
+    total = v[2];
+    squares = v[3];
+    if (total * total > 0.5 * count * squares) {  // centred first
+      at::Tensor d = y - total / count;
+      v = values_of({d.sum(), at::dot(d, d)});
+      total = v[0];
+      squares = v[1];
+    }
   }
   const double mean = total / count;
   double var = squares / count - mean * mean;
@@ -2057,12 +2113,70 @@ gemm_model_scale(const at::Tensor& grad, const at::Tensor& weight,
   return std::make_tuple(scale, g_std, g_max, w_std, w_max);
 }
 
+constexpr int64_t kLanes = 8;
+
+// lane_sums of a flat float64 CPU tensor that no loop here reads (a
+// subclass's, or under a dispatch mode), by ATen's operations: arrays.py's
+// _lane_sums, the same operations (a cumulative sum per lane, in order).
+LaneSums lane_sums_by_aten(const at::Tensor& y) {
+  at::Tensor rows = at::stack({y, y * y});
+  const int64_t pad = (kLanes - y.numel() % kLanes) % kLanes;
+  if (pad) rows = at::constant_pad_nd(rows, {0, pad});
+  at::Tensor last = rows.reshape({2, -1, kLanes}).cumsum(1).select(1, -1)
+                        .to(at::kDouble).cpu().contiguous();
+  const double* lanes = last.data_ptr<double>();
+  return {combined(lanes), combined(lanes + kLanes)};
+}
+
+// The mean and variance of a flat float64 CPU tensor ``v`` in two passes
+// of lane sums (arrays.py's _lane_moments): the sum gives the mean, the
+// squares of the deviations from it the variance; (0, 0) where empty.
+std::pair<double, double> lane_moments(const at::Tensor& v) {
+  const int64_t n = v.numel();
+  if (n == 0) return {0.0, 0.0};
+  const double count = static_cast<double>(n);
+  if (loop_ready(v)) {
+    const double* values = v.data_ptr<double>();
+    const double mean = lane_sums(values, n, 0.0).total / count;
+    return {mean, lane_sums(values, n, mean).squares / count};
+  }
+  const double mean = lane_sums_by_aten(v).total / count;
+  return {mean, lane_sums_by_aten(v - mean).squares / count};
+}
+
 // TorchOps.log_statistics's reads of ``x``: (count, finite count, mean,
 // variance, max |x|, non-zero count, mean and variance of log |x|), over
-// its finite values (in float64).
+// its finite values (in float64): a CPU tensor of up to kSmallLoop
+// elements with its moments in lanes (lane_moments), another with ATen's
+// var_mean, as arrays.py's _log_moments.
 std::tuple<int64_t, double, double, double, double, int64_t, double, double>
 log_moments(const at::Tensor& given) {
   at::Tensor x = given.detach().to(at::kDouble).reshape(-1);
+  if (x.device().is_cpu() && x.numel() <= kSmallLoop) {
+    if (x.numel() > 0 && loop_ready(x) &&
+        finite_and_nonzero(x.data_ptr<double>(), x.numel())) {
+      // (both masks select every value, in order: the same values reduced
+      // in the same order, without the two selections)
+      at::Tensor logs = at::log(x.abs());
+      auto plain = lane_moments(x);
+      auto logged = lane_moments(logs);
+      const double n = static_cast<double>(x.numel());
+      return std::make_tuple(x.numel(), n, plain.first, plain.second,
+                             max_abs_loop(x.data_ptr<double>(), x.numel()),
+                             x.numel(), logged.first, logged.second);
+    }
+    at::Tensor finite = at::isfinite(x);
+    at::Tensor values = x.index({finite});
+    at::Tensor magnitudes = values.abs();
+    at::Tensor logs = at::log(magnitudes.index({magnitudes != 0}));
+    auto plain = lane_moments(values);
+    auto logged = lane_moments(logs);
+    const double largest =
+        values.numel() ? magnitudes.max().item<double>() : 0.0;
+    return std::make_tuple(x.numel(), static_cast<double>(values.numel()),
+                           plain.first, plain.second, largest, logs.numel(),
+                           logged.first, logged.second);
+  }
   if (x.numel() > 0 && loop_ready(x) &&
       finite_and_nonzero(x.data_ptr<double>(), x.numel())) {
     // (both masks select every value, in order: the same values reduced
