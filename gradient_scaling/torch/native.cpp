@@ -2177,21 +2177,7 @@ log_moments(const at::Tensor& given) {
                            plain.first, plain.second, largest, logs.numel(),
                            logged.first, logged.second);
   }
-  if (x.numel() > 0 && loop_ready(x) &&
-      finite_and_nonzero(x.data_ptr<double>(), x.numel())) {
-    // (both masks select every value, in order: the same values reduced
-    // in the same order, without the two selections)
-    at::Tensor logs = at::log(x.abs());
-    auto plain = at::var_mean(x, c10::nullopt, 0);
-    auto logged = at::var_mean(logs, c10::nullopt, 0);
-    std::vector<double> v = values_of(
-        {std::get<1>(plain), std::get<0>(plain), std::get<1>(logged),
-         std::get<0>(logged)});
-    double n = static_cast<double>(x.numel());
-    return std::make_tuple(x.numel(), n, v[0], v[1],
-                           max_abs_loop(x.data_ptr<double>(), x.numel()),
-                           x.numel(), v[2], v[3]);
-  }
+  // (a CUDA tensor, or a larger one: ATen's reductions, one launch each)
   at::Tensor finite = at::isfinite(x);
   at::Tensor values = x.index({finite});
   at::Tensor magnitudes = values.abs();
