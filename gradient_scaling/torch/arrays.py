@@ -92,25 +92,30 @@ def _spread_and_max(flat, sample=True):
 
 def _small_spread_and_max(flat):
     """:func:`_spread_and_max` of a float32 tensor of at most
-    ``SPREAD_SAMPLE`` elements with one host read for its extremes and one
-    for its sums, in float64: on the CPU in lanes (:func:`_lane_sums`, the
-    order in which the native read sums at a loop's speed), elsewhere by
-    ATen's reductions. The squares of float32 numbers are normal float64
-    numbers, so the power-of-two factor that :func:`_spread` may apply
-    first would change no bit of the result (every rounding commutes with
-    it)."""
+    ``SPREAD_SAMPLE`` elements, in float64: on the CPU its extremes, then
+    its sums in lanes (:func:`_lane_sums`, the order in which the native
+    read sums at a loop's speed) where a finite, non-zero maximum needs
+    them; elsewhere both in one host read, by ATen's reductions. The
+    squares of float32 numbers are normal float64 numbers, so the
+    power-of-two factor that :func:`_spread` may apply first would change
+    no bit of the result (every rounding commutes with it)."""
     y = flat.to(torch.float64)
-    low, high = _values(*torch.aminmax(y))
+    lanes = y.device.type == 'cpu'
+    if lanes:
+        low, high = _values(*torch.aminmax(y))
+    else:
+        low, high, total, squares = _values(*torch.aminmax(y), y.sum(),
+                                            torch.dot(y, y))
     largest = max(-low, high)
     if not math.isfinite(largest):
         return math.nan, largest
     if largest == 0:
         return 0.0, 0.0
-    sums = _lane_sums if y.device.type == 'cpu' else _sums
-    total, squares = sums(y)
+    if lanes:
+        total, squares = _lane_sums(y)
     n = flat.numel()
     if total * total > 0.5 * n * squares:  # mean >> spread: centre first
-        total, squares = sums(y - total / n)
+        total, squares = (_lane_sums if lanes else _sums)(y - total / n)
     mean = total / n
     return math.sqrt(max(squares / n - mean * mean, 0.0)), largest
 
@@ -118,7 +123,7 @@ def _small_spread_and_max(flat):
 def _sums(y):
     """``(sum(y), sum(y * y))`` of a flat float64 tensor by ATen's
     reductions (``sum``, ``dot``), with one host read."""
-    return tuple(_values(y.sum(), torch.dot(y, y)))
+    return _values(y.sum(), torch.dot(y, y))
 
 
 #: The lanes of :func:`_lane_sums`.

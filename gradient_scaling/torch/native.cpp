@@ -1964,6 +1964,8 @@ bool small_spread_readable(const at::Tensor& given, int64_t limit) {
 // is ``v[i]`` widened, less ``mean`` (0 but where centred), one IEEE
 // subtraction; its square one IEEE product (no contraction: the build's
 // -ffp-contract).
+constexpr int64_t kLanes = 8;
+
 struct LaneSums {
   double total, squares;
 };
@@ -1975,11 +1977,11 @@ inline double combined(const double* lane) {
 
 template <typename T>
 LaneSums lane_sums(const T* v, int64_t n, double mean) {
-  double sums[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  double squares[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  double sums[kLanes] = {};
+  double squares[kLanes] = {};
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    for (int j = 0; j < 8; ++j) {
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int64_t j = 0; j < kLanes; ++j) {
       const double x = static_cast<double>(v[i + j]) - mean;
       sums[j] += x;
       squares[j] += x * x;
@@ -1987,8 +1989,8 @@ LaneSums lane_sums(const T* v, int64_t n, double mean) {
   }
   for (; i < n; ++i) {
     const double x = static_cast<double>(v[i]) - mean;
-    sums[i % 8] += x;
-    squares[i % 8] += x * x;
+    sums[i % kLanes] += x;
+    squares[i % kLanes] += x * x;
   }
   return {combined(sums), combined(squares)};
 }
@@ -2003,6 +2005,13 @@ LaneSums lane_sums(const T* v, int64_t n, double mean) {
 // (lane_sums) only where a finite, non-zero maximum needs them. Where a
 // dispatch mode is on (its operations are Python's to see), nothing. On
 // a CUDA device, ATen's reductions in float64.
+// The spread read of values whose max|x| is ``largest``, not finite or 0:
+// (NaN, largest), or (0, 0).
+std::tuple<double, double> spread_of(double largest) {
+  if (largest == 0) return std::make_tuple(0.0, 0.0);
+  return std::make_tuple(std::numeric_limits<double>::quiet_NaN(), largest);
+}
+
 std::optional<std::tuple<double, double>> small_spread_and_max(
     const at::Tensor& given, int64_t limit) {
   if (!small_spread_readable(given, limit)) return std::nullopt;
@@ -2018,11 +2027,7 @@ std::optional<std::tuple<double, double>> small_spread_and_max(
     }
     const float* values = x.data_ptr<float>();
     largest = max_abs_float(values, n);
-    if (!std::isfinite(largest)) {
-      return std::make_tuple(std::numeric_limits<double>::quiet_NaN(),
-                             largest);
-    }
-    if (largest == 0) return std::make_tuple(0.0, 0.0);
+    if (!std::isfinite(largest) || largest == 0) return spread_of(largest);
     LaneSums sums = lane_sums(values, n, 0.0);
     total = sums.total;
     squares = sums.squares;
@@ -2039,11 +2044,7 @@ std::optional<std::tuple<double, double>> small_spread_and_max(
          at::dot(y, y)});
     const double low = v[0], high = v[1];
     largest = high > -low ? high : -low;  // max(-low, high)
-    if (!std::isfinite(largest)) {
-      return std::make_tuple(std::numeric_limits<double>::quiet_NaN(),
-                             largest);
-    }
-    if (largest == 0) return std::make_tuple(0.0, 0.0);
+    if (!std::isfinite(largest) || largest == 0) return spread_of(largest);
     total = v[2];
     squares = v[3];
     if (total * total > 0.5 * count * squares) {  // centred first
@@ -2112,8 +2113,6 @@ gemm_model_scale(const at::Tensor& grad, const at::Tensor& weight,
   if (cap < scale) scale = cap >= kMinScale ? pow2_floor(cap) : kMinScale;
   return std::make_tuple(scale, g_std, g_max, w_std, w_max);
 }
-
-constexpr int64_t kLanes = 8;
 
 // lane_sums of a flat float64 CPU tensor that no loop here reads (a
 // subclass's, or under a dispatch mode), by ATen's operations: arrays.py's
