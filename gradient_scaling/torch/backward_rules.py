@@ -81,6 +81,34 @@ class BackwardPass(object):
 
     """
 
+    # (the attributes a pass mostly keeps as they start, read from the
+    # class until set: a pass is made at every step)
+    started = finished = False
+    _stashes = _leaf_nodes = _leaves = _accumulates = None
+    #: A planned pass's ``(order, positions, scales)`` of its leaves'
+    #: landing scales, made into :attr:`leaf_scales` when first asked
+    #: (its native landing asks none).
+    leaf_columns = None
+    #: Whether gradients may land scaled and be divided in ``.grad``
+    #: when the pass ends (set as it starts: :meth:`~gradient_scaling.
+    #: torch.hook.GradientScaling.land`).
+    defers = False
+    #: A backward with ``inputs``: only their paths run.
+    partial = False
+    #: A planned pass's callbacks (:class:`~gradient_scaling.torch.
+    #: planned_pass.PlannedRun`), or what records them (a
+    #: ``Recorder``) or the caps they chose (the Python callbacks of a
+    #: structure that could not be planned this time); None: the
+    #: Python callbacks.
+    planned = None
+    #: A pass of the Python callbacks on a reused plan: ``(unit,
+    #: gemm_landings, leaves)`` while its GEMMs' pre-hooks tell the
+    #: native landing the scales they set (:meth:`_learn_landing`).
+    _learning = None
+    #: ``(leaf, inverse)`` of the gradients that landing left scaled
+    #: in ``.grad`` (:meth:`take_left_scaled`).
+    left_scaled = None
+
     def __init__(self, hook, roots, loss_scale, losses, nested=False,
                  plan=None, planning=False):
         self.hook = hook
@@ -92,7 +120,6 @@ class BackwardPass(object):
             [node for node, _ in roots], hook.recipe.cast_rule)
         self.roots, self.loss_scale = roots, loss_scale
         self.losses = losses
-        self.started = self.finished = False
         self.root_slot = dict(roots)
         self.slot_scales = {slot: loss_scale for slot in roots}
         self.edge_scales = {}
@@ -102,28 +129,17 @@ class BackwardPass(object):
         self._set_at = (self.slot_scales.get, self.edge_scales.get)
         self.sites = {}  # GEMM node -> what its pre-hook chose
         self.posts = set()  # GEMM nodes with a post-hook
-        self._stashes = self._leaf_nodes = None
         #: Accumulation node -> the scale of the gradient reaching it, for
         #: the leaves fed by a compiled root region, once the region has
         #: returned (:meth:`region_left`): what :meth:`slot_scale` would
         #: find, looked up at once as each lands.
         self._leaf_scales = {}
-        #: A planned pass's ``(order, positions, scales)`` of its leaves'
-        #: landing scales, made into :attr:`leaf_scales` when first asked
-        #: (its native landing asks none).
-        self.leaf_columns = None
-        self._leaves = None
         #: ``(leaf, scale)``: the scale each landed gradient carried,
         #: divided out as it landed.
         self.landed = []
         #: (leaf, 0-d finiteness witness) of what landed, when the hook
         #: checks on landing.
         self.witnesses = []
-        #: Whether gradients may land scaled and be divided in ``.grad``
-        #: when the pass ends (set as it starts: :meth:`~gradient_scaling.
-        #: torch.hook.GradientScaling.land`).
-        self.defers = False
-        self._accumulates = None
         #: The parameters whose gradient was divided in place, once
         #: accumulated, by GradScaler's fused kernel, which checked it in
         #: the same read: ``id`` of those the Python division divided,
@@ -138,21 +154,6 @@ class BackwardPass(object):
         self.self_scaled = set()
         #: The scales the cast sites chose, in order.
         self.chosen_casts = []
-        #: A backward with ``inputs``: only their paths run.
-        self.partial = False
-        #: A planned pass's callbacks (:class:`~gradient_scaling.torch.
-        #: planned_pass.PlannedRun`), or what records them (a
-        #: ``Recorder``) or the caps they chose (the Python callbacks of a
-        #: structure that could not be planned this time); None: the
-        #: Python callbacks.
-        self.planned = None
-        #: A pass of the Python callbacks on a reused plan: ``(unit,
-        #: gemm_landings, leaves)`` while its GEMMs' pre-hooks tell the
-        #: native landing the scales they set (:meth:`_learn_landing`).
-        self._learning = None
-        #: ``(leaf, inverse)`` of the gradients that landing left scaled
-        #: in ``.grad`` (:meth:`take_left_scaled`).
-        self.left_scaled = None
         self.hooks = hook.hook_set()  # the callbacks on the graph's nodes
         self.handles = []  # the hooks on leaves not the model's
         if not planning:
@@ -337,8 +338,11 @@ class BackwardPass(object):
     def consumer_edges(self):
         """Node -> ``(input, slot)`` of each of its edges that feeds a
         slot with several consumers (a branch)."""
+        branches = self.plan.branches
+        if not branches:
+            return {}
         consumers = collections.defaultdict(list)
-        for slot, edges in self.plan.branches.items():
+        for slot, edges in branches.items():
             for node, i in edges:
                 consumers[node].append((i, slot))
         return consumers

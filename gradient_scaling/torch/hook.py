@@ -729,8 +729,9 @@ class GradientScaling(ControllerViews):
         if not current.finished:
             self.controller.abort_pass()
             return
-        if current.plan.compiled and not self._warned_compiled:
-            self._warn_compiled(current)
+        if not self._warned_compiled and current.plan.compiled and \
+                not current.self_scaled.issuperset(current.plan.compiled):
+            self._warn_compiled(current)  # (a region not scaled inside)
         pending, landed = self._landed_pending, current.landed
         if pending and len(pending[-1]) == len(landed) and \
                 all(map(operator.is_, pending[-1], landed)):
