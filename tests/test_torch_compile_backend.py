@@ -394,6 +394,43 @@ def test_a_training_step_compiled_whole(scale_log):
     assert counts[1:] == [0, 0] == [r[3] for r in plain[1:]]
 
 
+def test_host_side_is_called_at_once_from_eager_code(monkeypatch):
+    """GS's step functions (``internals.host_side``: the scaler's verbs,
+    the routed backward, a region's backward) are called at once from
+    eager code, where Dynamo compiles no frame (no callback to clear:
+    what ``torch.compiler.disable`` costs on every call); called from a
+    compiled function, Dynamo leaves them out of its graph and they run
+    through ``torch.compiler.disable``, with nothing they call compiled."""
+    through, seen = [], []
+    real = internals._disabled
+
+    def spied(fn):
+        disabled = real(fn)
+
+        def call(*args, **kwargs):
+            through.append(fn.__name__)
+            return disabled(*args, **kwargs)
+        return call
+    monkeypatch.setattr(internals, '_disabled', spied)
+
+    def bookkeeping(x):
+        seen.append(internals.frames_compiled())
+        return x + 1
+    untraced = internals.host_side(bookkeeping)
+    assert untraced(1) == 2
+    assert through == [] and seen == [False]
+
+    torch.compiler.reset()
+
+    @torch.compile(backend='eager')
+    def step(t):
+        return untraced(t * 2) * 3
+    assert torch.equal(step(torch.ones(2)), torch.full((2,), 9.0))
+    assert through == ['bookkeeping'] and seen == [False, False]
+    assert untraced(torch.ones(1)).item() == 2.0  # eager again
+    assert through == ['bookkeeping'] and seen == [False] * 3
+
+
 class BatchNormNet(nn.Module):
     """A linear layer, batch norm (running statistics: buffers the
     forward moves) and a head."""

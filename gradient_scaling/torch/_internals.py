@@ -40,11 +40,15 @@ What the autograd-graph hook needs that PyTorch's public API does not give:
 * ``torch.fx.experimental.symbolic_shapes.statically_known_true``: whether
   a symbolic size of a graph compiled with dynamic shapes is above 0.
 * ``torch._disable_dynamo``: ``torch.compiler.disable`` that imports Dynamo
-  (a second) when the function is first called, not when it is decorated
-  (:func:`host_side`).
+  (a second) when the function is first called, not when it is decorated;
+  ``torch._C._dynamo.eval_frame.get_eval_frame_callback``: whether Dynamo
+  compiles the frames called now; and the mark ``_torchdynamo_disable``
+  that Dynamo reads on a function (:func:`host_side`).
 * ``torch._dynamo.backends.registry.lookup_backend``: a ``torch.compile``
   backend by its name, as a callable (:func:`backend_named`).
 """
+
+import functools
 
 import torch
 
@@ -205,13 +209,59 @@ def host_side(fn):
     compiled whole (forward, ``scale``, ``backward``, ``step``,
     ``update`` in one ``torch.compile``'d function) would otherwise have
     Dynamo trace into its bookkeeping and its backward's callbacks, guard
-    on the step's counters and compile again at every step. Dynamo calls
-    ``fn`` as it is, at a graph break, and traces nothing it calls; a
-    call from eager code costs about half a microsecond more."""
+    on the step's counters and compile again at every step.
+
+    Dynamo does not trace into a function with the mark that
+    ``torch.compiler.disable`` leaves (``_torchdynamo_disable``): it calls
+    it at a graph break, with its frame callback set (:func:`
+    frames_compiled`); ``fn`` then runs through ``torch.compiler.disable``,
+    which clears the callback, so that nothing ``fn`` calls is compiled
+    either. Called from eager code, where no callback is set (no frame is
+    compiled), ``fn`` is called at once: the same call, without the 2-3
+    microseconds that clearing and restoring the callback cost in a
+    training step (docs/results.md, "Host-side calls")."""
+    disabled = _disabled(fn)
+    if _EVAL_FRAME_CALLBACK is None:  # (another version of PyTorch)
+        return disabled
+    callback = _EVAL_FRAME_CALLBACK
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if callback() is None:  # (eager: no frame is being compiled)
+            return fn(*args, **kwargs)
+        return disabled(*args, **kwargs)
+    # (torch.compiler.disable's marks: Dynamo calls ``call`` at a graph
+    # break, guarding on ``fn``)
+    call._torchdynamo_disable = True
+    call._torchdynamo_disable_recursive = True
+    call._torchdynamo_disable_msg = None
+    call._torchdynamo_orig_callable = fn
+    return call
+
+
+def _disabled(fn):
+    """``torch.compiler.disable(fn)``, Dynamo imported when it is first
+    called (``torch._disable_dynamo``), not now."""
     disable = getattr(torch, '_disable_dynamo', None)
     if disable is None:  # (another version of PyTorch: the public one)
         return torch.compiler.disable(fn)
     return disable(fn)
+
+
+#: Dynamo's frame callback now (None: no frame is compiled), or None where
+#: this version of PyTorch does not tell it.
+_EVAL_FRAME_CALLBACK = getattr(getattr(getattr(
+    torch._C, '_dynamo', None), 'eval_frame', None),
+    'get_eval_frame_callback', None)
+
+
+def frames_compiled():
+    """Whether Dynamo compiles the Python frames called now (its frame
+    callback is set: inside a ``torch.compile``'d function); None where
+    this version of PyTorch does not tell."""
+    if _EVAL_FRAME_CALLBACK is None:
+        return None
+    return _EVAL_FRAME_CALLBACK() is not None
 
 
 def copy_all(destinations, sources):
