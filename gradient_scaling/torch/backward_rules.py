@@ -396,8 +396,14 @@ class BackwardPass(object):
         """The scale of the gradients ``node``'s backward is given (its
         outputs' slots, unified where it has several)."""
         known = self.node_scales.get(node)
-        return known if known is not None else self.slot_scale(
-            *self._own_slot(node))
+        if known is not None:
+            return known
+        if self.root_memo(node) is not None:
+            # The root of a quick plan (a compiled region over the
+            # leaves): nothing feeds it but the backward, at the scale its
+            # root slot was given.
+            return self.slot_scales[node, self.root_slot[node]]
+        return self.slot_scale(*self._own_slot(node))
 
     def slots_given(self, node):
         """The slots of ``node`` that this pass gives a gradient: those
