@@ -1995,6 +1995,13 @@ LaneSums lane_sums(const T* v, int64_t n, double mean) {
   return {combined(sums), combined(squares)};
 }
 
+// The spread read of values whose max|x| is ``largest``, not finite or 0:
+// (NaN, largest), or (0, 0).
+std::tuple<double, double> spread_of(double largest) {
+  if (largest == 0) return std::make_tuple(0.0, 0.0);
+  return std::make_tuple(std::numeric_limits<double>::quiet_NaN(), largest);
+}
+
 // TorchOps.spread_and_max of a plain float32 (or float16, bfloat16: they
 // widen exactly) CPU or CUDA tensor of 1 to ``limit`` elements: arrays.py's
 // _small_spread_and_max, the same sums and the arithmetic on them, in one
@@ -2005,13 +2012,6 @@ LaneSums lane_sums(const T* v, int64_t n, double mean) {
 // (lane_sums) only where a finite, non-zero maximum needs them. Where a
 // dispatch mode is on (its operations are Python's to see), nothing. On
 // a CUDA device, ATen's reductions in float64.
-// The spread read of values whose max|x| is ``largest``, not finite or 0:
-// (NaN, largest), or (0, 0).
-std::tuple<double, double> spread_of(double largest) {
-  if (largest == 0) return std::make_tuple(0.0, 0.0);
-  return std::make_tuple(std::numeric_limits<double>::quiet_NaN(), largest);
-}
-
 std::optional<std::tuple<double, double>> small_spread_and_max(
     const at::Tensor& given, int64_t limit) {
   if (!small_spread_readable(given, limit)) return std::nullopt;
