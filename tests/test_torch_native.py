@@ -1631,3 +1631,83 @@ def test_the_native_product_keeps_autograd_where_it_records(built):
     assert y.grad_fn is not None
     y.sum().backward()
     assert torch.equal(x.grad, torch.full((5,), 0.5))
+
+
+class _EveryGemmKind(nn.Module):
+
+    """A GEMM of each kind a site reads its input of: ``addmm`` (a Linear
+    with bias), ``mm`` with the weight on either side, ``bmm`` and a
+    convolution."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3)
+        self.fc = nn.Linear(12, 6)
+        self.right = nn.Parameter(torch.randn(6, 5))
+        self.left = nn.Parameter(torch.randn(4, 2))
+        self.batched = nn.Parameter(torch.randn(2, 5, 3))
+
+    def forward(self, x):
+        h = self.conv(x).flatten(1)[:, :12]  # (2, 12)
+        h = self.fc(h) @ self.right  # addmm, then mm: weight on the right
+        h = self.left @ h  # mm: weight on the left, (4, 5)
+        return torch.bmm(h.reshape(2, 2, 5), self.batched).sum()
+
+
+def _gemm_sites(loss):
+    return list(graph.walk([loss.grad_fn]).gemms.values())
+
+
+def _witness_reads(sites, monkeypatch):
+    """Each site's operand witnesses, natively and in Python."""
+    def read():
+        out = []
+        for site in sites:
+            x, weight = site.operand_witnesses()
+            out.append((None if x is None else (
+                x.dtype, tuple(x.shape), x.device.type, x.requires_grad,
+                math.isnan(x.item())), weight is site.weight_values))
+        return out
+    native_reads = read()
+    with monkeypatch.context() as m:
+        m.setattr(native, '_loaded', [None])
+        python_reads = read()
+    return native_reads, python_reads
+
+
+@pytest.mark.parametrize('case', ['finite', 'nan input', 'after backward',
+                                  'saved through hooks'])
+@pytest.mark.parametrize('model', ['every gemm kind', 'every construct'])
+def test_a_sites_saved_input_is_witnessed_natively_as_in_python(
+        built, monkeypatch, case, model):
+    torch.manual_seed(0)
+    if model == 'every gemm kind':
+        net, x = _EveryGemmKind(), torch.randn(2, 2, 4, 5)
+    else:
+        net = EveryConstructNet()
+        x = every_construct_batch(np.random.default_rng(0))[2].float()
+        net.forward = net.logits
+    if case == 'nan input':
+        x[0, 0, 1, 1] = math.nan
+    if case == 'saved through hooks':
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t,
+                                                      lambda t: t):
+            out = net(x)
+    else:
+        out = net(x)
+    loss = out if out.dim() == 0 else out.float().square().mean()
+    sites = _gemm_sites(loss)
+    assert len(sites) >= 4
+    if case == 'after backward':
+        loss.backward()
+    native_reads, python_reads = _witness_reads(sites, monkeypatch)
+    assert native_reads == python_reads
+    inputs = [r[0] for r in native_reads]
+    if case in ('after backward', 'saved through hooks'):
+        assert inputs == [None] * len(sites)
+    else:
+        assert None not in inputs
+        nan = [r[4] for r in inputs]
+        # A NaN in the batch reaches every GEMM's input after the first
+        # (whose input is the batch itself, or a view of it).
+        assert any(nan) == (case == 'nan input')

@@ -626,17 +626,7 @@ class BackwardPass(object):
             gammas = dict.fromkeys(gammas, beta)
         operands = None
         if step.refresh and names:
-            # The saved input's finiteness, not the tensor: kept until the
-            # step is decided, it would outlive the node's backward. The
-            # weight is a parameter, alive anyway: read only on a failure.
-            x, weight = site.operands()
-            if weight is not None and weight is not site.weight_values:
-                # A copy the GEMM made of its weight (the simulation's,
-                # rounded): its finiteness too, or every such copy would
-                # outlive its node until the step is decided.
-                weight = arrays.ops_for(weight).finite_witness(weight)
-            operands = (None if x is None else
-                        arrays.ops_for(x).finite_witness(x), weight)
+            operands = site.operand_witnesses()
             if incoming_finite is None:
                 incoming_finite = bool(
                     arrays.ops_for(g).finite_flags([g])[0])

@@ -32,6 +32,7 @@ import math
 
 import torch
 
+from gradient_scaling.core import arrays
 from gradient_scaling.torch import _internals as internals
 from gradient_scaling.torch import native
 
@@ -154,9 +155,20 @@ class GemmSite(object):
     def operands(self):
         """The forward's (input, weight or its part), for telling a data
         fault from an overflow (read while the node has not run)."""
-        return (internals.saved(self.node, _INPUT_FIELD[
-            type(self.node).__name__, self.weight_edge]),
-            self.weight_values)
+        return (internals.saved(self.node, self._input_field()),
+                self.weight_values)
+
+    def _input_field(self):
+        return _INPUT_FIELD[type(self.node).__name__, self.weight_edge]
+
+    def operand_witnesses(self):
+        """:meth:`operands` as a refresh's traces keep them until the step
+        is decided (:func:`operand_witnesses`); the input read and checked
+        in one native call where the extension is built."""
+        read = native.saved_witness_reader()
+        if read is None or type(self).operands is not GemmSite.operands:
+            return operand_witnesses(self.operands(), self.weight_values)
+        return read(self.node, self._input_field()), self.weight_values
 
     def data_gradient(self, grad):
         """The data gradient the node's GEMM gives for ``grad``, computed
@@ -183,6 +195,21 @@ class GemmSite(object):
 
 # (node, weight edge) -> the saved field of the data operand, and of the
 # factor its data GEMM multiplies the gradient with.
+def operand_witnesses(operands, weight_values):
+    """A GEMM's ``operands`` (input, weight) as a refresh's traces keep
+    them: kept until the step is decided, they must not keep the
+    forward's activations alive, so the input's finiteness (``finite_
+    witness``; None where no input was read), and the weight itself where
+    it is ``weight_values`` (a parameter, alive anyway; read only on a
+    failure), else its finiteness too (a copy the GEMM made of its
+    weight: the simulation's, rounded)."""
+    x, weight = operands
+    if weight is not None and weight is not weight_values:
+        weight = arrays.ops_for(weight).finite_witness(weight)
+    return (None if x is None else arrays.ops_for(x).finite_witness(x),
+            weight)
+
+
 _INPUT_FIELD = {('ConvolutionBackward0', 1): 'input',
                 ('AddmmBackward0', 2): 'mat1', ('AddmmBackward0', 1): 'mat2',
                 ('MmBackward0', 1): 'self', ('MmBackward0', 0): 'mat2',

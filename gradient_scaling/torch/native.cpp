@@ -26,6 +26,7 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/generated/Functions.h>
 #include <torch/csrc/autograd/python_cpp_function.h>
 #include <torch/csrc/autograd/python_function.h>
 #include <torch/csrc/autograd/python_hook.h>
@@ -1918,6 +1919,52 @@ at::Tensor finite_witness(const at::Tensor& given) {
                    std::numeric_limits<double>::quiet_NaN());
 }
 
+// The SavedVariable ``field`` of a GEMM's node (graph.py's _INPUT_FIELD:
+// AddmmBackward0's mat1 and mat2, MmBackward0's and BmmBackward0's self and
+// mat2, ConvolutionBackward0's input), as ``node._saved_<field>`` reads it.
+const torch::autograd::SavedVariable& gemm_saved(Node* node,
+                                                 const std::string& field) {
+  namespace gen = torch::autograd::generated;
+  if (auto* n = dynamic_cast<gen::AddmmBackward0*>(node)) {
+    if (field == "mat1") return n->mat1_;
+    if (field == "mat2") return n->mat2_;
+  } else if (auto* n = dynamic_cast<gen::MmBackward0*>(node)) {
+    if (field == "self") return n->self_;
+    if (field == "mat2") return n->mat2_;
+  } else if (auto* n = dynamic_cast<gen::BmmBackward0*>(node)) {
+    if (field == "self") return n->self_;
+    if (field == "mat2") return n->mat2_;
+  } else if (auto* n = dynamic_cast<gen::ConvolutionBackward0*>(node)) {
+    if (field == "input") return n->input_;
+  }
+  throw py::value_error("gradient_scaling native: no saved field " + field +
+                        " of " + node->name());
+}
+
+// GemmSite.operand_witnesses's input in one call: finite_witness of the
+// tensor ``node`` saved as ``field`` (graph.py's
+// ``internals.saved(node, field)``), None where that gives None: a tensor
+// saved through hooks (unpacking it has effects: only the node does it),
+// freed by a backward that ran, or not saved.
+py::object saved_finite_witness(py::handle node, const std::string& field) {
+  auto n = node_of(node.ptr());
+  const auto& saved = gemm_saved(n.get(), field);
+  if (saved.has_hooks()) return py::none();
+  at::Tensor witness;
+  {
+    py::gil_scoped_release released;
+    at::Tensor x;
+    try {
+      x = saved.unpack(n);
+    } catch (const c10::Error&) {
+      // (freed: undefined, as not saved)
+    }
+    if (x.defined()) witness = finite_witness(x);
+  }
+  if (!witness.defined()) return py::none();
+  return py::reinterpret_steal<py::object>(THPVariable_Wrap(witness));
+}
+
 // The values of 0-d tensors of one dtype, with one host read (arrays.py's
 // ``_values``: stacked, in float64 where their dtypes differ).
 std::vector<double> values_of(std::vector<at::Tensor> tensors) {
@@ -2331,6 +2378,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("max_abs", &max_abs);
   m.def("finite_witness", &finite_witness,
         py::call_guard<py::gil_scoped_release>());
+  m.def("saved_finite_witness", &saved_finite_witness);
   m.def("small_spread_and_max", &small_spread_and_max,
         py::call_guard<py::gil_scoped_release>());
   m.def("gemm_model_scale", &gemm_model_scale,

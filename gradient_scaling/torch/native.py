@@ -464,6 +464,15 @@ def leaves_check():
     return None if native is None else native.leaves_finite
 
 
+def saved_witness_reader():
+    """``saved_finite_witness(node, field)`` of the native module (the
+    finiteness witness of the tensor a GEMM's node saved as ``field``,
+    as ``arrays.finite_witness(internals.saved(node, field))`` gives it,
+    None where that reads None), or None where it is not built."""
+    native = module()
+    return None if native is None else native.saved_finite_witness
+
+
 def half_gradients(build=True):
     """``half_gradients(param_groups)`` of the native module (whether a
     parameter of an optimizer's groups has a float16 gradient), or the
