@@ -13,6 +13,7 @@ import chainer.functions as F
 import chainer.links as L
 
 from gradient_scaling.chainer import serialization
+from gradient_scaling.core import arrays
 from gradient_scaling.core import estimators
 from gradient_scaling.core import recipes
 from gradient_scaling.core import formats
@@ -107,6 +108,34 @@ def test_measured_meets_the_target_at_a_ten_way_classifier():
     hybrid, _, _ = estimator('hybrid').gemm(gy, weight, n, 1.0, 'fc',
                                             staged, data_gradient)
     assert hybrid == max(model, measured)
+
+
+@pytest.mark.parametrize('library', ['numpy', 'torch'])
+def test_the_model_follows_a_rate_and_format_changed_after_it_was_made(
+        library):
+    _, gy, weight = classifier_gemm()
+    n = 10
+    if library == 'torch':  # (whose reads choose the scale natively)
+        torch = pytest.importorskip('torch')
+        from gradient_scaling.torch import native
+        if native.module() is None:
+            pytest.skip('native module not built: ' + native.reason())
+        gy, weight = torch.from_numpy(gy), torch.from_numpy(weight)
+        assert arrays.ops_for(gy).gemm_model_scale(
+            gy, weight, n, 1.0, 1.0) is not None
+    model = estimators.ModelEstimator(RATE, 'float16')
+    before = model.gemm(gy, weight, n, 1.0, 'fc', None, None)
+    for rate, fmt in ((1e-6, 'float16'), (1e-6, 'bfloat16'),
+                      (RATE, 'float16')):
+        model.underflow_rate, model.fmt = rate, fmt
+        fresh = estimators.ModelEstimator(rate, fmt)
+        chosen = model.gemm(gy, weight, n, 1.0, 'fc', None, None)
+        assert chosen == fresh.gemm(gy, weight, n, 1.0, 'fc', None, None)
+        assert (chosen == before) == ((rate, fmt) == (RATE, 'float16'))
+        sigma = math.sqrt(n) * float(np.std(np.float64(gy))) * \
+            float(np.std(np.float64(weight)))
+        assert chosen[1:] == pytest.approx([underflow.gemm_underflow_rate(
+            sigma, s, fmt) for s in (chosen[0], 1.0)], rel=1e-6)
 
 
 def test_the_cap_still_binds():

@@ -101,6 +101,8 @@ class ModelEstimator(object):
 
     name = 'model'
 
+    _targets = None  # ((rate, format), (format, coefficient))
+
     def __init__(self, underflow_rate, fmt):
         self.underflow_rate = underflow_rate
         self.fmt = fmt
@@ -125,10 +127,9 @@ class ModelEstimator(object):
                 ``grad`` computed in FP32 (read by the closed loop only).
 
         """
-        fmt = formats.get(self.fmt)
+        fmt, coefficient = self._target()
         read = arrays.ops_for(grad).gemm_model_scale(
-            grad, weight, n, underflow.gemm_target_coefficient(
-                self.underflow_rate, fmt), fmt.max)
+            grad, weight, n, coefficient, fmt.max)
         if read is None:
             return self._model_gemm(GemmReads(grad, weight), n)
         beta, g_std, g_max, w_std, w_max = read
@@ -137,6 +138,18 @@ class ModelEstimator(object):
                 'non-finite gradient' if not math.isfinite(g_max) else
                 'non-finite weights')
         return self._rates(beta, math.sqrt(n) * g_std * w_std)
+
+    def _target(self):
+        """(format, Theorem 1's target coefficient) of the estimator's
+        rate and format, computed again only where they changed."""
+        key = (self.underflow_rate, self.fmt)
+        known = self._targets
+        if known is None or known[0] != key:
+            fmt = formats.get(self.fmt)
+            known = self._targets = (key, (fmt, underflow.
+                                           gemm_target_coefficient(
+                                               self.underflow_rate, fmt)))
+        return known[1]
 
     def _model_gemm(self, reads, n):
         def scale(w_max):
@@ -149,8 +162,8 @@ class ModelEstimator(object):
     def _rates(self, beta, sigma):
         """``(beta, estimated rate at beta, at 1)`` of a GEMM output of
         spread ``sigma``."""
-        return (beta, underflow.gemm_underflow_rate(sigma, beta, self.fmt),
-                underflow.gemm_underflow_rate(sigma, 1.0, self.fmt))
+        return (beta,) + underflow.gemm_underflow_rates(sigma, (beta, 1.0),
+                                                        self.fmt)
 
     def cast(self, grad, alpha, key, staged):
         """The same for the gradient reaching a softmax cast."""

@@ -68,7 +68,8 @@ from gradient_scaling.core import formats
 from gradient_scaling.core import rules
 
 __all__ = ['MIN_SCALE', 'MAX_SCALE', 'NonFiniteStatisticsError',
-           'gemm_underflow_rate', 'lognormal_underflow_rate',
+           'gemm_underflow_rate', 'gemm_underflow_rates',
+           'lognormal_underflow_rate',
            'gemm_scale_from_stats', 'lognormal_scale_from_stats',
            'unify_scales_from_max', 'branch_scale', 'gemm_cap', 'cast_cap',
            'gemm_target_coefficient']
@@ -110,13 +111,20 @@ def gemm_underflow_rate(sigma, scale, fmt='float16'):
         and a distribution with ``sigma == 0`` has none, so it is 0.0.
 
     """
+    return gemm_underflow_rates(sigma, (scale,), fmt)[0]
+
+
+def gemm_underflow_rates(sigma, scales, fmt='float16'):
+    """:func:`gemm_underflow_rate` at each of ``scales`` (a tuple), the
+    arguments checked once: a tuple of the rates."""
     fmt = _format(fmt)
     sigma = _non_negative(sigma, 'sigma')
-    scale = _positive_finite(scale, 'scale')
+    scales = tuple([_positive_finite(s, 'scale') for s in scales])
     if sigma == 0:
-        return 0.0
+        return (0.0,) * len(scales)
     # Divided step by step: a product of tiny factors could underflow to 0.
-    return math.erf(fmt.min / math.sqrt(2.0) / scale / sigma)
+    lowest = fmt.min / math.sqrt(2.0)
+    return tuple([math.erf(lowest / s / sigma) for s in scales])
 
 
 def lognormal_underflow_rate(mu, sigma, scale, fmt='float16'):
