@@ -139,6 +139,42 @@ def test_a_refresh_attributes_a_failed_weight_gradient(fault):
         assert set(result.weight_paths) == {'a.weight', 'b.weight'}
 
 
+def test_a_refresh_measures_each_backed_off_weight_path(monkeypatch):
+    """After an overflow backs the weight paths off, a refresh records
+    the largest value of each backed-off path's gradient (scaled, as the
+    GEMM's backward made it), from which the step regrows them."""
+    torch.manual_seed(0)
+    net = _Masked()
+    hook = GradientScaling(net, update_interval=1, patience=5)
+    x, mask = torch.randn(5, 4), torch.ones(5, dtype=torch.bool)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', RuntimeWarning)
+        with hook:
+            net(torch.full((5, 4), 3e38), mask).backward()
+    backoff = dict(hook.controller.backoff.scales)
+    assert set(backoff) == {'a.weight', 'b.weight'}
+    assert all(gamma < 1 for gamma in backoff.values())
+    net.zero_grad(set_to_none=True)
+    measured = []
+    regrow = hook.controller.backoff.regrow
+    monkeypatch.setattr(hook.controller.backoff, 'regrow',
+                        lambda maxima, fmt_max: (measured.append(
+                            dict(maxima)), regrow(maxima, fmt_max))[1])
+    with hook:
+        net(x, mask).backward()
+    assert hook.last_result.finite
+    scales = hook.landed_scales
+    expected = {name: float(p.grad.abs().max()) * scales[p]
+                for name, p in (('a.weight', net.a.weight),
+                                ('b.weight', net.b.weight))}
+    assert measured == [expected]
+    assert all(0 < v < math.inf for v in expected.values())
+    # (each weight's path backed off below its bias's, the data path's)
+    for layer in (net.a, net.b):
+        name = 'a.weight' if layer is net.a else 'b.weight'
+        assert scales[layer.weight] == scales[layer.bias] * backoff[name]
+
+
 def test_refuses_double_backprop_and_inputs(every_construct):
     net, loss_fn = every_construct
     with GradientScaling(net):

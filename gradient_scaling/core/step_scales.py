@@ -260,9 +260,25 @@ class StepScales(object):
         self.traces.setdefault(name, []).append(
             GemmTrace(incoming_finite, operands))
         if grad is not None and self.controller.backoff.managed(name):
-            largest = self._max_abs(grad)
-            self.weight_maxima[name] = max(
-                largest, self.weight_maxima.get(name, 0.0))
+            self._weight_maximum(name, grad)
+
+    def trace_gemm(self, names, incoming_finite, operands, grads=None):
+        """:meth:`trace` of each parameter of one GEMM: ``names``, edge ->
+        parameter name; ``grads``, edge -> its gradient (None where the
+        GEMM's weight gradients are not at hand). One trace, shared (it
+        is immutable)."""
+        trace = GemmTrace(incoming_finite, operands)
+        traces, backoff = self.traces, self.controller.backoff
+        for i, name in names.items():
+            traces.setdefault(name, []).append(trace)
+            grad = None if grads is None else grads[i]
+            if grad is not None and backoff.managed(name):
+                self._weight_maximum(name, grad)
+
+    def _weight_maximum(self, name, grad):
+        largest = self._max_abs(grad)
+        self.weight_maxima[name] = max(largest,
+                                       self.weight_maxima.get(name, 0.0))
 
     def traces_of(self, names):
         """The traces this pass recorded for ``names``."""

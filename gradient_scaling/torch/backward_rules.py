@@ -610,11 +610,16 @@ class BackwardPass(object):
         # backoff below it where their path overflowed. The simulation's
         # GEMMs apply the recipe's own weight-path scale.
         own = shares or not site.scales_itself
-        if step.refresh or self.hook.controller.backoff.scales:
+        backoff = self.hook.controller.backoff.scales
+        if step.refresh or backoff:
             names = {edge: self.hook.parameter_name(param)
                      for edge, param in site.parameters.items()}
-            gammas = {edge: step.weight_path(name, alpha, beta, own)
-                      for edge, name in names.items()}
+            if backoff:
+                gammas = {edge: step.weight_path(name, alpha, beta, own)
+                          for edge, name in names.items()}
+            else:  # (a refresh's names, for its traces; no backoff)
+                gammas = dict.fromkeys(names, step.weight_path(
+                    None, alpha, beta, own)) if names else {}
         else:  # no name, no backoff: one scale for every parameter
             names = dict.fromkeys(site.parameters)
             gammas = dict.fromkeys(names, step.weight_path(
@@ -664,9 +669,7 @@ class BackwardPass(object):
         failed weight gradient), ``grads`` its weight gradients where its
         post-hook has them."""
         _, _, _, _, incoming_finite, operands, names = chosen
-        for i, name in names.items():
-            self.step.trace(name, incoming_finite, operands,
-                            None if grads is None else grads[i])
+        self.step.trace_gemm(names, incoming_finite, operands, grads)
 
     def _unify_outputs(self, node):
         def pre(grad_outputs):
