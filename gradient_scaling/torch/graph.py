@@ -37,7 +37,7 @@ from gradient_scaling.torch import _internals as internals
 from gradient_scaling.torch import native
 
 __all__ = ['GemmSite', 'Plan', 'PlanCache', 'Reads', 'walk',
-           'register_gemm_kind', 'GEMM_NODES',
+           'register_gemm_kind', 'operand_witnesses', 'GEMM_NODES',
            'SOFTMAX_NODES', 'SHAPE_ONLY_NODES']
 
 #: Backward nodes whose data gradient is a GEMM with a weight.
@@ -193,8 +193,6 @@ class GemmSite(object):
         return other.transpose(-1, -2) @ g  # d b = a^T @ g
 
 
-# (node, weight edge) -> the saved field of the data operand, and of the
-# factor its data GEMM multiplies the gradient with.
 def operand_witnesses(operands, weight_values):
     """A GEMM's ``operands`` (input, weight) as a refresh's traces keep
     them: kept until the step is decided, they must not keep the
@@ -210,6 +208,8 @@ def operand_witnesses(operands, weight_values):
             weight)
 
 
+# (node, weight edge) -> the saved field of the data operand, and of the
+# factor its data GEMM multiplies the gradient with.
 _INPUT_FIELD = {('ConvolutionBackward0', 1): 'input',
                 ('AddmmBackward0', 2): 'mat1', ('AddmmBackward0', 1): 'mat2',
                 ('MmBackward0', 1): 'self', ('MmBackward0', 0): 'mat2',
