@@ -130,7 +130,7 @@ class Results(object):
     simulation: list = dataclasses.field(default_factory=list)
     #: PyTorch's eager targets, phase by phase (:class:`rows.PhaseRow`).
     phases: list = dataclasses.field(default_factory=list)
-    #: GS's cached pass on them, cause by cause (:class:`rows.CauseRow`).
+    #: GS's passes on them, cause by cause (:class:`rows.CauseRow`).
     causes: list = dataclasses.field(default_factory=list)
     #: The cases that raised (:class:`Failure`).
     failures: list = dataclasses.field(default_factory=list)
@@ -234,14 +234,16 @@ def run_eager_targets(args, adapter, device, model, results, log):
     if phases and _on_cpu(device):
         results.phases += rows.phase_rows(
             case_name(adapter, model), shape_text(shape), 'fp32', phases)
-    run_causes(adapter, device, variants, samples, 'gs-cached',
-               case_name(adapter, model), shape, results)
+    for label in ('gs-cached', 'gs@1'):
+        run_causes(adapter, device, variants, samples, label,
+                   case_name(adapter, model), shape, results)
 
 
 def run_causes(adapter, device, variants, samples, label, name, shape,
                results):
     """After the timed rounds (the timers would slow them): as many steps
-    of the variant ``label`` (GS's cached one), timed part by part."""
+    of the variant ``label`` (GS's cached one, or its refresh at every
+    step), timed part by part."""
     causes = getattr(adapter, 'cause_samples', None)
     cached = [v for v in variants if v.label == label]
     if causes and cached and _on_cpu(device):
@@ -439,7 +441,7 @@ def build_report(argv, machine, results, gpu_times=None, status=None,
         out.section('PyTorch\'s step by phase (framework-bound targets, '
                     'eager)', results.phases)
     if results.causes:
-        out.section('GS\'s cached pass by cause (PyTorch)',
+        out.section('GS\'s passes by cause (PyTorch)',
                     results.causes)
     if results.simulation:
         out.section('Simulation cost', results.simulation)

@@ -306,12 +306,15 @@ def phase_rows(model, shape, precision, phases):
           ('per_call', float, 'us per call (median)', '{:.2f}'),
           ('share', float, 'share of the median step', '{:.1%}'))
 class CauseRow(object):
-    """Where a GS cached pass spends its host time, by the part of the
-    hook that does it (``benchmarking.torch_causes``): the `gs-cached`
-    variant of the targets, run again after the timed rounds, as many
-    steps, with timers around each part (patched in for those steps
-    only). `scale`: reading the graph's structure, the plan reused on it,
-    the callbacks' registration, the rest of `scale`; the backward: each
+    """Where a GS pass spends its host time, by the part of the hook that
+    does it (``benchmarking.torch_causes``): the `gs-cached` variant of
+    the targets (its passes planned: the callbacks native), then `gs@1`
+    (a refresh at every step: every callback Python's, a GEMM or cast
+    site's reads, estimate and records in its time), each run again after
+    the timed rounds, as many steps, with timers around each part
+    (patched in for those steps only). `scale`: reading the graph's
+    structure, the plan reused on it, the callbacks' registration, the
+    rest of `scale`; the backward: each
     kind of callback, with the tensor operations it runs (its
     multiplications; the cast site's `max|g|`, a host read), not
     PyTorch's call into it (the phase table's `GradScaler + no-op hooks`

@@ -1,4 +1,4 @@
-"""Where a PyTorch GS cached pass spends its time, cause by cause.
+"""Where a PyTorch GS pass, cached or refreshing, spends its time, by cause.
 
 :class:`CauseTimers` times, inside one ``with`` (the classes are patched
 while it lasts and put back after), what a GS pass does on the host, by
