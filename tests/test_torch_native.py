@@ -1702,6 +1702,15 @@ def test_a_sites_saved_input_is_witnessed_natively_as_in_python(
         loss.backward()
     native_reads, python_reads = _witness_reads(sites, monkeypatch)
     assert native_reads == python_reads
+    # Every site's in one call (a refresh's, at its first GEMM site).
+    batch = graph.operand_witnesses_of(sites)
+    assert len(batch) == len(sites)
+    for site, (read, _) in zip(sites, native_reads):
+        x, weight = batch[site.node]
+        assert weight is site.weight_values
+        assert read == (None if x is None else (
+            x.dtype, tuple(x.shape), x.device.type, x.requires_grad,
+            math.isnan(x.item())))
     inputs = [r[0] for r in native_reads]
     if case in ('after backward', 'saved through hooks'):
         assert inputs == [None] * len(sites)

@@ -46,6 +46,7 @@ import functools
 
 from gradient_scaling.core import arrays
 from gradient_scaling.torch import _internals as internals
+from gradient_scaling.torch import graph
 from gradient_scaling.torch import planned_pass
 from gradient_scaling.torch.arrays import times_power_of_two
 
@@ -108,6 +109,9 @@ class BackwardPass(object):
     #: ``(leaf, inverse)`` of the gradients that landing left scaled
     #: in ``.grad`` (:meth:`take_left_scaled`).
     left_scaled = None
+    #: A refresh's GEMM node -> its site's operand witnesses, read at its
+    #: first GEMM site (:meth:`_operand_witnesses`).
+    _witnessed = None
 
     def __init__(self, hook, roots, loss_scale, losses, nested=False,
                  plan=None, planning=False):
@@ -631,11 +635,22 @@ class BackwardPass(object):
             gammas = dict.fromkeys(gammas, beta)
         operands = None
         if step.refresh and names:
-            operands = site.operand_witnesses()
+            operands = self._operand_witnesses(site)
             if incoming_finite is None:
                 incoming_finite = bool(
                     arrays.ops_for(g).finite_flags([g])[0])
         return alpha, beta, gammas, key, incoming_finite, operands, names
+
+    def _operand_witnesses(self, site):
+        """``site.operand_witnesses()``: at a refresh's first GEMM site,
+        every site's of the pass read at once (in one native call where
+        built), while all their saved inputs are alive."""
+        known = self._witnessed
+        if known is None:
+            known = self._witnessed = graph.operand_witnesses_of(
+                self.plan.gemms.values())
+        found = known.get(site.node)
+        return found if found is not None else site.operand_witnesses()
 
     def _gemm_out(self, node, site):
         """Where a weight path is backed off, or on a refresh of a site

@@ -37,7 +37,8 @@ from gradient_scaling.torch import _internals as internals
 from gradient_scaling.torch import native
 
 __all__ = ['GemmSite', 'Plan', 'PlanCache', 'Reads', 'walk',
-           'register_gemm_kind', 'operand_witnesses', 'GEMM_NODES',
+           'register_gemm_kind', 'operand_witnesses', 'operand_witnesses_of',
+           'GEMM_NODES',
            'SOFTMAX_NODES', 'SHAPE_ONLY_NODES']
 
 #: Backward nodes whose data gradient is a GEMM with a weight.
@@ -206,6 +207,22 @@ def operand_witnesses(operands, weight_values):
         weight = arrays.ops_for(weight).finite_witness(weight)
     return (None if x is None else arrays.ops_for(x).finite_witness(x),
             weight)
+
+
+def operand_witnesses_of(sites):
+    """``{node: site.operand_witnesses()}`` of the GEMM ``sites`` whose
+    input the native module reads (sites of the graph's own GEMMs, not of
+    a kind that reads its operands itself), in one native call; empty
+    where it is not built. Read while every site's node has yet to run
+    (a refresh's first GEMM site): their saved inputs are alive."""
+    read = native.saved_witnesses_reader()
+    if read is None:
+        return {}
+    own = [site for site in sites
+           if type(site).operands is GemmSite.operands]
+    witnesses = read([(site.node, site._input_field()) for site in own])
+    return {site.node: (w, site.weight_values)
+            for site, w in zip(own, witnesses)}
 
 
 # (node, weight edge) -> the saved field of the data operand, and of the

@@ -1965,6 +1965,18 @@ py::object saved_finite_witness(py::handle node, const std::string& field) {
   return py::reinterpret_steal<py::object>(THPVariable_Wrap(witness));
 }
 
+// saved_finite_witness of each ``(node, field)`` of ``sites``, in one call
+// (a refresh's GEMM sites, read at its first one, while all are alive).
+py::list saved_finite_witnesses(const py::list& sites) {
+  py::list out;
+  for (py::handle site : sites) {
+    auto pair = site.cast<py::tuple>();
+    out.append(saved_finite_witness(pair[0],
+                                    pair[1].cast<std::string>()));
+  }
+  return out;
+}
+
 // The values of 0-d tensors of one dtype, with one host read (arrays.py's
 // ``_values``: stacked, in float64 where their dtypes differ).
 std::vector<double> values_of(std::vector<at::Tensor> tensors) {
@@ -2379,6 +2391,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("finite_witness", &finite_witness,
         py::call_guard<py::gil_scoped_release>());
   m.def("saved_finite_witness", &saved_finite_witness);
+  m.def("saved_finite_witnesses", &saved_finite_witnesses);
   m.def("small_spread_and_max", &small_spread_and_max,
         py::call_guard<py::gil_scoped_release>());
   m.def("gemm_model_scale", &gemm_model_scale,

@@ -473,6 +473,14 @@ def saved_witness_reader():
     return None if native is None else native.saved_finite_witness
 
 
+def saved_witnesses_reader():
+    """``saved_finite_witnesses([(node, field), ...])`` of the native
+    module (:func:`saved_witness_reader`'s witness of each, in a list, in
+    one call), or None where it is not built."""
+    native = module()
+    return None if native is None else native.saved_finite_witnesses
+
+
 def half_gradients(build=True):
     """``half_gradients(param_groups)`` of the native module (whether a
     parameter of an optimizer's groups has a float16 gradient), or the
