@@ -257,28 +257,23 @@ class StepScales(object):
         """Records, on a refresh, what attributes a failed weight gradient
         of parameter ``name`` (see :func:`~gradient_scaling.core.faults.
         pass_result`), and the largest value of a backed-off path."""
-        self.traces.setdefault(name, []).append(
-            GemmTrace(incoming_finite, operands))
-        if grad is not None and self.controller.backoff.managed(name):
-            self._weight_maximum(name, grad)
+        self.trace_gemm({None: name}, incoming_finite, operands,
+                        None if grad is None else {None: grad})
 
     def trace_gemm(self, names, incoming_finite, operands, grads=None):
         """:meth:`trace` of each parameter of one GEMM: ``names``, edge ->
         parameter name; ``grads``, edge -> its gradient (None where the
-        GEMM's weight gradients are not at hand). One trace, shared (it
-        is immutable)."""
+        GEMM's weight gradients are not at hand; indexed by edge, a list
+        or a dict). One trace, shared (it is immutable)."""
         trace = GemmTrace(incoming_finite, operands)
         traces, backoff = self.traces, self.controller.backoff
         for i, name in names.items():
             traces.setdefault(name, []).append(trace)
             grad = None if grads is None else grads[i]
             if grad is not None and backoff.managed(name):
-                self._weight_maximum(name, grad)
-
-    def _weight_maximum(self, name, grad):
-        largest = self._max_abs(grad)
-        self.weight_maxima[name] = max(largest,
-                                       self.weight_maxima.get(name, 0.0))
+                largest = self._max_abs(grad)
+                self.weight_maxima[name] = max(
+                    largest, self.weight_maxima.get(name, 0.0))
 
     def traces_of(self, names):
         """The traces this pass recorded for ``names``."""

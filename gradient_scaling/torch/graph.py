@@ -165,11 +165,12 @@ class GemmSite(object):
     def operand_witnesses(self):
         """:meth:`operands` as a refresh's traces keep them until the step
         is decided (:func:`operand_witnesses`); the input read and checked
-        in one native call where the extension is built."""
-        read = native.saved_witness_reader()
-        if read is None or type(self).operands is not GemmSite.operands:
-            return operand_witnesses(self.operands(), self.weight_values)
-        return read(self.node, self._input_field()), self.weight_values
+        natively where the extension is built (:func:`operand_witnesses_of`
+        of this site alone)."""
+        found = operand_witnesses_of([self]).get(self.node)
+        if found is not None:
+            return found
+        return operand_witnesses(self.operands(), self.weight_values)
 
     def data_gradient(self, grad):
         """The data gradient the node's GEMM gives for ``grad``, computed

@@ -1941,8 +1941,7 @@ const torch::autograd::SavedVariable& gemm_saved(Node* node,
                         " of " + node->name());
 }
 
-// GemmSite.operand_witnesses's input in one call: finite_witness of the
-// tensor ``node`` saved as ``field`` (graph.py's
+// finite_witness of the tensor ``node`` saved as ``field`` (graph.py's
 // ``internals.saved(node, field)``), None where that gives None: a tensor
 // saved through hooks (unpacking it has effects: only the node does it),
 // freed by a backward that ran, or not saved.
@@ -2390,7 +2389,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("max_abs", &max_abs);
   m.def("finite_witness", &finite_witness,
         py::call_guard<py::gil_scoped_release>());
-  m.def("saved_finite_witness", &saved_finite_witness);
   m.def("saved_finite_witnesses", &saved_finite_witnesses);
   m.def("small_spread_and_max", &small_spread_and_max,
         py::call_guard<py::gil_scoped_release>());

@@ -464,19 +464,12 @@ def leaves_check():
     return None if native is None else native.leaves_finite
 
 
-def saved_witness_reader():
-    """``saved_finite_witness(node, field)`` of the native module (the
-    finiteness witness of the tensor a GEMM's node saved as ``field``,
-    as ``arrays.finite_witness(internals.saved(node, field))`` gives it,
-    None where that reads None), or None where it is not built."""
-    native = module()
-    return None if native is None else native.saved_finite_witness
-
-
 def saved_witnesses_reader():
     """``saved_finite_witnesses([(node, field), ...])`` of the native
-    module (:func:`saved_witness_reader`'s witness of each, in a list, in
-    one call), or None where it is not built."""
+    module (the finiteness witness of each tensor a GEMM's node saved as
+    ``field``, as ``arrays.finite_witness(internals.saved(node, field))``
+    gives it, None where that reads None; a list, in one call), or None
+    where it is not built."""
     native = module()
     return None if native is None else native.saved_finite_witnesses
 
