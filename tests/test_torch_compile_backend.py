@@ -175,10 +175,17 @@ def scale_log(monkeypatch):
     hook also asks about equal ones, which change nothing)."""
     log = []
     site_scale, branch = StepScales._site_scale, StepScales.branch
+    gemm = StepScales.gemm
 
     def logged_site(self, key, kind, *args):
         result = site_scale(self, key, kind, *args)
         log.append((kind, key, result[0]))
+        return result
+
+    def logged_gemm(self, key, *args):
+        result = gemm(self, key, *args)
+        if result[1] is not None:  # (estimated: a cached one is not)
+            log.append(('gemm', key, result[0]))
         return result
 
     def logged_branch(self, scales, grads):
@@ -187,6 +194,7 @@ def scale_log(monkeypatch):
             log.append(('branch', tuple(scales), common))
         return common
     monkeypatch.setattr(StepScales, '_site_scale', logged_site)
+    monkeypatch.setattr(StepScales, 'gemm', logged_gemm)
     monkeypatch.setattr(StepScales, 'branch', logged_branch)
     return log
 

@@ -1,6 +1,9 @@
 """GradientScaling in PyTorch: exactness, the rules' sites, names, errors."""
 
+import dataclasses
 import math
+import os
+import sys
 import warnings
 
 import numpy as np
@@ -8,11 +11,17 @@ import pytest
 
 torch = pytest.importorskip('torch')
 
-from gradient_scaling.torch import GradientScaling  # NOQA: after torch
+from gradient_scaling.core.step_scales import StepScales  # NOQA
+from gradient_scaling.torch import GradientScaler  # NOQA: after torch
+from gradient_scaling.torch import GradientScaling  # NOQA
+from gradient_scaling.torch.backward_rules import BackwardPass  # NOQA
 
 from helpers import is_power_of_two  # NOQA
 from torch_nets import EveryConstructNet  # NOQA
 from torch_nets import every_construct_batch  # NOQA
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', 'scripts'))
+from benchmarking import torch_cases  # NOQA: scripts/ on the path
 
 
 @pytest.fixture
@@ -294,3 +303,77 @@ def test_measured_and_hybrid_estimators_run_on_torch(every_construct):
                 # exact: the histogram's rate at the chosen scale
                 assert 0 <= r.estimated_underflow_rate <= 1e-3 or \
                     r.local_scale < 2 ** 10, r
+
+
+def _refresh_steps(case, monkeypatch, general):
+    """Three GS@1 steps (the first on a walked plan, then reused ones) of
+    ``case`` with ``GradientScaler`` (underflow not measured); a
+    refresh's plain GEMM sites run the general callback where
+    ``general``. What each step decided and recorded, the gradients it
+    landed, and how many plain sites ran."""
+    torch.manual_seed(0)
+    if case == 'gpt':
+        net, inputs = torch_cases.gpt(2, 8, np.random.default_rng(0))
+    else:
+        net = EveryConstructNet().double()
+        _, _, x, t = every_construct_batch(np.random.default_rng(0))
+        inputs = (x, t)
+    scaler = GradientScaler(update_interval=1, measure_underflow=False)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+    plain = []
+    if general:
+        monkeypatch.setattr(BackwardPass, '_plainly_refreshed',
+                            lambda self, node, site: False)
+    else:
+        lean = BackwardPass._gemm_refreshed
+        monkeypatch.setattr(BackwardPass, '_gemm_refreshed',
+                            lambda self, node, site: (
+                                plain.append(node), lean(self, node,
+                                                         site))[1])
+    traced = []
+    trace_gemm = StepScales.trace_gemm
+
+    def tracing(self, names, incoming_finite, operands, grads=None):
+        traced.append((dict(names), incoming_finite, None if operands is
+                       None else [None if w is None else bool(w)
+                                  for w in operands[:1]]))
+        return trace_gemm(self, names, incoming_finite, operands, grads)
+    monkeypatch.setattr(StepScales, 'trace_gemm', tracing)
+    steps = []
+    for _ in range(3):
+        optimizer.zero_grad(set_to_none=True)
+        loss = net(*inputs)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)  # (the pass ends: what landed is told)
+        grads = {n: p.grad.clone() for n, p in net.named_parameters()}
+        landed = {n: scaler.hook.landed_scales.get(p)
+                  for n, p in net.named_parameters()}
+        scaler.update()
+        steps.append((grads, landed, dict(scaler.hook.table.scales),
+                      [dataclasses.astuple(r) for r in scaler.report()],
+                      list(traced)))
+        del traced[:]
+    monkeypatch.undo()
+    return steps, len(plain)
+
+
+@pytest.mark.parametrize('case', ['gpt', 'every_construct'])
+def test_a_plain_refresh_site_steps_as_the_general_callback(
+        case, monkeypatch):
+    """A refresh's GEMM site with nothing but its data path's scale to
+    choose (no backoff, no measured underflow, no cast site in it) runs
+    a lean callback: the same gradients, landed scales, committed scales,
+    records and traces as the general one, bit for bit, over refreshes on
+    a transformer and on a network with every construct."""
+    lean, plain = _refresh_steps(case, monkeypatch, general=False)
+    general, none = _refresh_steps(case, monkeypatch, general=True)
+    assert plain >= 3 * (7 if case == 'gpt' else 3) and none == 0
+    for (grads, landed, table, records, traces), expected in zip(
+            lean, general):
+        assert grads.keys() == expected[0].keys()
+        for name, grad in grads.items():
+            assert torch.equal(grad, expected[0][name]), name
+        assert (landed, table, records, traces) == expected[1:]
+        # (meaningful where the scales differ from 1 and each other)
+        assert len(set(table.values())) >= 3 and traces
+        assert set(landed.values()) - {1.0, None}

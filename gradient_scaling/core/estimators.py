@@ -137,7 +137,10 @@ class ModelEstimator(object):
             raise underflow.NonFiniteStatisticsError(
                 'non-finite gradient' if not math.isfinite(g_max) else
                 'non-finite weights')
-        return self._rates(beta, math.sqrt(n) * g_std * w_std)
+        # (A read that is not NaN is of finite operands: a finite spread,
+        # a positive finite power of two; the rates need no check.)
+        return (beta,) + underflow.valid_gemm_underflow_rates(
+            math.sqrt(n) * g_std * w_std, (beta, 1.0), fmt)
 
     def _target(self):
         """(format, Theorem 1's target coefficient) of the estimator's

@@ -105,17 +105,18 @@ class StepScales(object):
         beta = self.cached(key, alpha)
         if beta is not None:
             return beta, None
-        return self._estimated_gemm(key, grad, weight, n, alpha,
-                                    data_gradient)
-
-    def _estimated_gemm(self, key, grad, weight, n, alpha, data_gradient):
-        # (Its own function: the closure costs a cached site nothing.)
-        estimator = self.controller.estimator
-
-        def estimate(staged):
-            return estimator.gemm(grad, weight, n() if callable(n) else n,
-                                  alpha, key, staged, data_gradient)
-        return self._site_scale(key, 'gemm', alpha, estimate)
+        # (estimated here, not through _site_scale: a refresh's GEMM
+        # sites are many, and it would ask the table again and make a
+        # closure for each)
+        staged = self._staging()
+        try:
+            chosen = self.controller.estimator.gemm(
+                grad, weight, n() if callable(n) else n, alpha, key, staged,
+                data_gradient)
+        except underflow.NonFiniteStatisticsError:
+            self.nonfinite_sites.append(key)  # (as _site_scale)
+            return 1.0, False
+        return self._chosen(key, 'gemm', alpha, staged, chosen), True
 
     def weight_path(self, name, alpha, beta, shares=None):
         """The local scale of a GEMM's weight and bias gradients.
@@ -187,27 +188,41 @@ class StepScales(object):
         return rules.clamp(alpha, cached, self.recipe.scale_range)
 
     def _site_scale(self, key, kind, alpha, estimate):
-        """(beta, incoming finite: None where not measured).
-
-        ``estimate(staged)`` gives (beta, estimated rate, rate at scale 1)
-        on a refreshing pass (or a cache miss).
-        """
+        """(beta, incoming finite: None where not measured) of a site
+        whose scale ``estimate(staged)`` gives (beta, estimated rate,
+        rate at scale 1) on a refreshing pass (or a cache miss)."""
         beta = self.cached(key, alpha)
         if beta is not None:
             return beta, None
         staged = self._staging()
         try:
-            beta, estimated, estimated_at_one = estimate(staged)
+            chosen = estimate(staged)
         except underflow.NonFiniteStatisticsError:
             # Not staged: the step cannot be taken anyway.
             self.nonfinite_sites.append(key)
             return 1.0, False
+        return self._chosen(key, kind, alpha, staged, chosen), True
+
+    def _chosen(self, key, kind, alpha, staged, chosen):
+        """The local scale of site ``key`` the estimator chose for its
+        incoming gradient at ``alpha`` (``chosen``: the scale, its
+        estimated rate, the rate at scale 1), staged and clamped, its
+        record made."""
+        beta, estimated, estimated_at_one = chosen
         if not self.recipe.apply_scales:
             beta, estimated = 1.0, estimated_at_one
         staged.stage(key, beta)
         beta = rules.clamp(alpha, beta, self.recipe.scale_range)
-        self._observe(key, kind, alpha, beta, estimated)
-        return beta, True
+        # Telemetry (observes, never steers): committed to the
+        # controller's records if the step is taken.
+        controller = self.controller
+        previous = controller.records.get(key)
+        self.records[key] = SiteRecord(
+            name=key, kind=kind, local_scale=beta, input_scale=alpha,
+            output_scale=alpha * beta, estimated_underflow_rate=estimated,
+            overflow_count=0 if previous is None else
+            previous.overflow_count, iteration=controller.iteration)
+        return beta
 
     def _staging(self):
         """The step's staged scales, created when a site first stages."""
@@ -222,19 +237,6 @@ class StepScales(object):
         if controller.max_abs is None:
             controller.max_abs = arrays.ops_for(grad).max_abs
         return controller.max_abs(grad)
-
-    # -- telemetry (observes, never steers) ---------------------------------
-
-    def _observe(self, key, kind, alpha, beta, estimated):
-        """The site's :class:`SiteRecord` for this step (committed to the
-        controller's records if the step is taken)."""
-        controller = self.controller
-        previous = controller.records.get(key)
-        self.records[key] = SiteRecord(
-            name=key, kind=kind, local_scale=beta, input_scale=alpha,
-            output_scale=alpha * beta, estimated_underflow_rate=estimated,
-            overflow_count=0 if previous is None else
-            previous.overflow_count, iteration=controller.iteration)
 
     # -- what the step's end needs ------------------------------------------
 

@@ -69,6 +69,7 @@ from gradient_scaling.core import rules
 
 __all__ = ['MIN_SCALE', 'MAX_SCALE', 'NonFiniteStatisticsError',
            'gemm_underflow_rate', 'gemm_underflow_rates',
+           'valid_gemm_underflow_rates',
            'lognormal_underflow_rate',
            'gemm_scale_from_stats', 'lognormal_scale_from_stats',
            'unify_scales_from_max', 'branch_scale', 'gemm_cap', 'cast_cap',
@@ -120,6 +121,13 @@ def gemm_underflow_rates(sigma, scales, fmt='float16'):
     fmt = _format(fmt)
     sigma = _non_negative(sigma, 'sigma')
     scales = tuple([_positive_finite(s, 'scale') for s in scales])
+    return valid_gemm_underflow_rates(sigma, scales, fmt)
+
+
+def valid_gemm_underflow_rates(sigma, scales, fmt):
+    """:func:`gemm_underflow_rates` of arguments known to be valid (a
+    float ``sigma >= 0``, finite positive float ``scales``, a
+    :class:`~gradient_scaling.core.formats.Format`)."""
     if sigma == 0:
         return (0.0,) * len(scales)
     # Divided step by step: a product of tiny factors could underflow to 0.

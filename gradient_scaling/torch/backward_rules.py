@@ -198,7 +198,9 @@ class BackwardPass(object):
         plan = self.plan
         order = plan.order
         if order is not None:
-            for kind, a, b in plan.scale_sources(node, k):
+            sources = plan.template.sources.get((plan.index[node], k))
+            for kind, a, b in sources if sources is not None else \
+                    plan.scale_sources(node, k):
                 scale = self._set_at[kind]((order[a], b)) if kind < 2 \
                     else self.node_scales.get(order[a]) if kind == 2 \
                     else self._root_scale((order[a], b))
@@ -308,7 +310,6 @@ class BackwardPass(object):
         refresh = self.step.refresh
         measures = refresh and self.step.recipe.measure_underflow
         for node, site in plan.gemms.items():
-            add('gemm', node, self._gemm_in(node, site))
             # (a refresh's other sites keep their weight gradients at the
             # data path's scale: the pre-hook records their traces)
             if backoff and any(self.hook.parameter_name(p) in backoff
@@ -317,6 +318,9 @@ class BackwardPass(object):
                     measures and site.data is not None:
                 self.posts.add(node)
                 hooks.add_post(node, self._gemm_out(node, site))
+            add('gemm', node, self._gemm_refreshed(node, site)
+                if refresh and self._plainly_refreshed(node, site)
+                else self._gemm_in(node, site))
         for node in plan.multi_output:
             add('unify', node, self._unify_outputs(node))
         for node, edges in self.consumer_edges().items():
@@ -595,6 +599,51 @@ class BackwardPass(object):
             elif beta != 1.0:
                 g = _times(g, beta)
             return None if g is given else (g,)
+        return pre
+
+    def _plainly_refreshed(self, node, site):
+        """Whether a refresh's GEMM site chooses nothing but its data
+        path's scale (:meth:`_gemm_refreshed`): one with a data path and
+        parameters, no post-hook (no backoff of its weight path, no
+        underflow measured, not a site that scales itself) and no cast
+        site in it."""
+        return node not in self.posts and site.data is not None and \
+            bool(site.parameters) and not (
+                node in self.plan.softmax_gemms and
+                not self.hook.recipe.weight_path_shares_data_scale)
+
+    def _gemm_refreshed(self, node, site):
+        """:meth:`_gemm_in` of a GEMM site that a refresh scales plainly
+        (:meth:`_plainly_refreshed`), what it does without the cases it
+        cannot meet: the data path's scale estimated; the weight paths
+        at it (their scale, :meth:`~gradient_scaling.core.step_scales.
+        StepScales.weight_path` with no backoff of a GEMM that scales
+        its one input, is the data path's clamped again: the same); the
+        traces of its parameters recorded."""
+        step, hook, edges = self.step, self.hook, range(site.edges)
+
+        def pre(grad_outputs):
+            g = grad_outputs[0]
+            if g is None:
+                return None
+            alpha = self.slot_scale(node, 0)
+            # (named here, in the order the backward meets them, as
+            # _gemm_scales names them: a parameter not the model's is
+            # named in the order first asked)
+            key = step.gemm_key(hook.site_name(site.weight, site.part))
+            names = {edge: hook.parameter_name(param)
+                     for edge, param in site.parameters.items()}
+            beta, incoming_finite = step.gemm(
+                key, g, site.weight_values, site.length_for(g), alpha,
+                lambda: site.data_gradient(g))
+            edge_scales, scale = self.edge_scales, alpha * beta
+            for i in edges:
+                edge_scales[node, i] = scale
+            if self._learning is not None:
+                self._learn(node)
+            step.trace_gemm(names, incoming_finite,
+                            self._operand_witnesses(site))
+            return None if beta == 1.0 else (_times(g, beta),)
         return pre
 
     def _gemm_scales(self, site, g, alpha):
