@@ -122,6 +122,7 @@ class CauseTimers(object):
                      [structure, plan, register, _WRAPPING])
         self._method(rules, '_cast_site', cast)
         self._factory(rules, '_gemm_in', gemm, [cast])
+        self._factory(rules, '_gemm_refreshed', gemm)
         self._factory(rules, '_cast', cast)
         self._method(planned_pass.PlannedRun, 'start', planned)
         self._factory(rules, '_contribute', branch)
