@@ -929,6 +929,7 @@ def test_cause_timers_count_each_callback_and_leave_the_classes_as_they_were():
     patched = [(graph, 'structure'), (graph.PlanCache, 'plan'),
                (backward_rules.BackwardPass, '_register'),
                (backward_rules.BackwardPass, '_gemm_in'),
+               (backward_rules.BackwardPass, '_gemm_refreshed'),
                (backward_rules.BackwardPass, '_contribute'),
                (hook_module.GradientScaling, 'land'),
                (hook_module.GradientScaling, 'finish_pass'),
@@ -968,13 +969,15 @@ def test_cause_timers_count_each_callback_and_leave_the_classes_as_they_were():
     assert calls['branch post-hooks'] == sum(
         len(edges) for edges in plan.branches.values())
     assert calls['multi-output pre-hooks'] == len(plan.multi_output)
-    # (the parameters whose scale a GEMM's edge sets land natively, told
-    # it by the GEMM's pre-hook: the others call the Python landing)
+    # (the parameters whose scale a GEMM's edge or a branch's sum sets
+    # land natively, told it by the GEMM's pre-hook or the sum: on the
+    # gpt, all; the others would call the Python landing)
     reused = gs.scaler.hook.plans.plan([gs.model(*gs.inputs).grad_fn])
-    learned = sum(len(e) for e in reused.gemm_landings().values())
+    by_gemm = sum(len(e) for e in reused.gemm_landings().values())
+    by_branch = sum(len(e) for e in reused.branch_landings().values())
     params = len(list(gs.model.parameters()))
-    assert 0 < learned < params
-    assert calls['landing hooks'] == params - learned
+    assert 0 < by_gemm < params and by_gemm + by_branch == params
+    assert calls['landing hooks'] == params - by_gemm - by_branch
     assert all(min(s) >= 0 for _, _, s in by_cause.values())
     table = rows.cause_rows('gpt (torch)', '1x8', 'fp32', by_cause, steps)
     assert [r.cause for r in table] == [c for c, _ in torch_causes.CAUSES]

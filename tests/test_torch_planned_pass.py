@@ -723,10 +723,13 @@ def test_a_partial_pass_without_cast_sites_runs_every_callback(
 def learned(monkeypatch):
     """Counts of the landings per pass that called the Python landing
     (:meth:`GradientScaling.land`), and of the parameters each pass's
-    GEMM pre-hooks told the native landing (a list per pass)."""
+    GEMM pre-hooks and branch sums told the native landing (a list per
+    pass)."""
     from gradient_scaling.torch import backward_rules
     counts = {'land': 0, 'learned': []}
-    land, learn = GradientScaling.land, backward_rules.BackwardPass._learn
+    land = GradientScaling.land
+    rules = backward_rules.BackwardPass
+    learn, learn_branch = rules._learn, rules._learn_branch
 
     def counted_land(self, leaf, grad):
         counts['land'] += 1
@@ -736,9 +739,15 @@ def learned(monkeypatch):
         found = self._learning[1].get(self.plan.index[node], ())
         counts['learned'].append(len(found))
         return learn(self, node)
+
+    def counted_learn_branch(self, slot, scale):
+        found = self._learning[3].get(
+            (self.plan.index[slot[0]], slot[1]), ())
+        counts['learned'].append(len(found))
+        return learn_branch(self, slot, scale)
     monkeypatch.setattr(GradientScaling, 'land', counted_land)
-    monkeypatch.setattr(backward_rules.BackwardPass, '_learn',
-                        counted_learn)
+    monkeypatch.setattr(rules, '_learn', counted_learn)
+    monkeypatch.setattr(rules, '_learn_branch', counted_learn_branch)
     return counts
 
 
@@ -754,7 +763,8 @@ def test_a_refresh_lands_natively_what_python_lands(
         built, learned, monkeypatch, case):
     """Every pass a refresh (interval 1): the leaves whose scale a GEMM's
     edge sets (the weights and biases of the GEMMs, the layer norms
-    before them) land natively, told their scale by the GEMM's pre-hook,
+    before them) or a branch's sum (the embeddings) land natively, told
+    their scale by the GEMM's pre-hook or as the branch is summed,
     divided or left scaled in ``.grad`` as the Python landing does: the
     same gradients, landed scales, reports and results bit for bit; two
     passes accumulated per step (the second lands into a gradient: divided
@@ -776,11 +786,11 @@ def test_a_refresh_lands_natively_what_python_lands(
     assert by_learning == learned['land'] - sum(learned_counts)
 
 
-def test_a_refresh_learns_the_gpts_leaves_but_the_embeddings(built,
-                                                             learned):
-    """On the transformer, every leaf but the two embeddings (their
-    gradient is a sum of branches, its scale unified as they land) has a
-    GEMM's edge as its scale's source."""
+def test_a_refresh_learns_every_leaf_of_the_gpt(built, learned):
+    """On the transformer, every leaf has a GEMM's edge as its scale's
+    source but the two embeddings, whose gradient is a branch's sum
+    (the token embedding's, tied to the logits' GEMM, at itself; the
+    position embedding's, in the residual stream): all learned."""
     net, batch = _gpt_case()()
     hook = GradientScaling(net, update_interval=1)
     for step in range(3):
@@ -789,8 +799,8 @@ def test_a_refresh_learns_the_gpts_leaves_but_the_embeddings(built,
         with hook:
             net(*batch(step)).backward()
     params = len(list(net.parameters()))
-    assert sum(learned['learned']) == params - 2
-    assert learned['land'] == 2
+    assert sum(learned['learned']) == params
+    assert learned['land'] == 0
 
 
 @pytest.mark.parametrize('kind', ['tensor hook', 'post-accumulate hook'])

@@ -103,8 +103,9 @@ class BackwardPass(object):
     #: Python callbacks.
     planned = None
     #: A pass of the Python callbacks on a reused plan: ``(unit,
-    #: gemm_landings, leaves)`` while its GEMMs' pre-hooks tell the
-    #: native landing the scales they set (:meth:`_learn_landing`).
+    #: gemm_landings, leaves, branch_landings)`` while its GEMMs'
+    #: pre-hooks and its branches' sums tell the native landing the
+    #: scales they set (:meth:`_learn_landing`).
     _learning = None
     #: ``(leaf, inverse)`` of the gradients that landing left scaled
     #: in ``.grad`` (:meth:`take_left_scaled`).
@@ -498,8 +499,11 @@ class BackwardPass(object):
         """A pass of the Python callbacks (a refresh), the innermost one
         running, of a whole graph whose plan is reused: the leaves whose
         scale a GEMM's edge sets (:meth:`~gradient_scaling.torch.graph.
-        Plan.gemm_landings`) land natively, each told its scale by the
-        GEMM's pre-hook (:meth:`_learn`), as :meth:`~gradient_scaling.
+        Plan.gemm_landings`) or a branch's sum (:meth:`~gradient_scaling.
+        torch.graph.Plan.branch_landings`: a tied embedding's, one
+        feeding a residual stream) land natively, each told its scale by
+        the GEMM's pre-hook (:meth:`_learn`) or as the branch is summed
+        (:meth:`_sum`), as :meth:`~gradient_scaling.
         torch.hook.GradientScaling.land` lands it: recorded, and divided
         or left scaled in ``.grad`` (with the leaves with other hooks
         excluded), as a planned pass's landing does. Not where a
@@ -508,12 +512,12 @@ class BackwardPass(object):
         if self.nested or self.partial or hook._capturing or \
                 plan.compiled or hook._running[-1:] != [self]:
             return
-        landings = plan.gemm_landings()
-        if not landings:
+        landings, summed = plan.gemm_landings(), plan.branch_landings()
+        if not landings and not summed:
             return
         unit, self.left_scaled = hook.landing_set(()), []
         if self.land_natively(unit, self.left_scaled):
-            self._learning = (unit, landings, plan.leaf_tensors())
+            self._learning = (unit, landings, plan.leaf_tensors(), summed)
 
     def land_natively(self, unit, pending):
         """The leaves of ``unit`` (the innermost running pass's) land in
@@ -538,12 +542,21 @@ class BackwardPass(object):
     def _learn(self, node):
         """GEMM ``node``'s pre-hook has set its edges' scales: those of
         the leaves they set told to the native landing."""
-        unit, landings, leaves = self._learning
+        unit, landings, leaves, _ = self._learning
         found = landings.get(self.plan.index[node])
         if found:
             edge_scales = self.edge_scales
             self.hook.landing_learn(unit, [
                 (leaves[i], edge_scales[node, edge]) for edge, i in found])
+
+    def _learn_branch(self, slot, scale):
+        """Branch ``slot``'s contributions are summed at ``scale``: that of
+        the leaves it sets told to the native landing."""
+        unit, _, leaves, summed = self._learning
+        found = summed.get((self.plan.index[slot[0]], slot[1]))
+        if found:
+            self.hook.landing_learn(unit, [(leaves[i], scale)
+                                           for i in found])
 
     def _finished(self):
         self.finished = True
@@ -780,6 +793,8 @@ class BackwardPass(object):
         scales = [s for _, s in items]
         common = self.step.branch(scales, [g for g, _ in items])
         self.slot_scales[slot] = common
+        if self._learning is not None:
+            self._learn_branch(slot, common)
         total = None
         for g, s in items:  # in arrival order, as the engine would add
             g = _times(g, common / s) if s != common else g

@@ -329,6 +329,13 @@ class Plan(object):
         no template (a walked one)."""
         return None
 
+    def branch_landings(self):
+        """Branch slot (positions) -> the leaves (positions in
+        :meth:`leaf_tensors`) whose scale is that slot's, known as soon as
+        its contributions are summed (the nearest of their
+        :meth:`scale_sources`); None where the plan has no template."""
+        return None
+
     def consumers_of(self, slot):
         """The edges that feed ``slot``, or None."""
         if self.template is None:
@@ -928,18 +935,32 @@ class _ReusedPlan(Plan):
         return self.order[positions[0]] if positions else None
 
     def gemm_landings(self):
+        return self._landings()[0]
+
+    def branch_landings(self):
+        return self._landings()[1]
+
+    def _landings(self):
+        """(:meth:`gemm_landings`, :meth:`branch_landings`), found once
+        per template."""
         template = self.template
-        known = template.gemm_landings
+        known = template.landings
         if known is None:
             gemms = set(template.gemm_at) | template.extra_sites
-            found = {}
+            branches = set(template.branches)
+            found, summed = {}, {}
             for i, a in enumerate(template.accumulators):
                 nearest = next(iter(_sources(template, (a, 0))), None)
-                if nearest is not None and nearest[0] == 1 and \
-                        nearest[1] in gemms:
-                    found.setdefault(nearest[1], []).append((nearest[2], i))
-            known = template.gemm_landings = {
-                c: tuple(edges) for c, edges in found.items()}
+                if nearest is None:
+                    continue
+                kind, n, k = nearest
+                if kind == 1 and n in gemms:
+                    found.setdefault(n, []).append((k, i))
+                elif kind == 0 and (n, k) in branches:
+                    summed.setdefault((n, k), []).append(i)
+            known = template.landings = (
+                {c: tuple(edges) for c, edges in found.items()},
+                {slot: tuple(leaves) for slot, leaves in summed.items()})
         return known
 
     def _site(self, entry):
@@ -1165,8 +1186,9 @@ class _Template(object):
         self.memo = {}
         #: Position -> its entry of :attr:`gemms`.
         self.gemm_at = {entry[0]: entry for entry in self.gemms}
-        #: :meth:`Plan.gemm_landings`, as found.
-        self.gemm_landings = None
+        #: (:meth:`Plan.gemm_landings`, :meth:`Plan.branch_landings`), as
+        #: found.
+        self.landings = None
 
 
 def _sources(template, at):
