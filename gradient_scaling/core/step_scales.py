@@ -64,7 +64,10 @@ class StepScales(object):
         self.occurrences = {}  # GEMM base name -> uses so far
         self.cast_count = 0
         self.branch_count = 0
-        self.traces = {}  # parameter name -> [GemmTrace]
+        #: ``(names, trace)`` of each GEMM traced, in order (``names``:
+        #: edge -> parameter name): read only where a weight gradient
+        #: failed (:meth:`traces_of`).
+        self.gemm_traces = []
         self.nonfinite_sites = []
 
     # -- keys ---------------------------------------------------------------
@@ -102,13 +105,16 @@ class StepScales(object):
             finite, None where it was not measured (a cached pass).
 
         """
-        beta = self.cached(key, alpha)
-        if beta is not None:
-            return beta, None
         # (estimated here, not through _site_scale: a refresh's GEMM
         # sites are many, and it would ask the table again and make a
-        # closure for each)
-        staged = self._staging()
+        # closure for each; a refresh asks the table nothing)
+        if not self.refresh:
+            beta = self.cached(key, alpha)
+            if beta is not None:
+                return beta, None
+        staged = self.staged
+        if staged is None:
+            staged = self._staging()
         try:
             chosen = self.controller.estimator.gemm(
                 grad, weight, n() if callable(n) else n, alpha, key, staged,
@@ -267,16 +273,24 @@ class StepScales(object):
         parameter name; ``grads``, edge -> its gradient (None where the
         GEMM's weight gradients are not at hand; indexed by edge, a list
         or a dict). One trace, shared (it is immutable)."""
-        trace = GemmTrace(incoming_finite, operands)
-        traces, backoff = self.traces, self.controller.backoff
+        self.gemm_traces.append((names, GemmTrace(incoming_finite,
+                                                  operands)))
+        if grads is None:
+            return
+        backoff = self.controller.backoff
         for i, name in names.items():
-            traces.setdefault(name, []).append(trace)
-            grad = None if grads is None else grads[i]
+            grad = grads[i]
             if grad is not None and backoff.managed(name):
                 largest = self._max_abs(grad)
                 self.weight_maxima[name] = max(
                     largest, self.weight_maxima.get(name, 0.0))
 
     def traces_of(self, names):
-        """The traces this pass recorded for ``names``."""
-        return {name: self.traces.get(name, []) for name in names}
+        """The traces this pass recorded for ``names``: name -> a list,
+        in the order recorded."""
+        found = {name: [] for name in names}
+        for traced, trace in self.gemm_traces:
+            for name in traced.values():
+                if name in found:
+                    found[name].append(trace)
+        return found

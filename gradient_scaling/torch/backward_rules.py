@@ -234,8 +234,16 @@ class BackwardPass(object):
         """The scale of the gradient ``node``'s backward returns for its
         input ``i``."""
         known = self.edge_scales.get((node, i), self.node_scales.get(node))
-        return known if known is not None else self.slot_scale(
-            *self._own_slot(node))
+        if known is not None:
+            return known
+        plan = self.plan
+        if plan.order is not None:  # (a reused plan: :meth:`_own_slot`'s
+            # lookups, without the calls; a branch consumer asks on every
+            # refresh)
+            slots = plan.template.used_slots.get(plan.index.get(node))
+            if slots:
+                return self.slot_scale(node, slots[0])
+        return self.slot_scale(*self._own_slot(node))
 
     def checked_leaves(self):
         """The leaves whose gradients the pass's result checks: its own
