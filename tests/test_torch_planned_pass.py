@@ -11,8 +11,9 @@ three-consumer tensor, cat, a transposed convolution) and in float16; a
 cast whose cap binds plans again, or hands the pass to the Python
 callbacks; a backward of part of the graph runs in Python; a hook out of
 the planned order is noticed, one reached before the pass started
-refuses. A refresh's leaves whose scale a GEMM's edge sets land natively,
-told it by the GEMM's pre-hook: the Python landing's results bit for bit.
+refuses. A refresh's leaves whose scale a GEMM's edge or a branch's sum
+sets land natively, told it by the GEMM's pre-hook or the sum: the
+Python landing's results bit for bit.
 """
 
 import sys
