@@ -312,8 +312,11 @@ def _refresh_steps(case, monkeypatch, general):
     ``general``. What each step decided and recorded, the gradients it
     landed, and how many plain sites ran."""
     torch.manual_seed(0)
-    if case == 'gpt':
+    if case in ('gpt', 'gpt float16'):
         net, inputs = torch_cases.gpt(2, 8, np.random.default_rng(0))
+    elif case == 'attention':
+        net = _Attention()
+        inputs = tuple(torch.randn(5, 2, 8) for _ in range(3))
     else:
         net = EveryConstructNet().double()
         _, _, x, t = every_construct_batch(np.random.default_rng(0))
@@ -342,7 +345,11 @@ def _refresh_steps(case, monkeypatch, general):
     steps = []
     for _ in range(3):
         optimizer.zero_grad(set_to_none=True)
-        loss = net(*inputs)
+        # (in float16, gradients of 2 bytes: one scaled input makes both
+        # of a GEMM's paths)
+        with torch.autocast('cpu', dtype=torch.float16,
+                            enabled=case == 'gpt float16'):
+            loss = net(*inputs)
         scaler.scale(loss).backward()
         scaler.step(optimizer)  # (the pass ends: what landed is told)
         grads = {n: p.grad.clone() for n, p in net.named_parameters()}
@@ -357,17 +364,44 @@ def _refresh_steps(case, monkeypatch, general):
     return steps, len(plain)
 
 
-@pytest.mark.parametrize('case', ['gpt', 'every_construct'])
+class _Attention(torch.nn.Module):
+    """``nn.MultiheadAttention`` with separate key and value inputs (its
+    packed projection's weight multiplied by parts, one GEMM each) and a
+    linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(8, 8)
+        self.attn = torch.nn.MultiheadAttention(8, 2)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x, y, z):
+        # (the projections' inputs need gradients: their GEMMs are
+        # plain sites; the embedding's, of an input, has no data path)
+        x, y, z = (self.embed(i) for i in (x, y, z))
+        out, _ = self.attn(x, y, z, need_weights=False)
+        return (self.head(out) ** 2).sum() * 2.0 ** -10
+
+
+#: Each case's plain GEMM sites per step (the gpt's: all nine but its
+#: logits', the cast site in FP32; under autocast a cast before the
+#: softmax is, and the logits' GEMM plain too).
+_PLAIN = {'gpt': 8, 'gpt float16': 9, 'every_construct': 7,
+          'attention': 5}
+
+
+@pytest.mark.parametrize('case', sorted(_PLAIN))
 def test_a_plain_refresh_site_steps_as_the_general_callback(
         case, monkeypatch):
     """A refresh's GEMM site with nothing but its data path's scale to
     choose (no backoff, no measured underflow, no cast site in it) runs
     a lean callback: the same gradients, landed scales, committed scales,
     records and traces as the general one, bit for bit, over refreshes on
-    a transformer and on a network with every construct."""
+    a transformer (in float16 too), on a network with every construct
+    and on attention whose packed weight is multiplied by parts."""
     lean, plain = _refresh_steps(case, monkeypatch, general=False)
     general, none = _refresh_steps(case, monkeypatch, general=True)
-    assert plain >= 3 * (7 if case == 'gpt' else 3) and none == 0
+    assert plain == 3 * _PLAIN[case] and none == 0
     for (grads, landed, table, records, traces), expected in zip(
             lean, general):
         assert grads.keys() == expected[0].keys()
