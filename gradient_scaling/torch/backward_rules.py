@@ -624,30 +624,34 @@ class BackwardPass(object):
 
     def _plainly_refreshed(self, node, site):
         """Whether a refresh's GEMM site chooses nothing but its data
-        path's scale (:meth:`_gemm_refreshed`): one with a data path and
-        parameters, no post-hook (no backoff of its weight path, no
-        underflow measured, not a site that scales itself) and no cast
-        site in it."""
+        path's scale (:meth:`_gemm_refreshed`; and its cast site's, where
+        it is one): one with a data path and parameters and no post-hook
+        (no backoff of its weight path, no underflow measured, not a
+        site that scales itself)."""
         return node not in self.posts and site.data is not None and \
-            bool(site.parameters) and not (
-                node in self.plan.softmax_gemms and
-                not self.hook.recipe.weight_path_shares_data_scale)
+            bool(site.parameters)
 
     def _gemm_refreshed(self, node, site):
         """:meth:`_gemm_in` of a GEMM site that a refresh scales plainly
         (:meth:`_plainly_refreshed`), what it does without the cases it
-        cannot meet: the data path's scale estimated; the weight paths
-        at it (their scale, :meth:`~gradient_scaling.core.step_scales.
-        StepScales.weight_path` with no backoff of a GEMM that scales
-        its one input, is the data path's clamped again: the same); the
-        traces of its parameters recorded."""
+        cannot meet: the cast site's scale first where the GEMM is one
+        (the logits' GEMM of a model with no cast before its softmax);
+        the data path's scale estimated; the weight paths at it (their
+        scale, :meth:`~gradient_scaling.core.step_scales.StepScales.
+        weight_path` with no backoff of a GEMM that scales its one input,
+        is the data path's clamped again: the same); the traces of its
+        parameters recorded."""
         step, hook, edges = self.step, self.hook, range(site.edges)
+        casts = node in self.plan.softmax_gemms and \
+            not hook.recipe.weight_path_shares_data_scale
 
         def pre(grad_outputs):
-            g = grad_outputs[0]
+            given = g = grad_outputs[0]
             if g is None:
                 return None
             alpha = self.slot_scale(node, 0)
+            if casts:  # (as _gemm_in: the cast site's product first)
+                g, alpha = self._cast_site(g, alpha)
             # (named here, in the order the backward meets them, as
             # _gemm_scales names them: a parameter not the model's is
             # named in the order first asked)
@@ -664,7 +668,9 @@ class BackwardPass(object):
                 self._learn(node)
             step.trace_gemm(names, incoming_finite,
                             self._operand_witnesses(site))
-            return None if beta == 1.0 else (_times(g, beta),)
+            if beta != 1.0:
+                g = _times(g, beta)
+            return None if g is given else (g,)
         return pre
 
     def _gemm_scales(self, site, g, alpha):
