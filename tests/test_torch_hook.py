@@ -14,6 +14,7 @@ torch = pytest.importorskip('torch')
 from gradient_scaling.core.step_scales import StepScales  # NOQA
 from gradient_scaling.torch import GradientScaler  # NOQA: after torch
 from gradient_scaling.torch import GradientScaling  # NOQA
+from gradient_scaling.torch import speculation  # NOQA
 from gradient_scaling.torch.backward_rules import BackwardPass  # NOQA
 
 from helpers import is_power_of_two  # NOQA
@@ -324,6 +325,9 @@ def _refresh_steps(case, monkeypatch, general):
     scaler = GradientScaler(update_interval=1, measure_underflow=False)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
     plain = []
+    # (the Python callbacks of every refresh: not speculated, where the
+    # plain sites' would run natively; tests/test_torch_speculation.py)
+    monkeypatch.setattr(speculation, 'prepare', lambda current: None)
     if general:
         monkeypatch.setattr(BackwardPass, '_plainly_refreshed',
                             lambda self, node, site: False)

@@ -127,22 +127,29 @@ class ModelEstimator(object):
                 ``grad`` computed in FP32 (read by the closed loop only).
 
         """
-        fmt, coefficient = self._target()
+        fmt, coefficient = self.gemm_target()
         read = arrays.ops_for(grad).gemm_model_scale(
             grad, weight, n, coefficient, fmt.max)
         if read is None:
             return self._model_gemm(GemmReads(grad, weight), n)
-        beta, g_std, g_max, w_std, w_max = read
-        if beta != beta:  # (NaN: as GemmReads raises)
+        if read[0] != read[0]:  # (NaN: as GemmReads raises)
             raise underflow.NonFiniteStatisticsError(
-                'non-finite gradient' if not math.isfinite(g_max) else
+                'non-finite gradient' if not math.isfinite(read[2]) else
                 'non-finite weights')
+        return self.gemm_of_read(read, n)
+
+    def gemm_of_read(self, read, n):
+        """:meth:`gemm`'s result for a read that is not NaN (``(beta,
+        std(g), max|g|, std(W), max|W|)``, as ``gemm_model_scale`` gives
+        it) of length ``n``: a speculated refresh's records are made from
+        the reads its native hooks kept."""
         # (A read that is not NaN is of finite operands: a finite spread,
         # a positive finite power of two; the rates need no check.)
+        beta, g_std, _, w_std, _ = read
         return (beta,) + underflow.valid_gemm_underflow_rates(
-            math.sqrt(n) * g_std * w_std, (beta, 1.0), fmt)
+            math.sqrt(n) * g_std * w_std, (beta, 1.0), self.gemm_target()[0])
 
-    def _target(self):
+    def gemm_target(self):
         """(format, Theorem 1's target coefficient) of the estimator's
         rate and format, computed again only where they changed."""
         key = (self.underflow_rate, self.fmt)

@@ -124,6 +124,18 @@ class StepScales(object):
             return 1.0, False
         return self._chosen(key, 'gemm', alpha, staged, chosen), True
 
+    def gemm_read(self, key, alpha, read, n):
+        """:meth:`gemm`'s data-path scale (staged, clamped, recorded) at
+        site ``key`` of a refresh, from the estimator's ``read`` of its
+        incoming gradient and weight (:meth:`~gradient_scaling.core.
+        estimators.ModelEstimator.gemm_of_read`: a read made natively,
+        not NaN, of length ``n``), whose gradient carries ``alpha``."""
+        staged = self.staged
+        if staged is None:
+            staged = self._staging()
+        return self._chosen(key, 'gemm', alpha, staged,
+                            self.controller.estimator.gemm_of_read(read, n))
+
     def weight_path(self, name, alpha, beta, shares=None):
         """The local scale of a GEMM's weight and bias gradients.
 

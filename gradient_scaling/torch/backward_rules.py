@@ -48,6 +48,7 @@ from gradient_scaling.core import arrays
 from gradient_scaling.torch import _internals as internals
 from gradient_scaling.torch import graph
 from gradient_scaling.torch import planned_pass
+from gradient_scaling.torch import speculation
 from gradient_scaling.torch.arrays import times_power_of_two
 
 __all__ = ['BackwardPass']
@@ -111,8 +112,12 @@ class BackwardPass(object):
     #: in ``.grad`` (:meth:`take_left_scaled`).
     left_scaled = None
     #: A refresh's GEMM node -> its site's operand witnesses, read at its
-    #: first GEMM site (:meth:`_operand_witnesses`).
+    #: first GEMM site (:meth:`operand_witnesses`).
     _witnessed = None
+    #: A refresh's :class:`~gradient_scaling.torch.speculation.
+    #: Speculation` (its GEMM sites checked natively against the last
+    #: refresh's scales, or what it chooses recorded), or None.
+    _speculation = None
 
     def __init__(self, hook, roots, loss_scale, losses, nested=False,
                  plan=None, planning=False):
@@ -318,6 +323,9 @@ class BackwardPass(object):
         backoff = self.hook.controller.backoff.scales
         refresh = self.step.refresh
         measures = refresh and self.step.recipe.measure_underflow
+        spec = self._speculation = speculation.prepare(self) \
+            if refresh and planned is None else None
+        shares = self.hook.recipe.weight_path_shares_data_scale
         for node, site in plan.gemms.items():
             # (a refresh's other sites keep their weight gradients at the
             # data path's scale: the pre-hook records their traces)
@@ -327,9 +335,19 @@ class BackwardPass(object):
                     measures and site.data is not None:
                 self.posts.add(node)
                 hooks.add_post(node, self._gemm_out(node, site))
-            add('gemm', node, self._gemm_refreshed(node, site)
-                if refresh and self._plainly_refreshed(node, site)
-                else self._gemm_in(node, site))
+            if refresh and self._plainly_refreshed(node, site):
+                if spec is not None and (
+                        shares or node not in plan.softmax_gemms) and \
+                        spec.speculates(node, site):
+                    continue  # (its hook native)
+                fn = self._gemm_refreshed(node, site)
+            else:
+                fn = self._gemm_in(node, site)
+            if spec is not None:
+                fn = spec.python_gemm(node, site, fn)
+            add('gemm', node, fn)
+        if spec is not None:
+            spec.registered()
         for node in plan.multi_output:
             add('unify', node, self._unify_outputs(node))
         for node, edges in self.consumer_edges().items():
@@ -371,7 +389,10 @@ class BackwardPass(object):
         if kind == 'cast':
             return self._cast(node)
         if kind == 'gemm':
-            return self._gemm_in(node, self.plan.gemm_site(node))
+            site = self.plan.gemm_site(node)
+            if self.step.refresh and self._plainly_refreshed(node, site):
+                return self._gemm_refreshed(node, site)
+            return self._gemm_in(node, site)
         if kind == 'unify':
             return self._unify_outputs(node)
         return self._contribute(node, edges)
@@ -502,6 +523,8 @@ class BackwardPass(object):
                 self.planned.started()
             elif self.planned is None:
                 self._learn_landing()
+                if self._speculation is not None:
+                    self._speculation.started()
 
     def _learn_landing(self):
         """A pass of the Python callbacks (a refresh), the innermost one
@@ -557,6 +580,21 @@ class BackwardPass(object):
             self.hook.landing_learn(unit, [
                 (leaves[i], edge_scales[node, edge]) for edge, i in found])
 
+    def learn_landings(self, nodes):
+        """The GEMM ``nodes`` set their edges' scales (expected, where a
+        refresh speculates: :mod:`~gradient_scaling.torch.speculation`):
+        those of the leaves they set told to the native landing at
+        once."""
+        if self._learning is None:
+            return
+        unit, landings, leaves, _ = self._learning
+        index, edge_scales, pairs = self.plan.index, self.edge_scales, []
+        for node in nodes:
+            for edge, i in landings.get(index[node], ()):
+                pairs.append((leaves[i], edge_scales[node, edge]))
+        if pairs:
+            self.hook.landing_learn(unit, pairs)
+
     def _learn_branch(self, slot, scale):
         """Branch ``slot``'s contributions are summed at ``scale``: that of
         the leaves it sets told to the native landing."""
@@ -570,6 +608,8 @@ class BackwardPass(object):
         self.finished = True
         if self.planned is not None:
             self.planned.finished(self)
+        elif self._speculation is not None:
+            self._speculation.finished()
         self.hook.pass_ended(self)
 
     # -- the rules ------------------------------------------------------------
@@ -581,6 +621,8 @@ class BackwardPass(object):
                 return None
             scaled, scale = self._cast_site(g, self.slot_scale(node, 0))
             self.node_scales[node] = scale
+            if self._speculation is not None:
+                self._speculation.confirm_node(node, scale)
             return None if scaled is g else (scaled,)
         return pre
 
@@ -667,7 +709,9 @@ class BackwardPass(object):
             if self._learning is not None:
                 self._learn(node)
             step.trace_gemm(names, incoming_finite,
-                            self._operand_witnesses(site))
+                            self.operand_witnesses(site))
+            if self._speculation is not None:
+                self._speculation.seen.append((node, alpha, key, beta))
             if beta != 1.0:
                 g = _times(g, beta)
             return None if g is given else (g,)
@@ -711,22 +755,28 @@ class BackwardPass(object):
             gammas = dict.fromkeys(gammas, beta)
         operands = None
         if step.refresh and names:
-            operands = self._operand_witnesses(site)
+            operands = self.operand_witnesses(site)
             if incoming_finite is None:
                 incoming_finite = bool(
                     arrays.ops_for(g).finite_flags([g])[0])
         return alpha, beta, gammas, key, incoming_finite, operands, names
 
-    def _operand_witnesses(self, site):
+    def operand_witnesses(self, site):
         """``site.operand_witnesses()``: at a refresh's first GEMM site,
         every site's of the pass read at once (in one native call where
         built), while all their saved inputs are alive."""
         known = self._witnessed
         if known is None:
-            known = self._witnessed = graph.operand_witnesses_of(
-                self.plan.gemms.values())
+            known = self.witness_operands()
         found = known.get(site.node)
         return found if found is not None else site.operand_witnesses()
+
+    def witness_operands(self):
+        """Every GEMM site's operand witnesses read (while every site's
+        node has yet to run), kept for :meth:`operand_witnesses`."""
+        self._witnessed = graph.operand_witnesses_of(
+            self.plan.gemms.values())
+        return self._witnessed
 
     def _gemm_out(self, node, site):
         """Where a weight path is backed off, or on a refresh of a site
@@ -771,6 +821,8 @@ class BackwardPass(object):
                 return None
             common = self.step.branch(scales, [g for _, g in present])
             self.node_scales[node] = common
+            if self._speculation is not None:
+                self._speculation.confirm_node(node, common)
             if all(s == common for s in scales):
                 return None
             out = list(grad_outputs)
@@ -807,6 +859,8 @@ class BackwardPass(object):
         scales = [s for _, s in items]
         common = self.step.branch(scales, [g for g, _ in items])
         self.slot_scales[slot] = common
+        if self._speculation is not None:
+            self._speculation.confirm_slot(slot, common)
         if self._learning is not None:
             self._learn_branch(slot, common)
         total = None

@@ -153,6 +153,17 @@ class GemmSite(object):
                 return int(grad.shape[axis])
         return self.accumulation_length
 
+    def length_rule(self):
+        """How :meth:`length_for` finds ``N`` without a call: ``(axis,
+        -1)``, the incoming gradient's size on ``axis`` (0 or 1) where it
+        is a matrix (not known otherwise), or ``(-1, N)``."""
+        if callable(self.length):
+            axis = _GRAD_AXIS.get((type(self.node).__name__,
+                                   self.weight_edge))
+            if axis is not None:
+                return axis % 2, -1
+        return -1, self.accumulation_length
+
     def operands(self):
         """The forward's (input, weight or its part), for telling a data
         fault from an overflow (read while the node has not run)."""

@@ -844,6 +844,102 @@ struct RefreshReadHook : torch::autograd::FunctionPreHook {
   }
 };
 
+// A refresh speculated (gradient_scaling/torch/speculation.py): its GEMM
+// sites' hooks read their incoming gradient and weight as the refresh
+// reads them (gemm_model_scale: the same call and numbers) and check that
+// the scale found is the one ``expected`` (the last refresh's there, the
+// scales above the site confirmed the same); where it is, the gradient is
+// multiplied by the ``factor`` expected (the same product as the Python
+// callback's) and the read kept for the records Python makes from it;
+// where it is not (another scale, or no native read: ``readable`` False)
+// or once the pass is Python's (mode 2), ``missed(seq, readable)`` is
+// told first, once (it turns the pass over to Python), and
+// ``dispatch(seq, grads)`` runs the site's Python callback.
+struct Speculated {
+  int mode = 1;
+  // (seq, std(g), max|g|, std(W), max|W|, n) of each read kept, in order
+  std::vector<std::tuple<int64_t, double, double, double, double, int64_t>>
+      kept;
+  std::shared_ptr<PyRef> missed, dispatch;
+};
+
+class Speculation {
+ public:
+  Speculation(py::handle missed, py::handle dispatch)
+      : state(std::make_shared<Speculated>()) {
+    state->missed = std::make_shared<PyRef>(missed.ptr());
+    state->dispatch = std::make_shared<PyRef>(dispatch.ptr());
+  }
+
+  // The hooks from now on run the Python callbacks (no ``missed``).
+  void use_python() { state->mode = 2; }
+  int mode() const { return state->mode; }
+
+  // The reads kept so far, in order (then forgotten).
+  py::list take_kept() {
+    py::list out;
+    for (const auto& k : state->kept) {
+      out.append(py::make_tuple(std::get<0>(k), std::get<1>(k),
+                                std::get<2>(k), std::get<3>(k),
+                                std::get<4>(k), std::get<5>(k)));
+    }
+    state->kept.clear();
+    return out;
+  }
+
+  std::shared_ptr<Speculated> state;
+};
+
+struct SpeculativeGemmHook : torch::autograd::FunctionPreHook {
+  std::shared_ptr<Speculated> state;
+  int64_t seq;
+  at::Tensor weight;
+  // N: the incoming gradient's size on ``axis`` where it is a matrix
+  // (axis >= 0), else ``n`` (< 1: not known, a miss)
+  int64_t axis, n;
+  double coefficient, fmt_max;
+  int64_t limit;
+  double expected, factor;
+  SpeculativeGemmHook(std::shared_ptr<Speculated> s, int64_t q, at::Tensor w,
+                      int64_t a, int64_t n_, double c, double m, int64_t l,
+                      double e, double f)
+      : state(std::move(s)), seq(q), weight(std::move(w)), axis(a), n(n_),
+        coefficient(c), fmt_max(m), limit(l), expected(e), factor(f) {}
+
+  variable_list operator()(const variable_list& grads) override {
+    if (state->mode == 1) {
+      if (grads.empty() || !grads[0].defined()) return grads;
+      const at::Tensor& g = grads[0];
+      int64_t length = n;
+      if (axis >= 0) length = g.dim() == 2 ? g.size(axis) : 0;
+      auto read = gemm_model_scale(g, weight, length, coefficient, fmt_max,
+                                   limit);
+      if (read && std::get<0>(*read) == expected) {
+        state->kept.emplace_back(seq, std::get<1>(*read), std::get<2>(*read),
+                                 std::get<3>(*read), std::get<4>(*read),
+                                 length);
+        if (factor == 1.0) return grads;
+        variable_list out(grads);
+        out[0] = times_power_of_two(g, factor);
+        return out;
+      }
+      state->mode = 2;
+      py::gil_scoped_acquire gil;
+      PyObject* told = PyObject_CallFunction(
+          state->missed->obj, "Li", static_cast<long long>(seq),
+          read ? 1 : 0);
+      if (told == nullptr) throw python_error();
+      Py_DECREF(told);
+    }
+    py::gil_scoped_acquire gil;
+    py::object a = py::reinterpret_steal<py::object>(wrap(grads));
+    PyObject* result = PyObject_CallFunctionObjArgs(
+        state->dispatch->obj, py::int_(seq).ptr(), a.ptr(), nullptr);
+    if (result == nullptr) throw python_error();
+    return taken(result, grads, "backward pre-hook");
+  }
+};
+
 // The callbacks of one backward pass, taken off all at once.
 class HookSet {
  public:
@@ -883,6 +979,22 @@ class HookSet {
     }
     add<RefreshReadHook>(node, std::move(w), n, coefficient, fmt_max, limit,
                          std::make_shared<PyRef>(fallback.ptr()), reads_);
+  }
+
+  // A speculated refresh's GEMM site on ``node`` (SpeculativeGemmHook),
+  // ``seq`` its place among them.
+  void add_speculative(py::handle node, const Speculation& speculation,
+                       int64_t seq, py::handle weight, int64_t axis,
+                       int64_t n, double coefficient, double fmt_max,
+                       int64_t limit, double expected, double factor) {
+    if (!THPVariable_Check(weight.ptr())) {
+      throw py::type_error("gradient_scaling native: a weight that is "
+                           "not a tensor");
+    }
+    add<SpeculativeGemmHook>(node, speculation.state, seq,
+                             THPVariable_Unpack(weight.ptr()).detach(),
+                             axis, n, coefficient, fmt_max, limit, expected,
+                             factor);
   }
 
   // What the refresh-read hooks read so far, in order (then forgotten).
@@ -2334,6 +2446,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_scaling_post", &HookSet::add_scaling_post)
       .def("add_refresh_read", &HookSet::add_refresh_read)
       .def("take_reads", &HookSet::take_reads)
+      .def("add_speculative", &HookSet::add_speculative)
       .def("add_planned", &HookSet::add_planned)
       .def("add_planned_events", &HookSet::add_planned_events)
       .def("clear", &HookSet::clear)
@@ -2346,6 +2459,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("use_python", &PlannedTable::use_python)
       .def_property_readonly("mode", &PlannedTable::mode)
       .def_property_readonly("deviated", &PlannedTable::deviated);
+  py::class_<Speculation>(m, "Speculation")
+      .def(py::init<py::handle, py::handle>())
+      .def("use_python", &Speculation::use_python)
+      .def("take_kept", &Speculation::take_kept)
+      .def_property_readonly("mode", &Speculation::mode);
   py::class_<PlannedEvents>(m, "PlannedEvents")
       .def("__len__", [](const PlannedEvents& e) { return e.events.size(); });
   m.def("planned_events", &planned_events);

@@ -6,7 +6,10 @@ the part of the hook that does it: the reading of the graph's structure,
 the plan reused on it, the callbacks' registration and the rest of
 ``scale``; in the backward, each kind of callback (GEMM pre-hooks, the
 cast sites, branch post-hooks, multi-output pre-hooks, GEMM post-hooks,
-landing hooks; on a planned pass, the cast sites' alone, and the setting
+landing hooks; on a speculated refresh, the GEMM sites' reads its native
+hooks kept made into the step's records and traces:
+:mod:`~gradient_scaling.torch.speculation`; on a planned pass, the cast
+sites' alone, and the setting
 of the factors the native hooks then apply, untimed:
 :mod:`~gradient_scaling.torch.planned_pass`) and the division of the gradients left in ``.grad`` at the
 pass's end; in ``step``, the pass's end and its finiteness check. A
@@ -31,6 +34,7 @@ from gradient_scaling.torch import backward_rules
 from gradient_scaling.torch import graph
 from gradient_scaling.torch import hook as hook_module
 from gradient_scaling.torch import planned_pass
+from gradient_scaling.torch import speculation
 
 __all__ = ['CAUSES', 'CauseTimers', 'cause_samples']
 
@@ -41,6 +45,7 @@ CAUSES = (
     ('callbacks registered', 'scale'),
     ('rest of scale (the step\'s bookkeeping)', 'scale'),
     ('GEMM pre-hooks (without their cast sites)', 'backward'),
+    ('speculated GEMM sites\' reads made into records', 'backward'),
     ('cast sites', 'backward'),
     ('planned factors set (then applied natively)', 'backward'),
     ('branch post-hooks', 'backward'),
@@ -112,8 +117,9 @@ class CauseTimers(object):
                     lambda original: self._timed(cause, original, within))
 
     def __enter__(self):
-        (structure, plan, register, scale, gemm, cast, planned, branch,
-         multi, post, land, region, divide, end) = [c for c, _ in CAUSES]
+        (structure, plan, register, scale, gemm, made_good, cast, planned,
+         branch, multi, post, land, region, divide, end) = [
+             c for c, _ in CAUSES]
         rules = backward_rules.BackwardPass
         self._method(graph.PlanCache, 'structure', structure)
         self._method(graph.PlanCache, 'plan', plan, [structure])
@@ -122,7 +128,8 @@ class CauseTimers(object):
                      [structure, plan, register, _WRAPPING])
         self._method(rules, '_cast_site', cast)
         self._factory(rules, '_gemm_in', gemm, [cast])
-        self._factory(rules, '_gemm_refreshed', gemm)
+        self._factory(rules, '_gemm_refreshed', gemm, [cast])
+        self._method(speculation.Speculation, 'flush', made_good)
         self._factory(rules, '_cast', cast)
         self._method(planned_pass.PlannedRun, 'start', planned)
         self._factory(rules, '_contribute', branch)

@@ -1,0 +1,347 @@
+"""Speculated refreshes: a refresh's GEMM sites checked natively against
+the last refresh's scales.
+
+A refresh estimates every site's scale from the gradient reaching it, so
+every site runs its Python callback, and most of a refresh's time is that
+Python, not its reads. Yet a refresh mostly finds the last refresh's
+scales again. A speculated refresh (where the native module is built,
+:mod:`~gradient_scaling.torch.native`) expects that at its GEMM sites:
+
+1. *Expected*: a refresh of the Python callbacks on a graph's structure
+   leaves what it chose, by position in the structure (:class:`Expected`,
+   kept in the structure's memo): at each GEMM site the scale its incoming
+   gradient carried, the scale estimated and the factor applied; at every
+   other callback's node the scales it set.
+2. *Checked*: the next refresh on the structure puts a native hook on
+   each GEMM site that a refresh scales plainly (``_plainly_refreshed``;
+   not a cast site): it makes the refresh's read of its incoming gradient
+   and weight (``gemm_model_scale``: the estimator's own call and
+   numbers) and checks that the scale estimated is the one expected;
+   where it is, it multiplies the gradient by the factor expected and
+   keeps the read, without a Python call. Every other callback (a cast
+   site, a GEMM that is one, a multi-output node, a branch's consumer)
+   runs in Python as on any refresh, and confirms that it set the scales
+   expected at its node. Where every scale above a site is the expected
+   one, so is the scale its gradient carries; a check that passes then
+   gives the site the scale, factor and edge scales its Python callback
+   would give it. The pass's Python state starts with the GEMM sites'
+   edge scales expected (what their callbacks would set), the native
+   landing told the scales of the leaves they set, and the saved inputs'
+   finiteness (their traces') read for every GEMM site while all are
+   alive.
+3. *Made good*: the reads kept are made into the step's keys, staged
+   scales, records and traces by the step's own code answering from them
+   (:meth:`~gradient_scaling.core.step_scales.StepScales.gemm_read`), in
+   the order the sites ran: before a Python GEMM callback runs (its key
+   counts the uses of its weight so far), where the pass turns to Python,
+   and at the pass's end. A check that fails (another scale, a read that
+   is not finite or not native) or a confirmation that fails turns the
+   pass over to Python from there: every GEMM hook after it hands its
+   gradient to its Python callback, as on any refresh (which sets the
+   site's edge scales again before any callback reads them).
+
+Gradients, landed scales, the step's staged scales, records and traces
+are those of the Python callbacks, bit for bit
+(``tests/test_torch_speculation.py``). A refresh speculates only as the
+first pass of its step, on a reused plan of a structure whose last
+refresh left what it chose, with the model estimator, no underflow
+measured, no weight-path backoff, no GEMM that scales itself, on one
+device, and not inside a compiled region, a capture or a nested pass.
+"""
+
+import weakref
+
+import torch
+
+from gradient_scaling.core import estimators
+from gradient_scaling.core import statistics
+from gradient_scaling.torch import graph
+
+__all__ = ['Expected', 'Speculation', 'prepare']
+
+_MEMO = 'speculation'
+_SITES = 'speculated sites'
+#: The dtypes of the tensors the native hooks read (``gemm_model_scale``).
+_READ = frozenset([torch.float32, torch.float16, torch.bfloat16])
+
+
+class Expected(object):
+
+    """What a refresh of the Python callbacks chose, by position in its
+    graph's structure: the next refresh's expectation.
+
+    Attributes:
+        setting (tuple): What maps a site's estimate to its factor (the
+            loss scale, the recipe's scale range and whether it applies
+            scales): the next refresh speculates only under the same.
+        gemms (dict): GEMM position -> ``(alpha, estimate, factor)``.
+        nodes (dict): Position -> the scale a cast or multi-output node
+            set (``node_scales``).
+        edges (dict): ``(position, edge)`` -> a GEMM edge's scale.
+        slots (dict): ``(position, slot)`` -> a slot's scale (a branch's
+            sum's among them).
+
+    """
+
+    __slots__ = ('setting', 'gemms', 'nodes', 'edges', 'slots')
+
+    def __init__(self, setting, gemms, nodes, edges, slots):
+        self.setting, self.gemms = setting, gemms
+        self.nodes, self.edges, self.slots = nodes, edges, slots
+
+
+def _setting(current):
+    recipe = current.step.recipe
+    return (current.loss_scale, recipe.scale_range, recipe.apply_scales)
+
+
+def prepare(current):
+    """The :class:`Speculation` of refresh pass ``current`` (registering
+    its callbacks): speculating where its structure's last refresh left an
+    :class:`Expected` of the same setting, else recording one; None where
+    a refresh cannot be speculated (see the module)."""
+    hook, plan, step = current.hook, current.plan, current.step
+    memo = plan.structure_memo
+    native = hook.planned_native
+    if not step.refresh or not hook.planned_passes or native is None or \
+            current.nested or memo is None or plan.template is None or \
+            plan.compiled or plan.runs_python or hook._capturing or \
+            not step.recipe.apply_scales or step.recipe.measure_underflow \
+            or type(step.controller.estimator) is not \
+            estimators.ModelEstimator or step.staged is not None or \
+            step.records or step.occurrences or step.cast_count or \
+            step.branch_count or hook.controller.backoff.scales:
+        return None
+    sites = memo.get(_SITES)
+    if sites is None:
+        # (per structure: no GEMM that scales itself; the sites whose
+        # operands the native module reads, where a speculated site's
+        # traces come from)
+        sites = memo[_SITES] = not any(
+            site.scales_itself for site in plan.gemms.values()) and \
+            frozenset(plan.index[node] for node, site in plan.gemms.items()
+                      if type(site).operands is graph.GemmSite.operands)
+    if sites is False or native.leaf_devices(plan.leaf_tensors()) > 1:
+        return None
+    expected = memo.get(_MEMO)
+    if expected is not None and expected.setting != _setting(current):
+        expected = None
+    return Speculation(current, expected, sites)
+
+
+class Speculation(object):
+
+    """The speculation of one refresh pass (see the module): where
+    :attr:`expected` is None, it only records what the pass chooses."""
+
+    def __init__(self, current, expected, sites):
+        self.current = current
+        self.expected = expected
+        self._speculable = sites
+        #: ``(node, site, alpha, estimate, factor)`` per native hook, by
+        #: its ``seq``.
+        self.sites = []
+        #: Whether the pass still speculates (no check or confirmation
+        #: failed yet).
+        self.live = expected is not None
+        #: ``(node, alpha, key, beta)`` of each plain GEMM site the pass
+        #: scaled, as it ran (made into the next :class:`Expected`).
+        self.seen = []
+        #: How many GEMM sites ran natively (their reads made good).
+        self.native_sites = 0
+        self._callbacks = {}
+        self.native = None
+        if self.live:
+            self.native = current.hook.planned_native.Speculation(
+                _weakly(self, 'missed'), _weakly(self, 'dispatch'))
+            self._positions = current.plan.index
+            fmt, coefficient = \
+                current.step.controller.estimator.gemm_target()
+            self._constants = (coefficient, float(fmt.max),
+                               statistics.SPREAD_SAMPLE)
+
+    # -- registration -------------------------------------------------------
+
+    def speculates(self, node, site):
+        """Puts the native hook on GEMM ``node`` (of ``site``, one a
+        refresh scales plainly and not a cast site) where the pass
+        speculates and its scales are expected: whether it did."""
+        if not self.live:
+            return False
+        position = self._positions[node]
+        found = self.expected.gemms.get(position)
+        if found is None or position not in self._speculable or \
+                site.weight_values.dtype not in _READ:
+            return False
+        alpha, estimate, factor = found
+        axis, n = site.length_rule()
+        coefficient, fmt_max, limit = self._constants
+        current = self.current
+        current.hooks.add_speculative(
+            node, self.native, len(self.sites), site.weight_values, axis, n,
+            coefficient, fmt_max, limit, estimate, factor)
+        self.sites.append((node, site, alpha, estimate, factor))
+        scale = alpha * factor
+        edge_scales = current.edge_scales
+        for i in range(site.edges):
+            edge_scales[node, i] = scale
+        return True
+
+    def registered(self):
+        """Every GEMM site's callback is registered: a pass that put no
+        native hook has nothing to speculate on (nor records what it
+        chooses: a structure whose GEMMs the native hooks cannot read)."""
+        if self.live and not self.sites:
+            self.live, self._idle = False, True
+
+    _idle = False
+
+    def python_gemm(self, node, site, fn):
+        """GEMM ``node``'s Python callback ``fn`` (of ``site``) in this
+        pass: the reads kept made good before it (its key counts the uses
+        of its weight so far), the edge scales it sets confirmed after."""
+        if not self.live:
+            return fn
+        edge_scales, edges = self.current.edge_scales, range(site.edges)
+
+        def pre(grad_outputs):
+            if not self.live:
+                return fn(grad_outputs)
+            self.flush()
+            result = fn(grad_outputs)
+            if self.live:
+                expected = self.expected.edges
+                position = self._positions[node]
+                if any(expected.get((position, i)) !=
+                       edge_scales.get((node, i)) for i in edges):
+                    self.turn()
+            return result
+        return pre
+
+    # -- the pass -----------------------------------------------------------
+
+    def started(self):
+        """The pass started: a backward of part of the graph is Python's
+        from the start; otherwise the native landing is told the scales
+        of the leaves the speculated sites set, and every GEMM site's
+        saved input read."""
+        if not self.live:
+            return
+        current = self.current
+        if current.partial:
+            self.turn()
+            return
+        current.learn_landings([s[0] for s in self.sites])
+        current.witness_operands()
+
+    def confirm_node(self, node, scale):
+        """A cast or multi-output node set ``scale``: the pass turns to
+        Python where it is not the one expected."""
+        if self.live and \
+                self.expected.nodes.get(self._positions[node]) != scale:
+            self.turn()
+
+    def confirm_slot(self, slot, scale):
+        """A branch's sum at ``slot`` is at ``scale``: the same."""
+        if self.live and self.expected.slots.get(
+                (self._positions[slot[0]], slot[1])) != scale:
+            self.turn()
+
+    def missed(self, seq, readable):
+        """The native hook of ``seq`` found another scale than expected,
+        or could not read its tensors natively (not ``readable``: the
+        structure is not speculated again): the pass turns to Python,
+        from that site."""
+        if not readable:
+            self.current.plan.structure_memo[_SITES] = False
+        self._turned()
+
+    def turn(self):
+        """The pass turns to Python from here (the hooks after this hand
+        their gradients to the Python callbacks)."""
+        if self.live:
+            self.native.use_python()
+            self._turned()
+
+    def _turned(self):
+        # (the edge scales expected of the sites that have not run stay
+        # until their Python callbacks set them: nothing reads a node's
+        # edges before it runs)
+        self.live = False
+        self.flush()
+
+    def dispatch(self, seq, grads):
+        """The Python callback of the native hook of ``seq`` (a pass
+        turned to Python), on its gradients."""
+        fn = self._callbacks.get(seq)
+        if fn is None:
+            node, site = self.sites[seq][:2]
+            fn = self._callbacks[seq] = self.current.callback('gemm', node)
+        return fn(grads)
+
+    def flush(self):
+        """The reads kept so far made into the step's keys, staged
+        scales, records and traces, in the order their sites ran."""
+        native = self.native
+        if native is None:
+            return
+        kept = native.take_kept()
+        if not kept:
+            return
+        current = self.current
+        step, hook, seen = current.step, current.hook, self.seen
+        self.native_sites += len(kept)
+        for seq, g_std, g_max, w_std, w_max, n in kept:
+            node, site, alpha, estimate, factor = self.sites[seq]
+            key = step.gemm_key(hook.site_name(site.weight, site.part))
+            names = {edge: hook.parameter_name(param)
+                     for edge, param in site.parameters.items()}
+            beta = step.gemm_read(key, alpha,
+                                  (estimate, g_std, g_max, w_std, w_max), n)
+            if beta != factor:
+                raise RuntimeError(
+                    'GradientScaling: a speculated GEMM site chose another '
+                    'factor than the one it applied (a bug)')
+            step.trace_gemm(names, True, current.operand_witnesses(site))
+            seen.append((node, alpha, key, beta))
+
+    def finished(self):
+        """The pass ended: the reads left made good; where it did not
+        speculate all the way, what it chose kept as the next refresh's
+        expectation (where every GEMM site's estimate was staged: a pass
+        whose gradients were not finite keeps the last)."""
+        self.flush()
+        if self.live or self._idle:
+            return  # (it chose what was expected)
+        self._callbacks = {}
+        current = self.current
+        plan, staged = current.plan, current.step.staged
+        if staged is None:
+            return
+        index, scales = plan.index, staged.scales
+        gemms = {}
+        for node, alpha, key, beta in self.seen:
+            estimate = scales.get(key)
+            if estimate is None:
+                return
+            gemms[index[node]] = (alpha, estimate, beta)
+        plan.structure_memo[_MEMO] = Expected(
+            _setting(current), gemms,
+            {index[n]: s for n, s in current.node_scales.items()},
+            {(index[n], i): s for (n, i), s in current.edge_scales.items()},
+            {(index[n], k): s for (n, k), s in current.slot_scales.items()})
+
+
+def _weakly(owner, name):
+    """``owner.name``, called through a weak reference: the native
+    speculation keeps the callable, and the pass keeps it (a cycle through
+    C++, which the collector cannot see)."""
+    ref = weakref.ref(owner)
+
+    def call(*args):
+        found = ref()
+        if found is None:
+            raise RuntimeError('GradientScaling: a speculated pass\'s hook '
+                               'ran after the pass was freed')
+        return getattr(found, name)(*args)
+    return call

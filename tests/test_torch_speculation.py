@@ -1,0 +1,191 @@
+"""Speculated refreshes (gradient_scaling/torch/speculation.py): a
+refresh's GEMM sites checked natively against the last refresh's scales
+step as the Python callbacks do, bit for bit, whether the expectation
+holds, fails at a GEMM site or fails at a Python callback."""
+
+import dataclasses
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip('torch')
+
+from gradient_scaling.core.step_scales import StepScales  # NOQA
+from gradient_scaling.torch import GradientScaler  # NOQA: after torch
+from gradient_scaling.torch import native  # NOQA
+from gradient_scaling.torch import speculation  # NOQA
+
+from torch_nets import EveryConstructNet  # NOQA
+from torch_nets import every_construct_batch  # NOQA
+from test_torch_hook import _Attention  # NOQA
+
+sys.path.insert(0, 'scripts')
+from benchmarking import torch_cases  # NOQA: scripts/ on the path
+
+pytestmark = pytest.mark.skipif(
+    native.module() is None, reason='the native module is not built')
+
+#: GEMM sites each case's speculated refresh runs natively (the gpt's
+#: eight: its logits' GEMM, the cast site in FP32, stays Python's; under
+#: float16 autocast the cast is a node of its own and all nine are).
+_NATIVE = {'gpt': 8, 'gpt float16': 9, 'every_construct': 7,
+           'attention': 5, 'every_construct float64': 0}
+
+
+def _model(case):
+    torch.manual_seed(0)
+    if case.startswith('gpt'):
+        return torch_cases.gpt(2, 8, np.random.default_rng(0))
+    if case == 'attention':
+        net = _Attention()
+        return net, tuple(torch.randn(5, 2, 8) for _ in range(3))
+    wide = case.endswith('float64')
+    net = EveryConstructNet()
+    net = net.double() if wide else net
+    _, _, x, t = every_construct_batch(
+        np.random.default_rng(0), dtype=np.float64 if wide else np.float32)
+    return net, (x, t)
+
+
+def _steps(case, monkeypatch, mode, steps=4, lr=0.01):
+    """``steps`` GS@1 steps of ``case`` (underflow not measured): what
+    each decided, recorded and landed, and each speculated pass's
+    ``(expected, still speculating at its end, GEMM reads kept)``.
+    ``mode``: ``'off'`` (the Python callbacks), ``'on'``, or an
+    expectation made wrong before each pass: a GEMM site's estimate
+    (``'gemm'``), a branch's sum (``'slot'``), a cast or multi-output
+    node's scale (``'node'``), every one (``'all'``)."""
+    net, inputs = _model(case)
+    scaler = GradientScaler(update_interval=1, measure_underflow=False)
+    optimizer = torch.optim.SGD(net.parameters(), lr=lr)
+    prepare, passes = speculation.prepare, []
+    if mode == 'off':
+        monkeypatch.setattr(speculation, 'prepare', lambda current: None)
+    else:
+        def wrong(current):
+            found = prepare(current)
+            expected = None if found is None else found.expected
+            if expected is not None and mode != 'on':
+                expected = _made_wrong(expected, mode)
+                found = speculation.Speculation(
+                    current, expected, found._speculable)
+            if found is not None:
+                passes.append(found)
+            return found
+        monkeypatch.setattr(speculation, 'prepare', wrong)
+    traced = []
+    trace_gemm = StepScales.trace_gemm
+
+    def tracing(self, names, incoming_finite, operands, grads=None):
+        traced.append((dict(names), incoming_finite, None if operands is
+                       None else [None if w is None else bool(w)
+                                  for w in operands[:1]]))
+        return trace_gemm(self, names, incoming_finite, operands, grads)
+    monkeypatch.setattr(StepScales, 'trace_gemm', tracing)
+    out = []
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast('cpu', dtype=torch.float16,
+                            enabled=case == 'gpt float16'):
+            loss = net(*inputs)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        grads = {n: p.grad.clone() for n, p in net.named_parameters()}
+        landed = {n: scaler.hook.landed_scales.get(p)
+                  for n, p in net.named_parameters()}
+        scaler.update()
+        out.append((grads, landed, dict(scaler.hook.table.scales),
+                    [dataclasses.astuple(r) for r in scaler.report()],
+                    list(traced)))
+        del traced[:]
+    monkeypatch.undo()
+    return out, [(p.expected is not None, p.live, p.native_sites)
+                 for p in passes]
+
+
+def _made_wrong(expected, mode):
+    """``expected`` with every expectation of a kind (``'all'``: of
+    every kind) doubled."""
+    fields = {'gemm': ['gemms'], 'slot': ['slots'], 'node': ['nodes'],
+              'all': ['gemms', 'slots', 'nodes', 'edges']}[mode]
+    values = {}
+    for name in ('gemms', 'nodes', 'edges', 'slots'):
+        found = dict(getattr(expected, name))
+        if name in fields and found:
+            for key, v in list(found.items()):
+                found[key] = (v[0], 2 * v[1], v[2]) if name == 'gemms' \
+                    else 2 * v
+        values[name] = found
+    return speculation.Expected(expected.setting, **values)
+
+
+def _assert_same(actual, expected):
+    for (grads, *rest), (ref, *ref_rest) in zip(actual, expected):
+        assert grads.keys() == ref.keys()
+        for name, grad in grads.items():
+            # (bit for bit; a step whose gradients overflowed has NaNs
+            # in the same places)
+            assert torch.equal(grad.isnan(), ref[name].isnan()), name
+            assert torch.equal(grad.nan_to_num(0.0),
+                               ref[name].nan_to_num(0.0)), name
+        assert rest == ref_rest
+
+
+@pytest.mark.parametrize('case', sorted(_NATIVE))
+def test_a_speculated_refresh_steps_as_the_python_callbacks(
+        case, monkeypatch):
+    """Every refresh after the first speculates (none turns to Python:
+    the scales hold) and runs the case's GEMM sites natively: the same
+    gradients, landed scales, committed scales, records and traces as the
+    Python callbacks, bit for bit (a float64 model, whose tensors the
+    native hooks do not read, speculates nowhere)."""
+    actual, passes = _steps(case, monkeypatch, 'on')
+    expected, none = _steps(case, monkeypatch, 'off')
+    assert none == []
+    _assert_same(actual, expected)
+    kept = _NATIVE[case]
+    if kept:
+        # (the first step walks its graph: no plan reused, nothing
+        # speculated or recorded; the second records)
+        assert passes[0] == (False, False, 0) and len(passes) >= 3
+        assert passes[1:] == [(True, True, kept)] * (len(passes) - 1)
+    else:  # (no GEMM site has a native hook)
+        assert passes and all(ran == 0 for _, _, ran in passes)
+    # (meaningful where the scales differ from 1 and each other)
+    assert len(set(expected[-1][2].values())) >= 3 and expected[-1][4]
+
+
+@pytest.mark.parametrize('mode', ['gemm', 'slot', 'node', 'all'])
+@pytest.mark.parametrize('case', ['gpt', 'every_construct'])
+def test_a_speculation_that_fails_turns_to_python_exactly(
+        case, mode, monkeypatch):
+    """An expectation made wrong (a GEMM site's estimate: its native
+    check fails; a branch's sum or a cast or multi-output node's scale:
+    the Python callback's confirmation fails) turns the pass over to
+    Python from there: the reads kept before are made into records, the
+    rest run in Python, and the step is the Python callbacks', bit for
+    bit."""
+    actual, passes = _steps(case, monkeypatch, mode)
+    expected, _ = _steps(case, monkeypatch, 'off')
+    _assert_same(actual, expected)
+    speculated = [p for p in passes if p[0]]
+    assert speculated and not any(live for _, live, _ in speculated)
+    if mode == 'all':
+        # (the first GEMM site that runs natively fails its check)
+        assert all(ran == 0 for _, _, ran in speculated)
+
+
+def test_a_refresh_whose_scales_change_speculates_again_from_them(
+        monkeypatch):
+    """Training fast enough that the scales move: a pass that finds
+    another scale turns to Python, what it chose is the next pass's
+    expectation, and every step is the Python callbacks', bit for bit."""
+    actual, passes = _steps('gpt', monkeypatch, 'on', steps=12, lr=3.0)
+    expected, _ = _steps('gpt', monkeypatch, 'off', steps=12, lr=3.0)
+    _assert_same(actual, expected)
+    speculated = [p for p in passes if p[0]]
+    turned = [p for p in speculated if not p[1]]
+    assert turned and len(turned) < len(speculated)
+    tables = [table for _, _, table, _, _ in expected]
+    assert any(a != b for a, b in zip(tables, tables[1:]))
