@@ -26,11 +26,13 @@ from benchmarking import torch_cases  # NOQA: scripts/ on the path
 pytestmark = pytest.mark.skipif(
     native.module() is None, reason='the native module is not built')
 
-#: GEMM sites each case's speculated refresh runs natively (the gpt's
-#: eight: its logits' GEMM, the cast site in FP32, stays Python's; under
-#: float16 autocast the cast is a node of its own and all nine are).
-_NATIVE = {'gpt': 8, 'gpt float16': 9, 'every_construct': 7,
-           'attention': 5, 'every_construct float64': 0}
+#: Reads each case's speculated refresh makes natively: its GEMM sites'
+#: and its cast sites' (the gpt's nine GEMMs and its cast, in FP32 its
+#: logits' GEMM's first stage, under float16 autocast a node of its own;
+#: the every-construct network's seven GEMMs and one cast; in float64 its
+#: cast alone: the native hooks read no float64 GEMM).
+_NATIVE = {'gpt': 10, 'gpt float16': 10, 'every_construct': 8,
+           'attention': 5, 'every_construct float64': 1}
 
 
 def _model(case):
@@ -107,15 +109,16 @@ def _steps(case, monkeypatch, mode, steps=4, lr=0.01):
 def _made_wrong(expected, mode):
     """``expected`` with every expectation of a kind (``'all'``: of
     every kind) doubled."""
-    fields = {'gemm': ['gemms'], 'slot': ['slots'], 'node': ['nodes'],
-              'all': ['gemms', 'slots', 'nodes', 'edges']}[mode]
+    fields = {'gemm': ['gemms'], 'cast': ['casts'], 'slot': ['slots'],
+              'node': ['nodes'],
+              'all': ['gemms', 'casts', 'slots', 'nodes', 'edges']}[mode]
     values = {}
-    for name in ('gemms', 'nodes', 'edges', 'slots'):
+    for name in ('gemms', 'casts', 'nodes', 'edges', 'slots'):
         found = dict(getattr(expected, name))
         if name in fields and found:
             for key, v in list(found.items()):
-                found[key] = (v[0], 2 * v[1], v[2]) if name == 'gemms' \
-                    else 2 * v
+                found[key] = (v[0], 2 * v[1], v[2]) \
+                    if name in ('gemms', 'casts') else 2 * v
         values[name] = found
     return speculation.Expected(expected.setting, **values)
 
@@ -136,32 +139,29 @@ def _assert_same(actual, expected):
 def test_a_speculated_refresh_steps_as_the_python_callbacks(
         case, monkeypatch):
     """Every refresh after the first speculates (none turns to Python:
-    the scales hold) and runs the case's GEMM sites natively: the same
-    gradients, landed scales, committed scales, records and traces as the
-    Python callbacks, bit for bit (a float64 model, whose tensors the
-    native hooks do not read, speculates nowhere)."""
+    the scales hold) and runs the case's GEMM and cast sites natively:
+    the same gradients, landed scales, committed scales, records and
+    traces as the Python callbacks, bit for bit."""
     actual, passes = _steps(case, monkeypatch, 'on')
     expected, none = _steps(case, monkeypatch, 'off')
     assert none == []
     _assert_same(actual, expected)
-    kept = _NATIVE[case]
-    if kept:
-        # (the first step walks its graph: no plan reused, nothing
-        # speculated or recorded; the second records)
-        assert passes[0] == (False, False, 0) and len(passes) >= 3
-        assert passes[1:] == [(True, True, kept)] * (len(passes) - 1)
-    else:  # (no GEMM site has a native hook)
-        assert passes and all(ran == 0 for _, _, ran in passes)
+    # (the first step walks its graph: no plan reused, nothing speculated
+    # or recorded; the second records)
+    assert passes[0] == (False, False, 0) and len(passes) >= 3
+    assert passes[1:] == [(True, True, _NATIVE[case])] * (len(passes) - 1)
     # (meaningful where the scales differ from 1 and each other)
     assert len(set(expected[-1][2].values())) >= 3 and expected[-1][4]
 
 
-@pytest.mark.parametrize('mode', ['gemm', 'slot', 'node', 'all'])
-@pytest.mark.parametrize('case', ['gpt', 'every_construct'])
+@pytest.mark.parametrize('case,mode', [
+    (case, mode) for case in ('gpt', 'every_construct')
+    for mode in ('gemm', 'cast', 'slot', 'node', 'all')
+    if (case, mode) != ('every_construct', 'node')])  # (no multi-output)
 def test_a_speculation_that_fails_turns_to_python_exactly(
         case, mode, monkeypatch):
-    """An expectation made wrong (a GEMM site's estimate: its native
-    check fails; a branch's sum or a cast or multi-output node's scale:
+    """An expectation made wrong (a GEMM or cast site's estimate: its
+    native check fails; a branch's sum or a multi-output node's scale:
     the Python callback's confirmation fails) turns the pass over to
     Python from there: the reads kept before are made into records, the
     rest run in Python, and the step is the Python callbacks', bit for

@@ -180,12 +180,20 @@ class ModelEstimator(object):
         g = _finite_log_stats(grad)
         beta = underflow.lognormal_scale_from_stats(
             g.log_mean, g.log_std, g.max_abs, self.underflow_rate, self.fmt)
-        if g.nonzero == 0:
+        return self.cast_of_read(
+            (beta, g.log_mean, g.log_std, g.max_abs, g.nonzero))
+
+    def cast_of_read(self, read):
+        """:meth:`cast`'s result for the scale ``read[0]`` it chose from
+        ``read[1:]``, the gradient's (mean of log |g|, its std, max|g|,
+        non-zero count): a speculated refresh's records are made from
+        the reads its native hooks kept."""
+        beta, mu, sigma, _, nonzero = read
+        if nonzero == 0:
             return beta, 0.0, 0.0
         return (beta, underflow.lognormal_underflow_rate(
-            g.log_mean, g.log_std, beta, self.fmt),
-            underflow.lognormal_underflow_rate(
-                g.log_mean, g.log_std, 1.0, self.fmt))
+            mu, sigma, beta, self.fmt),
+            underflow.lognormal_underflow_rate(mu, sigma, 1.0, self.fmt))
 
     def commit(self, staged_tables):
         """State carried between steps (none here)."""

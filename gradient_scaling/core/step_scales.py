@@ -136,6 +136,17 @@ class StepScales(object):
         return self._chosen(key, 'gemm', alpha, staged,
                             self.controller.estimator.gemm_of_read(read, n))
 
+    def cast_read(self, key, alpha, read):
+        """:meth:`cast`'s scale (staged, clamped, recorded) at site ``key``
+        of a refresh, from the estimator's ``read`` of its incoming
+        gradient (:meth:`~gradient_scaling.core.estimators.ModelEstimator.
+        cast_of_read`: a read made natively), which carries ``alpha``."""
+        staged = self.staged
+        if staged is None:
+            staged = self._staging()
+        return self._chosen(key, 'cast', alpha, staged,
+                            self.controller.estimator.cast_of_read(read))
+
     def weight_path(self, name, alpha, beta, shares=None):
         """The local scale of a GEMM's weight and bias gradients.
 

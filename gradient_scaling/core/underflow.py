@@ -302,6 +302,17 @@ def lognormal_scale_from_stats(mu, sigma, max_abs, underflow_rate=1e-3,
     return _power_of_two_scale(target, fmt.max / max_abs)
 
 
+def lognormal_model_constants(underflow_rate=1e-3, fmt='float16'):
+    """``(ln lambda_min, ndtri(underflow_rate), ln MAX_SCALE,
+    lambda_max)``: the constants :func:`lognormal_scale_from_stats`
+    computes with, as it computes them (for an implementation of it in
+    another language: the adapter's native hooks)."""
+    fmt = _format(fmt)
+    underflow_rate = _check_rate(underflow_rate)
+    return (math.log(fmt.min), _quantile(special.ndtri, underflow_rate),
+            _LN_MAX_SCALE, fmt.max)
+
+
 def unify_scales_from_max(pairs, fmt='float16'):
     """Common scale of several scaled contributions, from their maxima.
 

@@ -318,13 +318,17 @@ class BackwardPass(object):
             if record is not None:
                 fn = record(kind, node, fn)
             (hooks.add_post if post else hooks.add_pre)(node, fn)
-        for node in plan.casts:
-            add('cast', node, self._cast(node))
-        backoff = self.hook.controller.backoff.scales
         refresh = self.step.refresh
-        measures = refresh and self.step.recipe.measure_underflow
         spec = self._speculation = speculation.prepare(self) \
             if refresh and planned is None else None
+        for node in plan.casts:
+            if spec is not None and spec.speculates(node):
+                continue  # (its hook native)
+            fn = self._cast(node)
+            add('cast', node, fn if spec is None else spec.python_site(
+                node, fn))
+        backoff = self.hook.controller.backoff.scales
+        measures = refresh and self.step.recipe.measure_underflow
         shares = self.hook.recipe.weight_path_shares_data_scale
         for node, site in plan.gemms.items():
             # (a refresh's other sites keep their weight gradients at the
@@ -336,15 +340,15 @@ class BackwardPass(object):
                 self.posts.add(node)
                 hooks.add_post(node, self._gemm_out(node, site))
             if refresh and self._plainly_refreshed(node, site):
-                if spec is not None and (
-                        shares or node not in plan.softmax_gemms) and \
-                        spec.speculates(node, site):
+                if spec is not None and spec.speculates(
+                        node, site, casts=not shares and
+                        node in plan.softmax_gemms):
                     continue  # (its hook native)
                 fn = self._gemm_refreshed(node, site)
             else:
                 fn = self._gemm_in(node, site)
             if spec is not None:
-                fn = spec.python_gemm(node, site, fn)
+                fn = spec.python_site(node, fn, site)
             add('gemm', node, fn)
         if spec is not None:
             spec.registered()
@@ -619,17 +623,20 @@ class BackwardPass(object):
             g = grad_outputs[0]
             if g is None:
                 return None
-            scaled, scale = self._cast_site(g, self.slot_scale(node, 0))
+            scaled, scale = self._cast_site(node, g,
+                                            self.slot_scale(node, 0))
             self.node_scales[node] = scale
             if self._speculation is not None:
                 self._speculation.confirm_node(node, scale)
             return None if scaled is g else (scaled,)
         return pre
 
-    def _cast_site(self, g, alpha):
+    def _cast_site(self, node, g, alpha):
         key = self.step.cast_key()
         beta = self.step.cast(key, g, alpha)
         self.chosen_casts.append(beta)
+        if self._speculation is not None:
+            self._speculation.seen_casts.append((node, alpha, key, beta))
         scaled = _times(g, beta)
         self.step.measure(key, scaled)
         return scaled, alpha * beta
@@ -645,7 +652,7 @@ class BackwardPass(object):
                 # No cast before the softmax in an FP32 model: the softmax
                 # gradient is stored in the low format where it enters the
                 # logits' GEMM, which is the cast site.
-                g, alpha = self._cast_site(g, alpha)
+                g, alpha = self._cast_site(node, g, alpha)
             chosen = self._gemm_scales(site, g, alpha)
             beta, gammas = chosen[1], chosen[2]
             edge_scales = self.edge_scales
@@ -693,7 +700,7 @@ class BackwardPass(object):
                 return None
             alpha = self.slot_scale(node, 0)
             if casts:  # (as _gemm_in: the cast site's product first)
-                g, alpha = self._cast_site(g, alpha)
+                g, alpha = self._cast_site(node, g, alpha)
             # (named here, in the order the backward meets them, as
             # _gemm_scales names them: a parameter not the model's is
             # named in the order first asked)

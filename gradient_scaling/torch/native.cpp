@@ -800,6 +800,8 @@ gemm_model_scale(const at::Tensor& grad, const at::Tensor& weight,
                  int64_t limit);
 std::tuple<int64_t, double, double, double, double, int64_t, double, double>
 log_moments(const at::Tensor& given);
+double pow2_ceil(double x);
+double pow2_floor(double x);
 
 // The benchmark's control of a refresh's reads: at a GEMM site, the reads
 // a GS refresh makes of its incoming gradient and weight and Theorem 1's
@@ -857,8 +859,11 @@ struct RefreshReadHook : torch::autograd::FunctionPreHook {
 // ``dispatch(seq, grads)`` runs the site's Python callback.
 struct Speculated {
   int mode = 1;
-  // (seq, std(g), max|g|, std(W), max|W|, n) of each read kept, in order
-  std::vector<std::tuple<int64_t, double, double, double, double, int64_t>>
+  // Each read kept, in order: (seq, 0, std(g), max|g|, std(W), max|W|, n)
+  // of a GEMM's, (seq, 1, mean of log|g|, their std, max|g|, non-zero
+  // count, 0) of a cast's.
+  std::vector<std::tuple<int64_t, int, double, double, double, double,
+                         int64_t>>
       kept;
   std::shared_ptr<PyRef> missed, dispatch;
 };
@@ -881,7 +886,8 @@ class Speculation {
     for (const auto& k : state->kept) {
       out.append(py::make_tuple(std::get<0>(k), std::get<1>(k),
                                 std::get<2>(k), std::get<3>(k),
-                                std::get<4>(k), std::get<5>(k)));
+                                std::get<4>(k), std::get<5>(k),
+                                std::get<6>(k)));
     }
     state->kept.clear();
     return out;
@@ -890,9 +896,60 @@ class Speculation {
   std::shared_ptr<Speculated> state;
 };
 
-struct SpeculativeGemmHook : torch::autograd::FunctionPreHook {
+// The constants of estimators.py's ModelEstimator.cast (underflow.py's
+// lognormal_scale_from_stats): ln(lambda_min), the target rate's ndtri
+// quantile, ln(MAX_SCALE) and lambda_max, as Python computes them.
+struct CastModel {
+  double log_min = 0, quantile = 0, ln_max_scale = 0, fmt_max = 0;
+};
+
+// ModelEstimator.cast of a gradient whose log_moments are ``r`` (Theorem
+// 2, capped: lognormal_scale_from_stats, the same operations in the same
+// order): its scale, or NaN where Python would not take that path (a value
+// not finite, no non-zero value: Python raises, or answers 1 at once).
+double cast_model_scale(
+    const std::tuple<int64_t, double, double, double, double, int64_t,
+                     double, double>& r,
+    const CastModel& m, double* sigma) {
+  constexpr double kMinScale = 0x1p-126, kMaxScale = 0x1p126;
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  const double largest = std::get<4>(r), mu = std::get<6>(r),
+               variance = std::get<7>(r);
+  if (static_cast<double>(std::get<0>(r)) != std::get<1>(r) ||
+      std::get<5>(r) == 0 || !(largest > 0 && largest < inf) ||
+      !std::isfinite(mu) || !std::isfinite(variance)) {
+    return nan;
+  }
+  *sigma = std::sqrt(std::max(variance, 0.0));  // (Python's max, as it)
+  const double log_target = m.log_min - mu - *sigma * m.quantile;
+  double target;
+  if (log_target > m.ln_max_scale) {
+    target = inf;
+  } else if (log_target < -1.0) {
+    target = 1.0;
+  } else {
+    target = std::exp(log_target);
+    if (*sigma == 0) target = 2.0 * pow2_floor(target);
+  }
+  const double cap = m.fmt_max / largest;
+  double scale = target < kMaxScale ? pow2_ceil(target > 1.0 ? target : 1.0)
+                                    : kMaxScale;
+  if (cap < scale) scale = cap >= kMinScale ? pow2_floor(cap) : kMinScale;
+  return scale;
+}
+
+// A speculated site's hook: a cast's stage (``cast_expected`` > 0: its
+// scale from the log-normal read, then its product), then a GEMM's
+// (``weight`` defined: its scale from gemm_model_scale, then its
+// product), each checked against the scale expected; a stage that fails
+// takes back what the hook kept and hands the gradients, as they came,
+// to the Python callback.
+struct SpeculativeSiteHook : torch::autograd::FunctionPreHook {
   std::shared_ptr<Speculated> state;
   int64_t seq;
+  double cast_expected, cast_factor;
+  CastModel cast;
   at::Tensor weight;
   // N: the incoming gradient's size on ``axis`` where it is a matrix
   // (axis >= 0), else ``n`` (< 1: not known, a miss)
@@ -900,34 +957,63 @@ struct SpeculativeGemmHook : torch::autograd::FunctionPreHook {
   double coefficient, fmt_max;
   int64_t limit;
   double expected, factor;
-  SpeculativeGemmHook(std::shared_ptr<Speculated> s, int64_t q, at::Tensor w,
-                      int64_t a, int64_t n_, double c, double m, int64_t l,
-                      double e, double f)
-      : state(std::move(s)), seq(q), weight(std::move(w)), axis(a), n(n_),
-        coefficient(c), fmt_max(m), limit(l), expected(e), factor(f) {}
+  SpeculativeSiteHook(std::shared_ptr<Speculated> s, int64_t q, double ce,
+                      double cf, CastModel cm, at::Tensor w, int64_t a,
+                      int64_t n_, double c, double m, int64_t l, double e,
+                      double f)
+      : state(std::move(s)), seq(q), cast_expected(ce), cast_factor(cf),
+        cast(cm), weight(std::move(w)), axis(a), n(n_), coefficient(c),
+        fmt_max(m), limit(l), expected(e), factor(f) {}
 
-  variable_list operator()(const variable_list& grads) override {
-    if (state->mode == 1) {
-      if (grads.empty() || !grads[0].defined()) return grads;
-      const at::Tensor& g = grads[0];
+  // The stages on ``g``: whether each found its scale (``readable``
+  // false where a read was not made natively).
+  bool stages(at::Tensor& g, bool* readable) {
+    if (cast_expected > 0) {
+      auto r = log_moments(g);
+      double sigma = 0;
+      const double scale = cast_model_scale(r, cast, &sigma);
+      if (scale != cast_expected) {
+        *readable = scale == scale;
+        return false;
+      }
+      state->kept.emplace_back(seq, 1, std::get<6>(r), sigma, std::get<4>(r),
+                               static_cast<double>(std::get<5>(r)), 0);
+      if (cast_factor != 1.0) g = times_power_of_two(g, cast_factor);
+    }
+    if (weight.defined()) {
       int64_t length = n;
       if (axis >= 0) length = g.dim() == 2 ? g.size(axis) : 0;
       auto read = gemm_model_scale(g, weight, length, coefficient, fmt_max,
                                    limit);
-      if (read && std::get<0>(*read) == expected) {
-        state->kept.emplace_back(seq, std::get<1>(*read), std::get<2>(*read),
-                                 std::get<3>(*read), std::get<4>(*read),
-                                 length);
-        if (factor == 1.0) return grads;
+      if (!read || std::get<0>(*read) != expected) {
+        *readable = static_cast<bool>(read);
+        return false;
+      }
+      state->kept.emplace_back(seq, 0, std::get<1>(*read), std::get<2>(*read),
+                               std::get<3>(*read), std::get<4>(*read),
+                               length);
+      if (factor != 1.0) g = times_power_of_two(g, factor);
+    }
+    return true;
+  }
+
+  variable_list operator()(const variable_list& grads) override {
+    if (state->mode == 1) {
+      if (grads.empty() || !grads[0].defined()) return grads;
+      at::Tensor g = grads[0];
+      const size_t before = state->kept.size();
+      bool readable = true;
+      if (stages(g, &readable)) {
         variable_list out(grads);
-        out[0] = times_power_of_two(g, factor);
+        out[0] = g;
         return out;
       }
+      state->kept.resize(before);
       state->mode = 2;
       py::gil_scoped_acquire gil;
       PyObject* told = PyObject_CallFunction(
           state->missed->obj, "Li", static_cast<long long>(seq),
-          read ? 1 : 0);
+          readable ? 1 : 0);
       if (told == nullptr) throw python_error();
       Py_DECREF(told);
     }
@@ -981,20 +1067,40 @@ class HookSet {
                          std::make_shared<PyRef>(fallback.ptr()), reads_);
   }
 
-  // A speculated refresh's GEMM site on ``node`` (SpeculativeGemmHook),
-  // ``seq`` its place among them.
+  // A speculated refresh's site on ``node`` (SpeculativeSiteHook), ``seq``
+  // its place among them: a cast's stage where ``cast`` is a tuple
+  // (expected, factor, ln(lambda_min), quantile, ln(MAX_SCALE),
+  // lambda_max), a GEMM's where ``weight`` is a tensor.
   void add_speculative(py::handle node, const Speculation& speculation,
-                       int64_t seq, py::handle weight, int64_t axis,
-                       int64_t n, double coefficient, double fmt_max,
-                       int64_t limit, double expected, double factor) {
-    if (!THPVariable_Check(weight.ptr())) {
-      throw py::type_error("gradient_scaling native: a weight that is "
-                           "not a tensor");
+                       int64_t seq, py::object cast, py::handle weight,
+                       int64_t axis, int64_t n, double coefficient,
+                       double fmt_max, int64_t limit, double expected,
+                       double factor) {
+    double cast_expected = 0, cast_factor = 1;
+    CastModel model;
+    if (!cast.is_none()) {
+      auto c = cast.cast<std::tuple<double, double, double, double, double,
+                                    double>>();
+      cast_expected = std::get<0>(c);
+      cast_factor = std::get<1>(c);
+      model = {std::get<2>(c), std::get<3>(c), std::get<4>(c),
+               std::get<5>(c)};
+      if (!(cast_expected > 0)) {
+        throw py::value_error("gradient_scaling native: a cast's expected "
+                              "scale that is not positive");
+      }
     }
-    add<SpeculativeGemmHook>(node, speculation.state, seq,
-                             THPVariable_Unpack(weight.ptr()).detach(),
-                             axis, n, coefficient, fmt_max, limit, expected,
-                             factor);
+    at::Tensor w;
+    if (!weight.is_none()) {
+      if (!THPVariable_Check(weight.ptr())) {
+        throw py::type_error("gradient_scaling native: a weight that is "
+                             "not a tensor");
+      }
+      w = THPVariable_Unpack(weight.ptr()).detach();
+    }
+    add<SpeculativeSiteHook>(node, speculation.state, seq, cast_expected,
+                             cast_factor, model, std::move(w), axis, n,
+                             coefficient, fmt_max, limit, expected, factor);
   }
 
   // What the refresh-read hooks read so far, in order (then forgotten).

@@ -13,14 +13,18 @@ scales again. A speculated refresh (where the native module is built,
    gradient carried, the scale estimated and the factor applied; at every
    other callback's node the scales it set.
 2. *Checked*: the next refresh on the structure puts a native hook on
-   each GEMM site that a refresh scales plainly (``_plainly_refreshed``;
-   not a cast site): it makes the refresh's read of its incoming gradient
-   and weight (``gemm_model_scale``: the estimator's own call and
-   numbers) and checks that the scale estimated is the one expected;
-   where it is, it multiplies the gradient by the factor expected and
-   keeps the read, without a Python call. Every other callback (a cast
-   site, a GEMM that is one, a multi-output node, a branch's consumer)
-   runs in Python as on any refresh, and confirms that it set the scales
+   each GEMM site that a refresh scales plainly (``_plainly_refreshed``)
+   and on each cast site: it makes the refresh's read of its incoming
+   gradient and weight (``gemm_model_scale``: the estimator's own call
+   and numbers) or, at a cast, the log-normal read (``log_moments``, and
+   Theorem 2's scale computed as :func:`~gradient_scaling.core.underflow.
+   lognormal_scale_from_stats` computes it, with its constants), and
+   checks that the scale estimated is the one expected; where it is, it
+   multiplies the gradient by the factor expected and keeps the read,
+   without a Python call (a logits GEMM that is the cast site: the
+   cast's stage, then the GEMM's). Every other callback (a GEMM site
+   with more to choose, a multi-output node, a branch's consumer) runs
+   in Python as on any refresh, and confirms that it set the scales
    expected at its node. Where every scale above a site is the expected
    one, so is the scale its gradient carries; a check that passes then
    gives the site the scale, factor and edge scales its Python callback
@@ -31,14 +35,17 @@ scales again. A speculated refresh (where the native module is built,
    alive.
 3. *Made good*: the reads kept are made into the step's keys, staged
    scales, records and traces by the step's own code answering from them
-   (:meth:`~gradient_scaling.core.step_scales.StepScales.gemm_read`), in
-   the order the sites ran: before a Python GEMM callback runs (its key
-   counts the uses of its weight so far), where the pass turns to Python,
-   and at the pass's end. A check that fails (another scale, a read that
-   is not finite or not native) or a confirmation that fails turns the
-   pass over to Python from there: every GEMM hook after it hands its
-   gradient to its Python callback, as on any refresh (which sets the
-   site's edge scales again before any callback reads them).
+   (:meth:`~gradient_scaling.core.step_scales.StepScales.gemm_read`,
+   :meth:`~gradient_scaling.core.step_scales.StepScales.cast_read`), in
+   the order the sites ran: before a Python GEMM or cast callback runs
+   (its key counts the uses of its weight, or the casts, so far), where
+   the pass turns to Python, and at the pass's end. A check that fails
+   (another scale, a read that is not finite or not native) or a
+   confirmation that fails turns the pass over to Python from there:
+   every native hook after it hands its gradient to its Python callback,
+   as on any refresh (which sets the site's scales again before any
+   callback reads them); a hook whose cast stage passed and whose GEMM
+   stage failed takes its cast's read back, and its callback makes both.
 
 Gradients, landed scales, the step's staged scales, records and traces
 are those of the Python callbacks, bit for bit
@@ -55,6 +62,7 @@ import torch
 
 from gradient_scaling.core import estimators
 from gradient_scaling.core import statistics
+from gradient_scaling.core import underflow
 from gradient_scaling.torch import graph
 
 __all__ = ['Expected', 'Speculation', 'prepare']
@@ -75,6 +83,8 @@ class Expected(object):
             loss scale, the recipe's scale range and whether it applies
             scales): the next refresh speculates only under the same.
         gemms (dict): GEMM position -> ``(alpha, estimate, factor)``.
+        casts (dict): The same of each cast site (a cast node's, a GEMM's
+            that is one: its incoming scale before the cast).
         nodes (dict): Position -> the scale a cast or multi-output node
             set (``node_scales``).
         edges (dict): ``(position, edge)`` -> a GEMM edge's scale.
@@ -83,10 +93,10 @@ class Expected(object):
 
     """
 
-    __slots__ = ('setting', 'gemms', 'nodes', 'edges', 'slots')
+    __slots__ = ('setting', 'gemms', 'casts', 'nodes', 'edges', 'slots')
 
-    def __init__(self, setting, gemms, nodes, edges, slots):
-        self.setting, self.gemms = setting, gemms
+    def __init__(self, setting, gemms, casts, nodes, edges, slots):
+        self.setting, self.gemms, self.casts = setting, gemms, casts
         self.nodes, self.edges, self.slots = nodes, edges, slots
 
 
@@ -138,16 +148,18 @@ class Speculation(object):
         self.current = current
         self.expected = expected
         self._speculable = sites
-        #: ``(node, site, alpha, estimate, factor)`` per native hook, by
-        #: its ``seq``.
+        #: ``(node, site, alpha, estimate, factor, cast)`` per native hook,
+        #: by its ``seq`` (``site`` None: a cast node's; ``cast``: None,
+        #: or the cast site's ``(alpha, estimate, factor)``).
         self.sites = []
         #: Whether the pass still speculates (no check or confirmation
         #: failed yet).
         self.live = expected is not None
         #: ``(node, alpha, key, beta)`` of each plain GEMM site the pass
-        #: scaled, as it ran (made into the next :class:`Expected`).
-        self.seen = []
-        #: How many GEMM sites ran natively (their reads made good).
+        #: scaled, as it ran (made into the next :class:`Expected`), and
+        #: of each cast site.
+        self.seen, self.seen_casts = [], []
+        #: How many sites ran natively (their reads made good).
         self.native_sites = 0
         self._callbacks = {}
         self.native = None
@@ -155,61 +167,81 @@ class Speculation(object):
             self.native = current.hook.planned_native.Speculation(
                 _weakly(self, 'missed'), _weakly(self, 'dispatch'))
             self._positions = current.plan.index
-            fmt, coefficient = \
-                current.step.controller.estimator.gemm_target()
+            estimator = current.step.controller.estimator
+            fmt, coefficient = estimator.gemm_target()
             self._constants = (coefficient, float(fmt.max),
                                statistics.SPREAD_SAMPLE)
+            self._cast_constants = underflow.lognormal_model_constants(
+                estimator.underflow_rate, fmt)
 
     # -- registration -------------------------------------------------------
 
-    def speculates(self, node, site):
-        """Puts the native hook on GEMM ``node`` (of ``site``, one a
-        refresh scales plainly and not a cast site) where the pass
-        speculates and its scales are expected: whether it did."""
+    def speculates(self, node, site=None, casts=False):
+        """Puts the native hook on ``node`` where the pass speculates and
+        its scales are expected: a GEMM site's (of ``site``, one a refresh
+        scales plainly; the stage of its cast site first where ``casts``)
+        or a cast node's (``site`` None). Whether it did."""
         if not self.live:
             return False
-        position = self._positions[node]
-        found = self.expected.gemms.get(position)
-        if found is None or position not in self._speculable or \
-                site.weight_values.dtype not in _READ:
-            return False
-        alpha, estimate, factor = found
-        axis, n = site.length_rule()
+        position, expected = self._positions[node], self.expected
+        cast = None
+        if casts or site is None:
+            cast = expected.casts.get(position)
+            if cast is None:
+                return False
         coefficient, fmt_max, limit = self._constants
+        if site is None:
+            alpha, estimate, factor = cast
+            weight, axis, n, factor = None, -1, 0, 1.0
+        else:
+            found = expected.gemms.get(position)
+            weight = site.weight_values
+            if found is None or position not in self._speculable or \
+                    weight.dtype not in _READ:
+                return False
+            alpha, estimate, factor = found
+            axis, n = site.length_rule()
         current = self.current
         current.hooks.add_speculative(
-            node, self.native, len(self.sites), site.weight_values, axis, n,
-            coefficient, fmt_max, limit, estimate, factor)
-        self.sites.append((node, site, alpha, estimate, factor))
-        scale = alpha * factor
-        edge_scales = current.edge_scales
-        for i in range(site.edges):
-            edge_scales[node, i] = scale
+            node, self.native, len(self.sites), None if cast is None else
+            cast[1:] + self._cast_constants, weight, axis, n, coefficient,
+            fmt_max, limit, estimate, factor)
+        self.sites.append((node, site, alpha, estimate, factor, cast))
+        if site is None:  # (what its Python callback would set)
+            current.node_scales[node] = cast[0] * cast[2]
+        else:
+            scale = alpha * factor
+            edge_scales = current.edge_scales
+            for i in range(site.edges):
+                edge_scales[node, i] = scale
         return True
 
     def registered(self):
-        """Every GEMM site's callback is registered: a pass that put no
-        native hook has nothing to speculate on (nor records what it
-        chooses: a structure whose GEMMs the native hooks cannot read)."""
+        """Every site's callback is registered: a pass that put no native
+        hook has nothing to speculate on (nor records what it chooses: a
+        structure whose GEMMs the native hooks cannot read)."""
         if self.live and not self.sites:
             self.live, self._idle = False, True
 
     _idle = False
 
-    def python_gemm(self, node, site, fn):
-        """GEMM ``node``'s Python callback ``fn`` (of ``site``) in this
-        pass: the reads kept made good before it (its key counts the uses
-        of its weight so far), the edge scales it sets confirmed after."""
+    def python_site(self, node, fn, site=None):
+        """The Python callback ``fn`` of a cast node or of a GEMM node (of
+        ``site``) in this pass: the reads kept made good before it (its
+        key counts the casts, or the uses of its weight, so far); a GEMM's
+        edge scales confirmed after (a cast's callback confirms its
+        own)."""
         if not self.live:
             return fn
-        edge_scales, edges = self.current.edge_scales, range(site.edges)
+        edge_scales = self.current.edge_scales
+        edges = () if site is None else range(site.edges)
 
         def pre(grad_outputs):
             if not self.live:
                 return fn(grad_outputs)
             self.flush()
             result = fn(grad_outputs)
-            if self.live:
+            if self.live and edges:
                 expected = self.expected.edges
                 position = self._positions[node]
                 if any(expected.get((position, i)) !=
@@ -276,7 +308,8 @@ class Speculation(object):
         fn = self._callbacks.get(seq)
         if fn is None:
             node, site = self.sites[seq][:2]
-            fn = self._callbacks[seq] = self.current.callback('gemm', node)
+            fn = self._callbacks[seq] = self.current.callback(
+                'cast' if site is None else 'gemm', node)
         return fn(grads)
 
     def flush(self):
@@ -291,19 +324,25 @@ class Speculation(object):
         current = self.current
         step, hook, seen = current.step, current.hook, self.seen
         self.native_sites += len(kept)
-        for seq, g_std, g_max, w_std, w_max, n in kept:
-            node, site, alpha, estimate, factor = self.sites[seq]
-            key = step.gemm_key(hook.site_name(site.weight, site.part))
-            names = {edge: hook.parameter_name(param)
-                     for edge, param in site.parameters.items()}
-            beta = step.gemm_read(key, alpha,
-                                  (estimate, g_std, g_max, w_std, w_max), n)
+        for seq, kind, a, b, c, d, n in kept:
+            node, site, alpha, estimate, factor, cast = self.sites[seq]
+            if kind == 1:  # (a cast's stage)
+                alpha, estimate, factor = cast
+                key = step.cast_key()
+                beta = step.cast_read(key, alpha, (estimate, a, b, c, d))
+                current.chosen_casts.append(beta)
+                self.seen_casts.append((node, alpha, key, beta))
+            else:
+                key = step.gemm_key(hook.site_name(site.weight, site.part))
+                names = {edge: hook.parameter_name(param)
+                         for edge, param in site.parameters.items()}
+                beta = step.gemm_read(key, alpha, (estimate, a, b, c, d), n)
+                step.trace_gemm(names, True, current.operand_witnesses(site))
+                seen.append((node, alpha, key, beta))
             if beta != factor:
                 raise RuntimeError(
-                    'GradientScaling: a speculated GEMM site chose another '
+                    'GradientScaling: a speculated site chose another '
                     'factor than the one it applied (a bug)')
-            step.trace_gemm(names, True, current.operand_witnesses(site))
-            seen.append((node, alpha, key, beta))
 
     def finished(self):
         """The pass ended: the reads left made good; where it did not
@@ -319,14 +358,15 @@ class Speculation(object):
         if staged is None:
             return
         index, scales = plan.index, staged.scales
-        gemms = {}
-        for node, alpha, key, beta in self.seen:
-            estimate = scales.get(key)
-            if estimate is None:
-                return
-            gemms[index[node]] = (alpha, estimate, beta)
+        gemms, casts = {}, {}
+        for seen, found in ((self.seen, gemms), (self.seen_casts, casts)):
+            for node, alpha, key, beta in seen:
+                estimate = scales.get(key)
+                if estimate is None:
+                    return
+                found[index[node]] = (alpha, estimate, beta)
         plan.structure_memo[_MEMO] = Expected(
-            _setting(current), gemms,
+            _setting(current), gemms, casts,
             {index[n]: s for n, s in current.node_scales.items()},
             {(index[n], i): s for (n, i), s in current.edge_scales.items()},
             {(index[n], k): s for (n, k), s in current.slot_scales.items()})
