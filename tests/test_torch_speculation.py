@@ -50,14 +50,18 @@ def _model(case):
     return net, (x, t)
 
 
-def _steps(case, monkeypatch, mode, steps=4, lr=0.01):
+def _steps(case, monkeypatch, mode, steps=4, lr=0.01, how='plain'):
     """``steps`` GS@1 steps of ``case`` (underflow not measured): what
     each decided, recorded and landed, and each speculated pass's
     ``(expected, still speculating at its end, GEMM reads kept)``.
     ``mode``: ``'off'`` (the Python callbacks), ``'on'``, or an
     expectation made wrong before each pass: a GEMM site's estimate
     (``'gemm'``), a branch's sum (``'slot'``), a cast or multi-output
-    node's scale (``'node'``), every one (``'all'``)."""
+    node's scale (``'node'``), every one (``'all'``). ``how``: each
+    step's one backward (``'plain'``); two, their gradients accumulated
+    (``'accumulated'``); one of the parameters' paths only, with
+    ``inputs`` (``'partial'``); at the third step, a loss so large that
+    gradients overflow (``'overflow'``: the step is skipped)."""
     net, inputs = _model(case)
     scaler = GradientScaler(update_interval=1, measure_underflow=False)
     optimizer = torch.optim.SGD(net.parameters(), lr=lr)
@@ -86,14 +90,24 @@ def _steps(case, monkeypatch, mode, steps=4, lr=0.01):
         return trace_gemm(self, names, incoming_finite, operands, grads)
     monkeypatch.setattr(StepScales, 'trace_gemm', tracing)
     out = []
-    for _ in range(steps):
+    for k in range(steps):
         optimizer.zero_grad(set_to_none=True)
-        with torch.autocast('cpu', dtype=torch.float16,
-                            enabled=case == 'gpt float16'):
-            loss = net(*inputs)
-        scaler.scale(loss).backward()
+        for _ in range(2 if how == 'accumulated' else 1):
+            with torch.autocast('cpu', dtype=torch.float16,
+                                enabled=case == 'gpt float16'):
+                loss = net(*inputs)
+            if how == 'overflow' and k == 2:
+                loss = loss * 2.0 ** 120
+            if how == 'partial':  # (the blocks' parameters, not the
+                # embeddings' or the head's)
+                scaler.scale(loss).backward(
+                    inputs=[p for n, p in net.named_parameters()
+                            if n.startswith('blocks.')])
+            else:
+                scaler.scale(loss).backward()
         scaler.step(optimizer)
-        grads = {n: p.grad.clone() for n, p in net.named_parameters()}
+        grads = {n: p.grad.clone() for n, p in net.named_parameters()
+                 if p.grad is not None}
         landed = {n: scaler.hook.landed_scales.get(p)
                   for n, p in net.named_parameters()}
         scaler.update()
@@ -174,6 +188,28 @@ def test_a_speculation_that_fails_turns_to_python_exactly(
     if mode == 'all':
         # (the first GEMM site that runs natively fails its check)
         assert all(ran == 0 for _, _, ran in speculated)
+
+
+@pytest.mark.parametrize('how', ['accumulated', 'partial', 'overflow'])
+def test_a_speculated_refresh_in_other_steps_steps_as_the_python_callbacks(
+        how, monkeypatch):
+    """Gradients accumulated over two backward passes (the first of a
+    step speculates), a backward of part of the graph (``inputs``: the
+    pass is Python's from its start), a step whose gradients overflow
+    (its native reads are not finite: the pass turns to Python there, the
+    step is skipped): bit for bit the Python callbacks' steps."""
+    actual, passes = _steps('gpt', monkeypatch, 'on', steps=5, how=how)
+    expected, _ = _steps('gpt', monkeypatch, 'off', steps=5, how=how)
+    _assert_same(actual, expected)
+    speculated = [p for p in passes if p[0]]
+    assert speculated
+    if how == 'accumulated':  # (the first pass of each step's)
+        assert len(passes) == 4
+        assert all(live and kept == 10 for _, live, kept in speculated)
+    elif how == 'partial':
+        assert not any(live or kept for _, live, kept in speculated)
+    else:  # (the step that overflowed turned to Python)
+        assert [live for _, live, _ in speculated].count(False) == 1
 
 
 def test_a_refresh_whose_scales_change_speculates_again_from_them(
