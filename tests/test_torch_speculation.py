@@ -75,7 +75,7 @@ def _steps(case, monkeypatch, mode, steps=4, lr=0.01, how='plain'):
             if expected is not None and mode != 'on':
                 expected = _made_wrong(expected, mode)
                 found = speculation.Speculation(
-                    current, expected, found._speculable)
+                    current, expected, found._sites)
             if found is not None:
                 passes.append(found)
             return found

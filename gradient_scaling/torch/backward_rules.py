@@ -330,7 +330,9 @@ class BackwardPass(object):
         backoff = self.hook.controller.backoff.scales
         measures = refresh and self.step.recipe.measure_underflow
         shares = self.hook.recipe.weight_path_shares_data_scale
-        for node, site in plan.gemms.items():
+        gemms = plan.gemms.items() if spec is None else spec.register_gemms(
+            () if shares else plan.template.softmax_gemms)
+        for node, site in gemms:
             # (a refresh's other sites keep their weight gradients at the
             # data path's scale: the pre-hook records their traces)
             if backoff and any(self.hook.parameter_name(p) in backoff
@@ -784,6 +786,12 @@ class BackwardPass(object):
         self._witnessed = graph.operand_witnesses_of(
             self.plan.gemms.values())
         return self._witnessed
+
+    def witness_each(self):
+        """Each GEMM site's operand witnesses read by itself, as it runs
+        (where most sites read their own natively: a speculated
+        refresh)."""
+        self._witnessed = {}
 
     def _gemm_out(self, node, site):
         """Where a weight path is backed off, or on a refresh of a site

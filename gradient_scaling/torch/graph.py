@@ -153,24 +153,35 @@ class GemmSite(object):
                 return int(grad.shape[axis])
         return self.accumulation_length
 
-    def length_rule(self):
-        """How :meth:`length_for` finds ``N`` without a call: ``(axis,
-        -1)``, the incoming gradient's size on ``axis`` (0 or 1) where it
-        is a matrix (not known otherwise), or ``(-1, N)``."""
+    def length_axis(self):
+        """The axis (0 or 1) of the incoming gradient, where it is a
+        matrix, whose size is ``N`` (:meth:`length_for`), or None where
+        ``N`` is not read from the gradient."""
         if callable(self.length):
             axis = _GRAD_AXIS.get((type(self.node).__name__,
                                    self.weight_edge))
             if axis is not None:
-                return axis % 2, -1
+                return axis % 2
+        return None
+
+    def length_rule(self):
+        """How :meth:`length_for` finds ``N`` without a call: ``(axis,
+        -1)``, the incoming gradient's size on ``axis`` (0 or 1) where it
+        is a matrix (not known otherwise), or ``(-1, N)``."""
+        axis = self.length_axis()
+        if axis is not None:
+            return axis, -1
         return -1, self.accumulation_length
 
     def operands(self):
         """The forward's (input, weight or its part), for telling a data
         fault from an overflow (read while the node has not run)."""
-        return (internals.saved(self.node, self._input_field()),
+        return (internals.saved(self.node, self.input_field()),
                 self.weight_values)
 
-    def _input_field(self):
+    def input_field(self):
+        """The saved field of the node that holds the GEMM's input (the
+        operand :meth:`operands` reads)."""
         return _INPUT_FIELD[type(self.node).__name__, self.weight_edge]
 
     def operand_witnesses(self):
@@ -232,7 +243,7 @@ def operand_witnesses_of(sites):
         return {}
     own = [site for site in sites
            if type(site).operands is GemmSite.operands]
-    witnesses = read([(site.node, site._input_field()) for site in own])
+    witnesses = read([(site.node, site.input_field()) for site in own])
     return {site.node: (w, site.weight_values)
             for site, w in zip(own, witnesses)}
 

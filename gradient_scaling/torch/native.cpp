@@ -802,6 +802,8 @@ std::tuple<int64_t, double, double, double, double, int64_t, double, double>
 log_moments(const at::Tensor& given);
 double pow2_ceil(double x);
 double pow2_floor(double x);
+at::Tensor saved_witness(const c10::intrusive_ptr<Node>& node,
+                         const std::string& field);
 
 // The benchmark's control of a refresh's reads: at a GEMM site, the reads
 // a GS refresh makes of its incoming gradient and weight and Theorem 1's
@@ -859,11 +861,12 @@ struct RefreshReadHook : torch::autograd::FunctionPreHook {
 // ``dispatch(seq, grads)`` runs the site's Python callback.
 struct Speculated {
   int mode = 1;
-  // Each read kept, in order: (seq, 0, std(g), max|g|, std(W), max|W|, n)
-  // of a GEMM's, (seq, 1, mean of log|g|, their std, max|g|, non-zero
-  // count, 0) of a cast's.
+  // Each read kept, in order: (seq, 0, std(g), max|g|, std(W), max|W|, n,
+  // the finiteness witness of the GEMM's saved input: undefined where not
+  // read) of a GEMM's, (seq, 1, mean of log|g|, their std, max|g|,
+  // non-zero count, 0, undefined) of a cast's.
   std::vector<std::tuple<int64_t, int, double, double, double, double,
-                         int64_t>>
+                         int64_t, at::Tensor>>
       kept;
   std::shared_ptr<PyRef> missed, dispatch;
 };
@@ -884,10 +887,13 @@ class Speculation {
   py::list take_kept() {
     py::list out;
     for (const auto& k : state->kept) {
-      out.append(py::make_tuple(std::get<0>(k), std::get<1>(k),
-                                std::get<2>(k), std::get<3>(k),
-                                std::get<4>(k), std::get<5>(k),
-                                std::get<6>(k)));
+      const at::Tensor& w = std::get<7>(k);
+      out.append(py::make_tuple(
+          std::get<0>(k), std::get<1>(k), std::get<2>(k), std::get<3>(k),
+          std::get<4>(k), std::get<5>(k), std::get<6>(k),
+          w.defined() ? py::reinterpret_steal<py::object>(
+                            THPVariable_Wrap(w))
+                      : py::none()));
     }
     state->kept.clear();
     return out;
@@ -944,10 +950,14 @@ double cast_model_scale(
 // (``weight`` defined: its scale from gemm_model_scale, then its
 // product), each checked against the scale expected; a stage that fails
 // takes back what the hook kept and hands the gradients, as they came,
-// to the Python callback.
+// to the Python callback. A GEMM that passes keeps the finiteness witness
+// of its saved input (``field``, where not empty; its node still has it:
+// the pre-hook runs first), which the refresh's traces keep.
 struct SpeculativeSiteHook : torch::autograd::FunctionPreHook {
   std::shared_ptr<Speculated> state;
   int64_t seq;
+  c10::weak_intrusive_ptr<Node> node;
+  std::string field;
   double cast_expected, cast_factor;
   CastModel cast;
   at::Tensor weight;
@@ -957,13 +967,15 @@ struct SpeculativeSiteHook : torch::autograd::FunctionPreHook {
   double coefficient, fmt_max;
   int64_t limit;
   double expected, factor;
-  SpeculativeSiteHook(std::shared_ptr<Speculated> s, int64_t q, double ce,
-                      double cf, CastModel cm, at::Tensor w, int64_t a,
-                      int64_t n_, double c, double m, int64_t l, double e,
-                      double f)
-      : state(std::move(s)), seq(q), cast_expected(ce), cast_factor(cf),
-        cast(cm), weight(std::move(w)), axis(a), n(n_), coefficient(c),
-        fmt_max(m), limit(l), expected(e), factor(f) {}
+  SpeculativeSiteHook(std::shared_ptr<Speculated> s, int64_t q,
+                      const c10::intrusive_ptr<Node>& on, std::string fd,
+                      double ce, double cf, CastModel cm, at::Tensor w,
+                      int64_t a, int64_t n_, double c, double m, int64_t l,
+                      double e, double f)
+      : state(std::move(s)), seq(q), node(on), field(std::move(fd)),
+        cast_expected(ce), cast_factor(cf), cast(cm), weight(std::move(w)),
+        axis(a), n(n_), coefficient(c), fmt_max(m), limit(l), expected(e),
+        factor(f) {}
 
   // The stages on ``g``: whether each found its scale (``readable``
   // false where a read was not made natively).
@@ -977,7 +989,8 @@ struct SpeculativeSiteHook : torch::autograd::FunctionPreHook {
         return false;
       }
       state->kept.emplace_back(seq, 1, std::get<6>(r), sigma, std::get<4>(r),
-                               static_cast<double>(std::get<5>(r)), 0);
+                               static_cast<double>(std::get<5>(r)), 0,
+                               at::Tensor());
       if (cast_factor != 1.0) g = times_power_of_two(g, cast_factor);
     }
     if (weight.defined()) {
@@ -989,9 +1002,14 @@ struct SpeculativeSiteHook : torch::autograd::FunctionPreHook {
         *readable = static_cast<bool>(read);
         return false;
       }
+      at::Tensor witness;
+      if (!field.empty()) {
+        auto on = node.lock();
+        if (on) witness = saved_witness(on, field);
+      }
       state->kept.emplace_back(seq, 0, std::get<1>(*read), std::get<2>(*read),
                                std::get<3>(*read), std::get<4>(*read),
-                               length);
+                               length, std::move(witness));
       if (factor != 1.0) g = times_power_of_two(g, factor);
     }
     return true;
@@ -1070,38 +1088,23 @@ class HookSet {
   // A speculated refresh's site on ``node`` (SpeculativeSiteHook), ``seq``
   // its place among them: a cast's stage where ``cast`` is a tuple
   // (expected, factor, ln(lambda_min), quantile, ln(MAX_SCALE),
-  // lambda_max), a GEMM's where ``weight`` is a tensor.
+  // lambda_max), a GEMM's where ``weight`` is a tensor (its saved input's
+  // ``field`` read for its witness, where not empty).
   void add_speculative(py::handle node, const Speculation& speculation,
                        int64_t seq, py::object cast, py::handle weight,
                        int64_t axis, int64_t n, double coefficient,
                        double fmt_max, int64_t limit, double expected,
-                       double factor) {
-    double cast_expected = 0, cast_factor = 1;
-    CastModel model;
-    if (!cast.is_none()) {
-      auto c = cast.cast<std::tuple<double, double, double, double, double,
-                                    double>>();
-      cast_expected = std::get<0>(c);
-      cast_factor = std::get<1>(c);
-      model = {std::get<2>(c), std::get<3>(c), std::get<4>(c),
-               std::get<5>(c)};
-      if (!(cast_expected > 0)) {
-        throw py::value_error("gradient_scaling native: a cast's expected "
-                              "scale that is not positive");
-      }
-    }
-    at::Tensor w;
-    if (!weight.is_none()) {
-      if (!THPVariable_Check(weight.ptr())) {
-        throw py::type_error("gradient_scaling native: a weight that is "
-                             "not a tensor");
-      }
-      w = THPVariable_Unpack(weight.ptr()).detach();
-    }
-    add<SpeculativeSiteHook>(node, speculation.state, seq, cast_expected,
-                             cast_factor, model, std::move(w), axis, n,
-                             coefficient, fmt_max, limit, expected, factor);
+                       double factor, std::string field) {
+    speculate_on(node_of(node.ptr()), speculation, seq, cast, weight, axis,
+                 n, coefficient, fmt_max, limit, expected, factor,
+                 std::move(field));
   }
+
+  // add_speculative of each of ``events`` on its node of ``order`` (a
+  // NodeOrder): ``(position, seq, cast, weight, axis, n, coefficient,
+  // fmt_max, limit, expected, factor, field)``, in one call.
+  void add_speculative_at(py::handle order, const Speculation& speculation,
+                          py::list events);
 
   // What the refresh-read hooks read so far, in order (then forgotten).
   std::vector<double> take_reads() {
@@ -1129,6 +1132,42 @@ class HookSet {
   // in structure order: a NodeOrder, or a list of them), in one call.
   void add_planned_events(py::handle order, const PlannedTable& table,
                           const PlannedEvents& events);
+
+  // add_speculative's hook on ``node``.
+  void speculate_on(const c10::intrusive_ptr<Node>& node,
+                    const Speculation& speculation, int64_t seq,
+                    const py::object& cast, py::handle weight, int64_t axis,
+                    int64_t n, double coefficient, double fmt_max,
+                    int64_t limit, double expected, double factor,
+                    std::string field) {
+    double cast_expected = 0, cast_factor = 1;
+    CastModel model;
+    if (!cast.is_none()) {
+      auto c = cast.cast<std::tuple<double, double, double, double, double,
+                                    double>>();
+      cast_expected = std::get<0>(c);
+      cast_factor = std::get<1>(c);
+      model = {std::get<2>(c), std::get<3>(c), std::get<4>(c),
+               std::get<5>(c)};
+      if (!(cast_expected > 0)) {
+        throw py::value_error("gradient_scaling native: a cast's expected "
+                              "scale that is not positive");
+      }
+    }
+    at::Tensor w;
+    if (!weight.is_none()) {
+      if (!THPVariable_Check(weight.ptr())) {
+        throw py::type_error("gradient_scaling native: a weight that is "
+                             "not a tensor");
+      }
+      w = THPVariable_Unpack(weight.ptr()).detach();
+    }
+    add_on<SpeculativeSiteHook>(node, speculation.state, seq, node,
+                                std::move(field), cast_expected,
+                                cast_factor, model, std::move(w), axis, n,
+                                coefficient, fmt_max, limit, expected,
+                                factor);
+  }
 
   // Takes every callback off the nodes still alive (never while the
   // engine runs one of those nodes: the adapter removes a pass's callbacks
@@ -2165,21 +2204,27 @@ const torch::autograd::SavedVariable& gemm_saved(Node* node,
 // freed by a backward that ran, or not saved.
 py::object saved_finite_witness(py::handle node, const std::string& field) {
   auto n = node_of(node.ptr());
-  const auto& saved = gemm_saved(n.get(), field);
-  if (saved.has_hooks()) return py::none();
   at::Tensor witness;
   {
     py::gil_scoped_release released;
-    at::Tensor x;
-    try {
-      x = saved.unpack(n);
-    } catch (const c10::Error&) {
-      // (freed: undefined, as not saved)
-    }
-    if (x.defined()) witness = finite_witness(x);
+    witness = saved_witness(n, field);
   }
   if (!witness.defined()) return py::none();
   return py::reinterpret_steal<py::object>(THPVariable_Wrap(witness));
+}
+
+// saved_finite_witness's witness (undefined for None), without the GIL.
+at::Tensor saved_witness(const c10::intrusive_ptr<Node>& n,
+                         const std::string& field) {
+  const auto& saved = gemm_saved(n.get(), field);
+  if (saved.has_hooks()) return at::Tensor();
+  at::Tensor x;
+  try {
+    x = saved.unpack(n);
+  } catch (const c10::Error&) {
+    // (freed: undefined, as not saved)
+  }
+  return x.defined() ? finite_witness(x) : at::Tensor();
 }
 
 // saved_finite_witness of each ``(node, field)`` of ``sites``, in one call
@@ -2540,6 +2585,26 @@ void HookSet::add_planned_events(py::handle order, const PlannedTable& table,
   }
 }
 
+void HookSet::add_speculative_at(py::handle order,
+                                 const Speculation& speculation,
+                                 py::list events) {
+  const NodeList& list = *order.cast<NodeOrder&>().list;
+  for (py::handle item : events) {
+    auto e = item.cast<py::tuple>();
+    auto position = e[0].cast<Py_ssize_t>();
+    if (position < 0 || position >= list.size()) {
+      throw py::index_error("gradient_scaling native: a speculated "
+                            "hook's node is not in the graph");
+    }
+    speculate_on(list.nodes[position], speculation, e[1].cast<int64_t>(),
+                 py::reinterpret_borrow<py::object>(e[2]), e[3],
+                 e[4].cast<int64_t>(), e[5].cast<int64_t>(),
+                 e[6].cast<double>(), e[7].cast<double>(),
+                 e[8].cast<int64_t>(), e[9].cast<double>(),
+                 e[10].cast<double>(), e[11].cast<std::string>());
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -2553,6 +2618,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_refresh_read", &HookSet::add_refresh_read)
       .def("take_reads", &HookSet::take_reads)
       .def("add_speculative", &HookSet::add_speculative)
+      .def("add_speculative_at", &HookSet::add_speculative_at)
       .def("add_planned", &HookSet::add_planned)
       .def("add_planned_events", &HookSet::add_planned_events)
       .def("clear", &HookSet::clear)

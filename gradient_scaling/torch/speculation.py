@@ -69,6 +69,7 @@ __all__ = ['Expected', 'Speculation', 'prepare']
 
 _MEMO = 'speculation'
 _SITES = 'speculated sites'
+_NAMES = 'speculated names'
 #: The dtypes of the tensors the native hooks read (``gemm_model_scale``).
 _READ = frozenset([torch.float32, torch.float16, torch.bfloat16])
 
@@ -124,19 +125,57 @@ def prepare(current):
         return None
     sites = memo.get(_SITES)
     if sites is None:
-        # (per structure: no GEMM that scales itself; the sites whose
-        # operands the native module reads, where a speculated site's
-        # traces come from)
-        sites = memo[_SITES] = not any(
-            site.scales_itself for site in plan.gemms.values()) and \
-            frozenset(plan.index[node] for node, site in plan.gemms.items()
-                      if type(site).operands is graph.GemmSite.operands)
+        sites = memo[_SITES] = _Sites.of(plan)
     if sites is False or native.leaf_devices(plan.leaf_tensors()) > 1:
         return None
     expected = memo.get(_MEMO)
     if expected is not None and expected.setting != _setting(current):
         expected = None
     return Speculation(current, expected, sites)
+
+
+class _Sites(object):
+
+    """What a structure's GEMM sites are to a speculated refresh (found
+    once per structure, from its first reused plan's sites).
+
+    Attributes:
+        fields (dict): Position -> the saved field of its input (the
+            traces' witness, which the native hook reads), of each site
+            whose operands the native module reads: the sites that may be
+            speculated.
+        fast (dict): Position -> ``(weight, edges, axis)`` (the template's
+            place of its weight, an accumulation node's; its edge count;
+            the axis of its gradient whose size is ``N``) of each such
+            site whose ``N`` its gradient's shape gives, that multiplies
+            by its whole weight and has a data path and parameters (one a
+            refresh scales plainly): registered from the template's
+            positions, with no site object made for the pass.
+
+    """
+
+    def __init__(self, fields, fast):
+        self.fields, self.fast = fields, fast
+
+    @classmethod
+    def of(cls, plan):
+        """The sites of ``plan``'s structure; False where one scales
+        itself (the simulation's GEMMs: no refresh of it speculates)."""
+        gemms = plan.gemms
+        if any(site.scales_itself for site in gemms.values()):
+            return False
+        fields, fast, order = {}, {}, plan.order
+        for entry in plan.template.gemms:
+            position, weight, _, _, _, part, _, edges = entry
+            site = gemms[order[position]]
+            if type(site).operands is not graph.GemmSite.operands:
+                continue
+            fields[position] = site.input_field()
+            axis = site.length_axis()
+            if axis is not None and part is None and \
+                    site.data is not None and site.parameters:
+                fast[position] = (weight, edges, axis)
+        return cls(fields, fast)
 
 
 class Speculation(object):
@@ -147,10 +186,11 @@ class Speculation(object):
     def __init__(self, current, expected, sites):
         self.current = current
         self.expected = expected
-        self._speculable = sites
-        #: ``(node, site, alpha, estimate, factor, cast)`` per native hook,
-        #: by its ``seq`` (``site`` None: a cast node's; ``cast``: None,
-        #: or the cast site's ``(alpha, estimate, factor)``).
+        self._sites = sites
+        #: ``[node, gemm, alpha, estimate, factor, cast, position,
+        #: weight]`` per native hook, by its ``seq`` (``gemm``: whether it
+        #: is a GEMM site's, ``weight`` what it multiplies by; ``cast``:
+        #: None, or its cast site's ``(alpha, estimate, factor)``).
         self.sites = []
         #: Whether the pass still speculates (no check or confirmation
         #: failed yet).
@@ -176,6 +216,58 @@ class Speculation(object):
 
     # -- registration -------------------------------------------------------
 
+    def register_gemms(self, softmax):
+        """Puts the native hooks on the GEMM sites of the structure's
+        :attr:`_Sites.fast` whose scales are expected (at once, from
+        positions, with no site object made; a site in ``softmax``, a set
+        of positions, with its cast site's stage first). Returns the
+        ``(node, site)`` of the GEMM nodes left, to register one by
+        one."""
+        current = self.current
+        plan = current.plan
+        if not self.live:
+            return plan.gemms.items()
+        fast, expected = self._sites.fast, self.expected
+        gemms, casts = expected.gemms, expected.casts
+        variables, fields = plan.variables, self._sites.fields
+        coefficient, fmt_max, limit = self._constants
+        events, positions, rest = [], [], []
+        for entry in plan.template.gemms:
+            position = entry[0]
+            info = fast.get(position)
+            found = None if info is None else gemms.get(position)
+            cast = None
+            if found is not None and position in softmax:
+                cast = casts.get(position)
+                found = None if cast is None else found
+            weight = None if found is None else variables[info[0]]
+            if found is None or weight.dtype not in _READ:
+                rest.append(position)
+                continue
+            alpha, estimate, factor = found
+            events.append((position, len(self.sites), None if cast is None
+                           else cast[1:] + self._cast_constants, weight,
+                           info[2], -1, coefficient, fmt_max, limit,
+                           estimate, factor, fields[position]))
+            positions.append(position)
+            self.sites.append([None, True, alpha, estimate, factor, cast,
+                               position, weight])
+        if events:
+            order = plan.order
+            current.hooks.add_speculative_at(order, self.native, events)
+            edge_scales = current.edge_scales
+            first = len(self.sites) - len(events)
+            for k, node in enumerate(order.take(positions)):
+                entry = self.sites[first + k]
+                entry[0] = node
+                scale = entry[2] * entry[4]
+                for i in range(fast[entry[6]][1]):
+                    edge_scales[node, i] = scale
+        if not rest:
+            return ()
+        return [(node, plan.gemm_site(node))
+                for node in plan.order.take(rest)]
+
     def speculates(self, node, site=None, casts=False):
         """Puts the native hook on ``node`` where the pass speculates and
         its scales are expected: a GEMM site's (of ``site``, one a refresh
@@ -192,12 +284,12 @@ class Speculation(object):
         coefficient, fmt_max, limit = self._constants
         if site is None:
             alpha, estimate, factor = cast
-            weight, axis, n, factor = None, -1, 0, 1.0
+            weight, axis, n, factor, field = None, -1, 0, 1.0, ''
         else:
             found = expected.gemms.get(position)
             weight = site.weight_values
-            if found is None or position not in self._speculable or \
-                    weight.dtype not in _READ:
+            field = self._sites.fields.get(position)
+            if found is None or field is None or weight.dtype not in _READ:
                 return False
             alpha, estimate, factor = found
             axis, n = site.length_rule()
@@ -205,8 +297,9 @@ class Speculation(object):
         current.hooks.add_speculative(
             node, self.native, len(self.sites), None if cast is None else
             cast[1:] + self._cast_constants, weight, axis, n, coefficient,
-            fmt_max, limit, estimate, factor)
-        self.sites.append((node, site, alpha, estimate, factor, cast))
+            fmt_max, limit, estimate, factor, field)
+        self.sites.append([node, site is not None, alpha, estimate, factor,
+                           cast, position, weight])
         if site is None:  # (what its Python callback would set)
             current.node_scales[node] = cast[0] * cast[2]
         else:
@@ -263,8 +356,10 @@ class Speculation(object):
         if current.partial:
             self.turn()
             return
-        current.learn_landings([s[0] for s in self.sites])
-        current.witness_operands()
+        current.learn_landings([s[0] for s in self.sites if s[1]])
+        # (the hooks read their sites' witnesses; a Python GEMM callback
+        # reads its own, as it runs)
+        current.witness_each()
 
     def confirm_node(self, node, scale):
         """A cast or multi-output node set ``scale``: the pass turns to
@@ -307,9 +402,9 @@ class Speculation(object):
         turned to Python), on its gradients."""
         fn = self._callbacks.get(seq)
         if fn is None:
-            node, site = self.sites[seq][:2]
+            node, gemm = self.sites[seq][:2]
             fn = self._callbacks[seq] = self.current.callback(
-                'cast' if site is None else 'gemm', node)
+                'gemm' if gemm else 'cast', node)
         return fn(grads)
 
     def flush(self):
@@ -324,8 +419,11 @@ class Speculation(object):
         current = self.current
         step, hook, seen = current.step, current.hook, self.seen
         self.native_sites += len(kept)
-        for seq, kind, a, b, c, d, n in kept:
-            node, site, alpha, estimate, factor, cast = self.sites[seq]
+        plan = current.plan
+        named = plan.structure_memo.setdefault(_NAMES, {})
+        for seq, kind, a, b, c, d, n, witness in kept:
+            node, _, alpha, estimate, factor, cast, position, weight = \
+                self.sites[seq]
             if kind == 1:  # (a cast's stage)
                 alpha, estimate, factor = cast
                 key = step.cast_key()
@@ -333,11 +431,18 @@ class Speculation(object):
                 current.chosen_casts.append(beta)
                 self.seen_casts.append((node, alpha, key, beta))
             else:
-                key = step.gemm_key(hook.site_name(site.weight, site.part))
-                names = {edge: hook.parameter_name(param)
-                         for edge, param in site.parameters.items()}
+                # (a site's names, kept per structure: the same
+                # parameters at the same place in it)
+                found = named.get(position)
+                if found is None:
+                    site = plan.gemm_site(node)
+                    found = named[position] = (
+                        hook.site_name(site.weight, site.part),
+                        {edge: hook.parameter_name(param)
+                         for edge, param in site.parameters.items()})
+                key = step.gemm_key(found[0])
                 beta = step.gemm_read(key, alpha, (estimate, a, b, c, d), n)
-                step.trace_gemm(names, True, current.operand_witnesses(site))
+                step.trace_gemm(found[1], True, (witness, weight))
                 seen.append((node, alpha, key, beta))
             if beta != factor:
                 raise RuntimeError(
