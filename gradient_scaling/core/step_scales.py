@@ -193,12 +193,23 @@ class StepScales(object):
         if common is None:
             self.nonfinite_sites.append(key)
             return max(scales)
+        self._staged_branch(key, scales, common, signature)
+        return common
+
+    def branch_read(self, scales, common):
+        """:meth:`branch`'s staging and record of a refresh's branch whose
+        contributions at ``scales`` (not all the same) were unified at
+        ``common`` from their maxima (read natively: a speculated
+        refresh's)."""
+        self._staged_branch(self._next_key('branch'), scales, common,
+                            rules.branch_signature(scales))
+
+    def _staged_branch(self, key, scales, common, signature):
         self._staging().stage(key, common, signature)
         self.records[key] = SiteRecord(
             name=key, kind='branch', local_scale=1.0,
             input_scale=max(scales), output_scale=common,
             iteration=self.controller.iteration)
-        return common
 
     def cached(self, key, alpha):
         """The local scale of site ``key`` (whose incoming gradient

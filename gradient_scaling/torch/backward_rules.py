@@ -356,8 +356,9 @@ class BackwardPass(object):
             spec.registered()
         for node in plan.multi_output:
             add('unify', node, self._unify_outputs(node))
-        for node, edges in self.consumer_edges().items():
-            add('contribute', node, self._contribute(node, edges), True)
+        if spec is None or not spec.register_branches():
+            for node, edges in self.consumer_edges().items():
+                add('contribute', node, self._contribute(node, edges), True)
 
     def take_left_scaled(self):
         """``(leaf, inverse)`` of each gradient the native landing left
@@ -598,6 +599,20 @@ class BackwardPass(object):
         for node in nodes:
             for edge, i in landings.get(index[node], ()):
                 pairs.append((leaves[i], edge_scales[node, edge]))
+        if pairs:
+            self.hook.landing_learn(unit, pairs)
+
+    def learn_sums(self, sums):
+        """The branches' sums will be at the scales of ``sums`` (``(slot,
+        scale)`` pairs, expected where a refresh speculates): the scales
+        of the leaves they set told to the native landing at once."""
+        if self._learning is None or not sums:
+            return
+        unit, _, leaves, summed = self._learning
+        index, pairs = self.plan.index, []
+        for slot, scale in sums:
+            for i in summed.get((index[slot[0]], slot[1]), ()):
+                pairs.append((leaves[i], scale))
         if pairs:
             self.hook.landing_learn(unit, pairs)
 
@@ -853,7 +868,11 @@ class BackwardPass(object):
                 stash = self.stashes[slot]
                 stash.arrived += 1
                 if gi[i] is not None:
-                    stash.items.append((gi[i], self.edge_scale(node, i)))
+                    scale = self.edge_scale(node, i)
+                    stash.items.append((gi[i], scale))
+                    if self._speculation is not None:
+                        self._speculation.seen_contributions.append(
+                            (node, i, scale))
                 if stash.arrived < stash.expected:
                     gi[i] = None
                     continue

@@ -33,6 +33,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <algorithm>
+#include <functional>
 #include <atomic>
 #include <tuple>
 #include <cmath>
@@ -859,15 +860,30 @@ struct RefreshReadHook : torch::autograd::FunctionPreHook {
 // or once the pass is Python's (mode 2), ``missed(seq, readable)`` is
 // told first, once (it turns the pass over to Python), and
 // ``dispatch(seq, grads)`` runs the site's Python callback.
+// A branch's contributions on a speculated refresh, held by its
+// consumers' hooks (the engine sums none of them): ``expected`` arrivals,
+// the contributions that came with their scales, the common scale the
+// last is to find (SpeculativeBranchHook).
+struct Held {
+  int64_t expected = 0, arrived = 0;
+  double common = 0;
+  std::vector<std::pair<at::Tensor, double>> items;
+};
+
 struct Speculated {
   int mode = 1;
   // Each read kept, in order: (seq, 0, std(g), max|g|, std(W), max|W|, n,
   // the finiteness witness of the GEMM's saved input: undefined where not
   // read) of a GEMM's, (seq, 1, mean of log|g|, their std, max|g|,
-  // non-zero count, 0, undefined) of a cast's.
+  // non-zero count, 0, undefined) of a cast's, (seq, 2, common scale, 0,
+  // 0, 0, k, undefined) of a branch whose contributions' scales differ
+  // (``scales[k]`` theirs, in arrival order).
   std::vector<std::tuple<int64_t, int, double, double, double, double,
                          int64_t, at::Tensor>>
       kept;
+  std::vector<std::vector<double>> scales;
+  std::vector<Held> branches;
+  double sum_max = 0;  // lambda_max of a branch's sum (its format's)
   std::shared_ptr<PyRef> missed, dispatch;
 };
 
@@ -883,19 +899,58 @@ class Speculation {
   void use_python() { state->mode = 2; }
   int mode() const { return state->mode; }
 
-  // The reads kept so far, in order (then forgotten).
+  // The reads kept so far, in order (then forgotten): a branch's with
+  // its contributions' scales (a tuple) last.
   py::list take_kept() {
     py::list out;
     for (const auto& k : state->kept) {
       const at::Tensor& w = std::get<7>(k);
-      out.append(py::make_tuple(
-          std::get<0>(k), std::get<1>(k), std::get<2>(k), std::get<3>(k),
-          std::get<4>(k), std::get<5>(k), std::get<6>(k),
-          w.defined() ? py::reinterpret_steal<py::object>(
-                            THPVariable_Wrap(w))
-                      : py::none()));
+      py::object last = py::none();
+      if (std::get<1>(k) == 2) {
+        last = py::tuple(py::cast(
+            state->scales.at(static_cast<size_t>(std::get<6>(k)))));
+      } else if (w.defined()) {
+        last = py::reinterpret_steal<py::object>(THPVariable_Wrap(w));
+      }
+      out.append(py::make_tuple(std::get<0>(k), std::get<1>(k),
+                                std::get<2>(k), std::get<3>(k),
+                                std::get<4>(k), std::get<5>(k),
+                                std::get<6>(k), last));
     }
     state->kept.clear();
+    state->scales.clear();
+    return out;
+  }
+
+  // The branches the hooks hold (``expected`` arrivals each, the last to
+  // find ``common``), and the largest value of their sums' format.
+  void hold(std::vector<std::pair<int64_t, double>> branches,
+            double sum_max) {
+    state->branches.assign(branches.size(), Held());
+    for (size_t b = 0; b < branches.size(); ++b) {
+      state->branches[b].expected = branches[b].first;
+      state->branches[b].common = branches[b].second;
+    }
+    state->sum_max = sum_max;
+  }
+
+  // What the branches not yet summed hold, handed over (then forgotten):
+  // (branch, arrivals, [(contribution, scale), ...]) of each that had one.
+  py::list take_held() {
+    py::list out;
+    for (size_t b = 0; b < state->branches.size(); ++b) {
+      Held& held = state->branches[b];
+      if (held.arrived == 0 || held.arrived >= held.expected) continue;
+      py::list items;
+      for (const auto& item : held.items) {
+        items.append(py::make_tuple(
+            py::reinterpret_steal<py::object>(THPVariable_Wrap(item.first)),
+            item.second));
+      }
+      out.append(py::make_tuple(b, held.arrived, items));
+      held.items.clear();
+      held.arrived = held.expected;
+    }
     return out;
   }
 
@@ -1044,6 +1099,152 @@ struct SpeculativeSiteHook : torch::autograd::FunctionPreHook {
   }
 };
 
+// underflow.py's unify_scales_from_max of finite ``maxima`` at positive
+// ``scales`` (Algorithm 1, line 17; the same operations in the same
+// order).
+double unified_scale(const std::vector<double>& maxima,
+                     const std::vector<double>& scales, double fmt_max) {
+  constexpr double kMinScale = 0x1p-126;
+  double worst = 0.0;
+  for (size_t k = 0; k < maxima.size(); ++k) {
+    worst = std::max(worst, maxima[k] / scales[k]);
+  }
+  std::vector<double> candidates(scales);
+  std::sort(candidates.begin(), candidates.end(), std::greater<double>());
+  candidates.erase(std::unique(candidates.begin(), candidates.end()),
+                   candidates.end());
+  for (double beta : candidates) {
+    if (beta * worst < fmt_max) return beta;
+  }
+  const double bound = fmt_max / worst;
+  double beta = bound > kMinScale ? pow2_floor(bound) : kMinScale;
+  if (beta == bound) beta = beta > kMinScale ? beta / 2 : kMinScale;
+  return beta;
+}
+
+// A speculated refresh's branch consumer (backward_rules.py's _contribute
+// and _sum): each of its ``edges`` ``(input, branch, scale)`` holds the
+// gradient it returns for that input, at the consumer's expected
+// ``scale``, and the engine gets none; the last to arrive returns their
+// sum at the common scale (each brought to it, then added, in arrival
+// order), the common scale checked against the one expected (from the
+// maxima, through unified_scale, where their scales differ: that read
+// kept). One that misses (another scale, a maximum not finite, a last
+// contribution that is None beside held ones) undoes what the call did
+// and hands it to the Python callback, after ``missed``.
+struct SpeculativeBranchHook : torch::autograd::FunctionPostHook {
+  std::shared_ptr<Speculated> state;
+  int64_t seq;
+  std::vector<std::tuple<int64_t, int64_t, double>> edges;
+  SpeculativeBranchHook(std::shared_ptr<Speculated> s, int64_t q,
+                        std::vector<std::tuple<int64_t, int64_t, double>> e)
+      : state(std::move(s)), seq(q), edges(std::move(e)) {}
+
+  // The sum of branch ``held`` (its last contribution in), or undefined
+  // where it misses (``*missed`` set).
+  at::Tensor summed(Held& held, bool* missed) {
+    const auto& items = held.items;
+    bool same = true;
+    for (const auto& item : items) same &= item.second == items[0].second;
+    double common = items[0].second;
+    if (!same) {
+      std::vector<double> maxima, scales;
+      for (const auto& item : items) {
+        const double m = max_abs(item.first);
+        if (!std::isfinite(m)) {
+          *missed = true;
+          return at::Tensor();
+        }
+        maxima.push_back(m);
+        scales.push_back(item.second);
+      }
+      common = unified_scale(maxima, scales, state->sum_max);
+      if (common != held.common) {
+        *missed = true;
+        return at::Tensor();
+      }
+      state->scales.push_back(std::move(scales));
+      state->kept.emplace_back(
+          seq, 2, common, 0.0, 0.0, 0.0,
+          static_cast<int64_t>(state->scales.size()) - 1, at::Tensor());
+    } else if (common != held.common) {
+      *missed = true;
+      return at::Tensor();
+    }
+    at::Tensor total;
+    for (const auto& item : items) {
+      at::Tensor g = item.second != common
+          ? times_power_of_two(item.first, common / item.second)
+          : item.first;
+      total = total.defined() ? total + g : g;
+    }
+    return total;
+  }
+
+  variable_list operator()(const variable_list& outputs,
+                           const variable_list& inputs) override {
+    if (state->mode == 1) {
+      variable_list out(outputs);
+      const size_t kept = state->kept.size(), scales = state->scales.size();
+      std::vector<std::pair<int64_t, bool>> done;  // (branch, pushed)
+      std::vector<int64_t> summed_branches;
+      bool missed = false;
+      for (const auto& edge : edges) {
+        const auto i = static_cast<size_t>(std::get<0>(edge));
+        Held& held = state->branches.at(
+            static_cast<size_t>(std::get<1>(edge)));
+        const bool given = i < out.size() && out[i].defined();
+        if (given && !(std::get<2>(edge) > 0)) {
+          missed = true;  // (its scale not expected: not known)
+          break;
+        }
+        held.arrived += 1;
+        if (given) held.items.emplace_back(out[i], std::get<2>(edge));
+        done.emplace_back(std::get<1>(edge), given);
+        if (held.arrived < held.expected) {
+          if (given) out[i] = at::Tensor();
+          continue;
+        }
+        if (held.items.empty()) continue;  // (none: passed on as None)
+        if (!given) {
+          missed = true;  // (Python raises its error)
+          break;
+        }
+        out[i] = summed(held, &missed);
+        if (missed) break;
+        summed_branches.push_back(std::get<1>(edge));
+      }
+      if (!missed) {
+        for (int64_t b : summed_branches) {
+          state->branches[static_cast<size_t>(b)].items.clear();
+        }
+        return out;
+      }
+      for (auto it = done.rbegin(); it != done.rend(); ++it) {
+        Held& held = state->branches[static_cast<size_t>(it->first)];
+        held.arrived -= 1;
+        if (it->second) held.items.pop_back();
+      }
+      state->kept.resize(kept);
+      state->scales.resize(scales);
+      state->mode = 2;
+      py::gil_scoped_acquire gil;
+      PyObject* told = PyObject_CallFunction(
+          state->missed->obj, "Li", static_cast<long long>(seq), 1);
+      if (told == nullptr) throw python_error();
+      Py_DECREF(told);
+    }
+    py::gil_scoped_acquire gil;
+    py::object a = py::reinterpret_steal<py::object>(wrap(outputs));
+    py::object b = py::reinterpret_steal<py::object>(wrap(inputs));
+    PyObject* result = PyObject_CallFunctionObjArgs(
+        state->dispatch->obj, py::int_(seq).ptr(), a.ptr(), b.ptr(),
+        nullptr);
+    if (result == nullptr) throw python_error();
+    return taken(result, outputs, "backward hook");
+  }
+};
+
 // The callbacks of one backward pass, taken off all at once.
 class HookSet {
  public:
@@ -1099,6 +1300,15 @@ class HookSet {
                  n, coefficient, fmt_max, limit, expected, factor,
                  std::move(field));
   }
+
+  // A speculated refresh's branch consumers (SpeculativeBranchHook), each
+  // of ``consumers`` on its node of ``order`` (a NodeOrder): ``(position,
+  // seq, [(input, branch, scale), ...])``, in one call.
+  void add_speculative_branches_at(
+      py::handle order, const Speculation& speculation,
+      std::vector<std::tuple<
+          Py_ssize_t, int64_t,
+          std::vector<std::tuple<int64_t, int64_t, double>>>> consumers);
 
   // add_speculative of each of ``events`` on its node of ``order`` (a
   // NodeOrder): ``(position, seq, cast, weight, axis, n, coefficient,
@@ -2585,6 +2795,31 @@ void HookSet::add_planned_events(py::handle order, const PlannedTable& table,
   }
 }
 
+void HookSet::add_speculative_branches_at(
+    py::handle order, const Speculation& speculation,
+    std::vector<std::tuple<Py_ssize_t, int64_t,
+                           std::vector<std::tuple<int64_t, int64_t, double>>>>
+        consumers) {
+  const NodeList& list = *order.cast<NodeOrder&>().list;
+  const auto branches =
+      static_cast<int64_t>(speculation.state->branches.size());
+  for (auto& c : consumers) {
+    const Py_ssize_t position = std::get<0>(c);
+    if (position < 0 || position >= list.size()) {
+      throw py::index_error("gradient_scaling native: a speculated "
+                            "hook's node is not in the graph");
+    }
+    for (const auto& edge : std::get<2>(c)) {
+      if (std::get<1>(edge) < 0 || std::get<1>(edge) >= branches) {
+        throw py::index_error("gradient_scaling native: a branch the "
+                              "speculation does not hold");
+      }
+    }
+    add_on<SpeculativeBranchHook>(list.nodes[position], speculation.state,
+                                  std::get<1>(c), std::move(std::get<2>(c)));
+  }
+}
+
 void HookSet::add_speculative_at(py::handle order,
                                  const Speculation& speculation,
                                  py::list events) {
@@ -2619,6 +2854,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("take_reads", &HookSet::take_reads)
       .def("add_speculative", &HookSet::add_speculative)
       .def("add_speculative_at", &HookSet::add_speculative_at)
+      .def("add_speculative_branches_at",
+           &HookSet::add_speculative_branches_at)
       .def("add_planned", &HookSet::add_planned)
       .def("add_planned_events", &HookSet::add_planned_events)
       .def("clear", &HookSet::clear)
@@ -2635,6 +2872,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<py::handle, py::handle>())
       .def("use_python", &Speculation::use_python)
       .def("take_kept", &Speculation::take_kept)
+      .def("hold", &Speculation::hold)
+      .def("take_held", &Speculation::take_held)
       .def_property_readonly("mode", &Speculation::mode);
   py::class_<PlannedEvents>(m, "PlannedEvents")
       .def("__len__", [](const PlannedEvents& e) { return e.events.size(); });

@@ -70,6 +70,8 @@ __all__ = ['Expected', 'Speculation', 'prepare']
 _MEMO = 'speculation'
 _SITES = 'speculated sites'
 _NAMES = 'speculated names'
+_BRANCHES = 'speculated branches'
+_NAN = float('nan')  # (a contribution's scale not known: its hook misses)
 #: The dtypes of the tensors the native hooks read (``gemm_model_scale``).
 _READ = frozenset([torch.float32, torch.float16, torch.bfloat16])
 
@@ -91,14 +93,19 @@ class Expected(object):
         edges (dict): ``(position, edge)`` -> a GEMM edge's scale.
         slots (dict): ``(position, slot)`` -> a slot's scale (a branch's
             sum's among them).
+        contributions (dict): ``(position, input)`` -> the scale of a
+            branch consumer's contribution.
 
     """
 
-    __slots__ = ('setting', 'gemms', 'casts', 'nodes', 'edges', 'slots')
+    __slots__ = ('setting', 'gemms', 'casts', 'nodes', 'edges', 'slots',
+                 'contributions')
 
-    def __init__(self, setting, gemms, casts, nodes, edges, slots):
+    def __init__(self, setting, gemms, casts, nodes, edges, slots,
+                 contributions):
         self.setting, self.gemms, self.casts = setting, gemms, casts
         self.nodes, self.edges, self.slots = nodes, edges, slots
+        self.contributions = contributions
 
 
 def _setting(current):
@@ -199,6 +206,12 @@ class Speculation(object):
         #: scaled, as it ran (made into the next :class:`Expected`), and
         #: of each cast site.
         self.seen, self.seen_casts = [], []
+        #: ``(node, input, scale)`` of each contribution a Python branch
+        #: consumer held.
+        self.seen_contributions = []
+        #: The branch slots whose sums the native hooks make, by their
+        #: index there.
+        self.branch_slots = []
         #: How many sites ran natively (their reads made good).
         self.native_sites = 0
         self._callbacks = {}
@@ -309,6 +322,48 @@ class Speculation(object):
                 edge_scales[node, i] = scale
         return True
 
+    def register_branches(self):
+        """Puts the native hooks on the branches' consumers, where every
+        branch's sum and every contribution's scale are expected (the
+        sums' scales set in the pass's state, as the Python sums would set
+        them), in one call. Whether it did (else the Python consumers are
+        registered)."""
+        if not self.live:
+            return False
+        current = self.current
+        plan = current.plan
+        memo = plan.structure_memo
+        found = memo.get(_BRANCHES)
+        if found is None:
+            found = memo[_BRANCHES] = _branches_of(plan)
+        slots, consumers = found
+        if not slots:
+            return False
+        expected = self.expected
+        commons = [expected.slots.get((position, k))
+                   for position, k, _ in slots]
+        if None in commons:
+            return False
+        contributions = expected.contributions
+        self.native.hold([(n, common) for (_, _, n), common in
+                          zip(slots, commons)],
+                         float(current.step.controller.fmt.max))
+        first = len(self.sites)
+        current.hooks.add_speculative_branches_at(
+            plan.order, self.native, [
+                (position, first + k, [
+                    (i, b, contributions.get((position, i), _NAN))
+                    for i, b in edges])
+                for k, (position, edges) in enumerate(consumers)])
+        self.sites.extend(consumers)
+        order, slot_scales = plan.order, current.slot_scales
+        nodes = order.take([position for position, _, _ in slots])
+        self.branch_slots = [(node, k) for node, (_, k, _) in
+                             zip(nodes, slots)]
+        for slot, common in zip(self.branch_slots, commons):
+            slot_scales[slot] = common
+        return True
+
     def registered(self):
         """Every site's callback is registered: a pass that put no native
         hook has nothing to speculate on (nor records what it chooses: a
@@ -356,7 +411,11 @@ class Speculation(object):
         if current.partial:
             self.turn()
             return
-        current.learn_landings([s[0] for s in self.sites if s[1]])
+        current.learn_landings([s[0] for s in self.sites
+                                if len(s) > 2 and s[1]])
+        slot_scales = current.slot_scales
+        current.learn_sums([(slot, slot_scales[slot])
+                            for slot in self.branch_slots])
         # (the hooks read their sites' witnesses; a Python GEMM callback
         # reads its own, as it runs)
         current.witness_each()
@@ -393,19 +452,34 @@ class Speculation(object):
     def _turned(self):
         # (the edge scales expected of the sites that have not run stay
         # until their Python callbacks set them: nothing reads a node's
-        # edges before it runs)
+        # edges before it runs; the branches the native consumers hold
+        # are handed to the Python ones, their contributions at the
+        # scales expected, which every check so far confirmed)
         self.live = False
         self.flush()
+        if self.branch_slots:
+            stashes = self.current.stashes
+            for b, arrived, items in self.native.take_held():
+                stash = stashes[self.branch_slots[b]]
+                stash.arrived, stash.items = arrived, list(items)
 
-    def dispatch(self, seq, grads):
+    def dispatch(self, seq, *args):
         """The Python callback of the native hook of ``seq`` (a pass
-        turned to Python), on its gradients."""
+        turned to Python), on its gradients (and a consumer's, on those
+        its node was given too)."""
         fn = self._callbacks.get(seq)
         if fn is None:
-            node, gemm = self.sites[seq][:2]
-            fn = self._callbacks[seq] = self.current.callback(
-                'gemm' if gemm else 'cast', node)
-        return fn(grads)
+            entry = self.sites[seq]
+            if len(entry) == 2:  # (a branch consumer's, by positions)
+                position, edges = entry
+                fn = self.current.callback(
+                    'contribute', self.current.plan.order[position],
+                    [(i, self.branch_slots[b]) for i, b in edges])
+            else:
+                fn = self.current.callback(
+                    'gemm' if entry[1] else 'cast', entry[0])
+            self._callbacks[seq] = fn
+        return fn(*args)
 
     def flush(self):
         """The reads kept so far made into the step's keys, staged
@@ -421,7 +495,10 @@ class Speculation(object):
         self.native_sites += len(kept)
         plan = current.plan
         named = plan.structure_memo.setdefault(_NAMES, {})
-        for seq, kind, a, b, c, d, n, witness in kept:
+        for seq, kind, a, b, c, d, n, last in kept:
+            if kind == 2:  # (a branch's sum, its scales differing)
+                step.branch_read(last, a)
+                continue
             node, _, alpha, estimate, factor, cast, position, weight = \
                 self.sites[seq]
             if kind == 1:  # (a cast's stage)
@@ -442,7 +519,7 @@ class Speculation(object):
                          for edge, param in site.parameters.items()})
                 key = step.gemm_key(found[0])
                 beta = step.gemm_read(key, alpha, (estimate, a, b, c, d), n)
-                step.trace_gemm(found[1], True, (witness, weight))
+                step.trace_gemm(found[1], True, (last, weight))
                 seen.append((node, alpha, key, beta))
             if beta != factor:
                 raise RuntimeError(
@@ -470,11 +547,32 @@ class Speculation(object):
                 if estimate is None:
                     return
                 found[index[node]] = (alpha, estimate, beta)
+        contributions = {} if self.expected is None else dict(
+            self.expected.contributions)
+        for node, i, scale in self.seen_contributions:
+            contributions[index[node], i] = scale
         plan.structure_memo[_MEMO] = Expected(
             _setting(current), gemms, casts,
             {index[n]: s for n, s in current.node_scales.items()},
             {(index[n], i): s for (n, i), s in current.edge_scales.items()},
-            {(index[n], k): s for (n, k), s in current.slot_scales.items()})
+            {(index[n], k): s for (n, k), s in current.slot_scales.items()},
+            contributions)
+
+
+def _branches_of(plan):
+    """``(slots, consumers)`` of ``plan``'s structure: each branch slot's
+    ``(position, slot, consumers)``; each consumer's ``(position,
+    [(input, branch), ...])``, ``branch`` its slot's index there."""
+    index = plan.index
+    slots, consumers, at = [], {}, {}
+    for slot, edges in plan.branches.items():
+        at[slot] = len(slots)
+        slots.append((index[slot[0]], slot[1], len(edges)))
+    for slot, edges in plan.branches.items():
+        for node, i in edges:
+            consumers.setdefault(index[node], []).append((i, at[slot]))
+    return slots, [(position, tuple(edges)) for position, edges in
+                   consumers.items()]
 
 
 def _weakly(owner, name):
