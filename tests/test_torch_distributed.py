@@ -78,3 +78,17 @@ def test_gs_equals_plain_data_parallel_training(tmp_path, scenario):
     assert ranks[0]['scaler'] == ranks[1]['scaler']
     if not scenario.startswith('fsdp'):
         assert ranks[0]['parameters'] == ranks[1]['parameters']
+
+
+def test_a_speculated_refresh_under_ddp_steps_as_the_python_callbacks(
+        tmp_path):
+    """GS@1 in float32 under DDP, two ranks, each its own data: every
+    refresh after the first two speculated (its GEMM, cast and branch
+    sites native), and every step's gradients, landed and committed
+    scales those of the same training with the Python callbacks, bit
+    for bit."""
+    ranks = run('speculated', tmp_path)
+    for r in ranks:
+        assert r['same'] == [True] * 6, r
+        assert r['native'] >= 8  # (at least two passes' four reads)
+        assert len(r['scales']) >= 3  # (scales that differ, not all 1)

@@ -147,6 +147,58 @@ def equal_to_plain(rank, scenario, out):
     return record
 
 
+def speculated_as_python(rank, out):
+    """GS@1 in float32 (underflow not measured: its refreshes speculated)
+    and the same with every refresh run by the Python callbacks, both
+    under DDP, from the same weights on the same data: whether each step's
+    gradients, landed scales and committed scales are the same, and how
+    many reads the speculated refreshes made natively."""
+    from gradient_scaling.torch import speculation
+    torch.manual_seed(0)
+    models = [Tower(), Tower()]
+    models[1].load_state_dict(models[0].state_dict())
+    wrapped = [nn.parallel.DistributedDataParallel(m) for m in models]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    scalers = [GradientScaler(m, 'gs', update_interval=1,
+                              measure_underflow=False) for m in models]
+    prepare, native = speculation.prepare, []
+
+    def counted(current):
+        found = prepare(current)
+        if found is not None:
+            native.append(found)
+        return found
+    g = torch.Generator().manual_seed(rank)  # each rank its own data
+    record = {'rank': rank, 'same': [], 'native': 0}
+    for step in range(6):
+        x = torch.randn(4, 3, 4, 4, generator=g)
+        t = torch.randint(0, 5, (4,), generator=g)
+        steps = []
+        for k, (m, w, opt, scaler) in enumerate(zip(
+                models, wrapped, optimizers, scalers)):
+            speculation.prepare = counted if k == 0 else (
+                lambda current: None)
+            try:
+                opt.zero_grad()
+                loss = F.cross_entropy(w(x), t) * 2.0 ** -20
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                landed = [scaler.hook.landed_scales.get(p)
+                          for p in m.parameters()]
+                grads = [p.grad.clone() for p in m.parameters()]
+                scaler.update()
+            finally:
+                speculation.prepare = prepare
+            steps.append((grads, landed, dict(scaler.hook.table.scales)))
+        (a, landed_a, table_a), (b, landed_b, table_b) = steps
+        record['same'].append(
+            all(torch.equal(p, q) for p, q in zip(a, b)) and
+            landed_a == landed_b and table_a == table_b)
+    record['native'] = sum(p.native_sites for p in native)
+    record['scales'] = sorted(set(scalers[0].hook.table.scales.values()))
+    return record
+
+
 def _local(tensor):
     return tensor.to_local() if hasattr(tensor, 'to_local') else tensor
 
@@ -189,6 +241,8 @@ def run(rank, world, scenario, port, out):
     try:
         if scenario in ('once', 'persistent'):
             record = faults(rank, scenario, out)
+        elif scenario == 'speculated':
+            record = speculated_as_python(rank, out)
         else:
             record = equal_to_plain(rank, scenario, out)
         with open('{}.{}'.format(out, rank), 'w') as f:
