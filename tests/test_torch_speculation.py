@@ -43,6 +43,9 @@ def _model(case):
     if case == 'attention':
         net = _Attention()
         return net, tuple(torch.randn(5, 2, 8) for _ in range(3))
+    if case == 'nested':
+        return _Nested(), (torch.randn(6, 8), torch.randint(0, 5, (6,)),
+                           torch.randn(3, 4))
     wide = case.endswith('float64')
     net = EveryConstructNet()
     net = net.double() if wide else net
@@ -119,6 +122,27 @@ def _steps(case, monkeypatch, mode, steps=4, lr=0.01, how='plain'):
     monkeypatch.undo()
     return out, [(p.expected is not None, p.live, p.native_sites)
                  for p in passes]
+
+
+class _Nested(torch.nn.Module):
+    """A tensor hook inside the backward that runs a backward of its own
+    (a nested pass, run from inside the outer pass's node), between GEMM
+    sites of the outer pass."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 16)
+        self.fc2 = torch.nn.Linear(16, 5)
+        self.side = torch.nn.Linear(4, 4)
+
+    def forward(self, x, t, z):
+        h = torch.tanh(self.fc1(x))
+        h.register_hook(lambda g: self._side(z))
+        return torch.nn.functional.cross_entropy(self.fc2(h * 64.0), t)
+
+    def _side(self, z):
+        with torch.enable_grad():  # (off in a backward's hooks)
+            self.side(z).pow(2).sum().backward()
 
 
 def _made_wrong(expected, mode):
@@ -213,6 +237,20 @@ def test_a_speculated_refresh_in_other_steps_steps_as_the_python_callbacks(
         assert not any(live or kept for _, live, kept in speculated)
     else:  # (the step that overflowed turned to Python)
         assert [live for _, live, _ in speculated].count(False) == 1
+
+
+def test_a_pass_that_runs_a_nested_backward_is_not_speculated(
+        monkeypatch):
+    """A backward run from inside the pass (a tensor hook's; its scales
+    chosen by its own Python callbacks, the scale its node returns with
+    among them): the pass turns to Python where it starts, and its
+    structure is not speculated again; every step the Python callbacks',
+    bit for bit."""
+    actual, passes = _steps('nested', monkeypatch, 'on', steps=5)
+    expected, _ = _steps('nested', monkeypatch, 'off', steps=5)
+    _assert_same(actual, expected)
+    assert passes and not any(live for _, live, _ in passes)
+    assert len([p for p in passes if p[0]]) <= 1
 
 
 def test_a_refresh_whose_scales_change_speculates_again_from_them(

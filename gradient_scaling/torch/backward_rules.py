@@ -360,6 +360,12 @@ class BackwardPass(object):
             for node, edges in self.consumer_edges().items():
                 add('contribute', node, self._contribute(node, edges), True)
 
+    @property
+    def speculation(self):
+        """The pass's :class:`~gradient_scaling.torch.speculation.
+        Speculation` (a refresh's), or None."""
+        return self._speculation
+
     def take_left_scaled(self):
         """``(leaf, inverse)`` of each gradient the native landing left
         scaled in ``.grad`` in this pass so far (handed over once)."""

@@ -609,6 +609,8 @@ class GradientScaling(ControllerViews):
                 'GradientScaling: a backward run from inside a planned '
                 'backward pass (a tensor hook that calls backward?) cannot '
                 'be scaled exactly; set hook.planned_passes = False')
+        if outer.speculation is not None:
+            outer.speculation.nested()
         entering = outer.entering_scale(node)
         inner = BackwardPass(self, roots, entering, [], nested=True)
         try:

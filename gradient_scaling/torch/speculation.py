@@ -442,6 +442,13 @@ class Speculation(object):
             self.current.plan.structure_memo[_SITES] = False
         self._turned()
 
+    def nested(self):
+        """A backward runs from inside the pass (its own Python callbacks
+        choose the scale the node it runs from returns with): the pass
+        turns to Python, and its structure is not speculated again."""
+        self.current.plan.structure_memo[_SITES] = False
+        self.turn()
+
     def turn(self):
         """The pass turns to Python from here (the hooks after this hand
         their gradients to the Python callbacks)."""
