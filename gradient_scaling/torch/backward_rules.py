@@ -330,8 +330,8 @@ class BackwardPass(object):
         backoff = self.hook.controller.backoff.scales
         measures = refresh and self.step.recipe.measure_underflow
         shares = self.hook.recipe.weight_path_shares_data_scale
-        gemms = plan.gemms.items() if spec is None else spec.register_gemms(
-            () if shares else plan.template.softmax_gemms)
+        gemms = plan.gemms.items() if spec is None else \
+            spec.register_gemms(shares)
         for node, site in gemms:
             # (a refresh's other sites keep their weight gradients at the
             # data path's scale: the pre-hook records their traces)
@@ -593,34 +593,23 @@ class BackwardPass(object):
             self.hook.landing_learn(unit, [
                 (leaves[i], edge_scales[node, edge]) for edge, i in found])
 
-    def learn_landings(self, nodes):
-        """The GEMM ``nodes`` set their edges' scales (expected, where a
-        refresh speculates: :mod:`~gradient_scaling.torch.speculation`):
-        those of the leaves they set told to the native landing at
-        once."""
+    def landings(self):
+        """``(gemm_landings, branch_landings)`` (by position: the leaves
+        whose scales a GEMM's edge or a branch's sum sets) where the
+        native landing learns its leaves' scales in this pass, else
+        None."""
         if self._learning is None:
-            return
-        unit, landings, leaves, _ = self._learning
-        index, edge_scales, pairs = self.plan.index, self.edge_scales, []
-        for node in nodes:
-            for edge, i in landings.get(index[node], ()):
-                pairs.append((leaves[i], edge_scales[node, edge]))
-        if pairs:
-            self.hook.landing_learn(unit, pairs)
+            return None
+        return self._learning[1], self._learning[3]
 
-    def learn_sums(self, sums):
-        """The branches' sums will be at the scales of ``sums`` (``(slot,
-        scale)`` pairs, expected where a refresh speculates): the scales
-        of the leaves they set told to the native landing at once."""
-        if self._learning is None or not sums:
-            return
-        unit, _, leaves, summed = self._learning
-        index, pairs = self.plan.index, []
-        for slot, scale in sums:
-            for i in summed.get((index[slot[0]], slot[1]), ()):
-                pairs.append((leaves[i], scale))
-        if pairs:
-            self.hook.landing_learn(unit, pairs)
+    def learn_leaves(self, found):
+        """The native landing told the scales of ``found``'s leaves
+        (``(index, scale)``: by their index in the plan's leaves; the
+        expected ones, where a refresh speculates)."""
+        if found:
+            unit, _, leaves, _ = self._learning
+            self.hook.landing_learn(unit, [(leaves[i], scale)
+                                           for i, scale in found])
 
     def _learn_branch(self, slot, scale):
         """Branch ``slot``'s contributions are summed at ``scale``: that of

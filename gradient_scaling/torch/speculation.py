@@ -71,7 +71,9 @@ _MEMO = 'speculation'
 _SITES = 'speculated sites'
 _NAMES = 'speculated names'
 _BRANCHES = 'speculated branches'
-_NAN = float('nan')  # (a contribution's scale not known: its hook misses)
+_NAN = float('nan')
+#: (rate, format) -> lognormal_model_constants of them (made once).
+_CAST_CONSTANTS = {}  # (a contribution's scale not known: its hook misses)
 #: The dtypes of the tensors the native hooks read (``gemm_model_scale``).
 _READ = frozenset([torch.float32, torch.float16, torch.bfloat16])
 
@@ -158,11 +160,14 @@ class _Sites(object):
             by its whole weight and has a data path and parameters (one a
             refresh scales plainly): registered from the template's
             positions, with no site object made for the pass.
+        softmax (frozenset): The positions of the GEMMs whose incoming
+            gradient is a softmax's (the logits': cast sites, where the
+            recipe's weight paths do not share the data path's scale).
 
     """
 
-    def __init__(self, fields, fast):
-        self.fields, self.fast = fields, fast
+    def __init__(self, fields, fast, softmax):
+        self.fields, self.fast, self.softmax = fields, fast, softmax
 
     @classmethod
     def of(cls, plan):
@@ -182,7 +187,7 @@ class _Sites(object):
             if axis is not None and part is None and \
                     site.data is not None and site.parameters:
                 fast[position] = (weight, edges, axis)
-        return cls(fields, fast)
+        return cls(fields, fast, frozenset(plan.template.softmax_gemms))
 
 
 class Speculation(object):
@@ -224,23 +229,30 @@ class Speculation(object):
             fmt, coefficient = estimator.gemm_target()
             self._constants = (coefficient, float(fmt.max),
                                statistics.SPREAD_SAMPLE)
-            self._cast_constants = underflow.lognormal_model_constants(
-                estimator.underflow_rate, fmt)
+            key = (estimator.underflow_rate, fmt)
+            known = _CAST_CONSTANTS.get(key)
+            if known is None:
+                if len(_CAST_CONSTANTS) > 16:
+                    _CAST_CONSTANTS.clear()
+                known = _CAST_CONSTANTS[key] = \
+                    underflow.lognormal_model_constants(*key)
+            self._cast_constants = known
 
     # -- registration -------------------------------------------------------
 
-    def register_gemms(self, softmax):
+    def register_gemms(self, shares):
         """Puts the native hooks on the GEMM sites of the structure's
         :attr:`_Sites.fast` whose scales are expected (at once, from
-        positions, with no site object made; a site in ``softmax``, a set
-        of positions, with its cast site's stage first). Returns the
-        ``(node, site)`` of the GEMM nodes left, to register one by
-        one."""
+        positions, with no site object made; a logits GEMM, where the
+        weight paths do not share the data path's scale (``shares``),
+        with its cast site's stage first). Returns the ``(node, site)``
+        of the GEMM nodes left, to register one by one."""
         current = self.current
         plan = current.plan
         if not self.live:
             return plan.gemms.items()
         fast, expected = self._sites.fast, self.expected
+        softmax = () if shares else self._sites.softmax
         gemms, casts = expected.gemms, expected.casts
         variables, fields = plan.variables, self._sites.fields
         coefficient, fmt_max, limit = self._constants
@@ -336,7 +348,7 @@ class Speculation(object):
         found = memo.get(_BRANCHES)
         if found is None:
             found = memo[_BRANCHES] = _branches_of(plan)
-        slots, consumers = found
+        slots, consumers = self._branches = found
         if not slots:
             return False
         expected = self.expected
@@ -372,6 +384,9 @@ class Speculation(object):
             self.live, self._idle = False, True
 
     _idle = False
+    #: The structure's branches (:func:`_branches_of`) where the pass
+    #: registered their consumers natively.
+    _branches = ((), ())
 
     def python_site(self, node, fn, site=None):
         """The Python callback ``fn`` of a cast node or of a GEMM node (of
@@ -411,11 +426,24 @@ class Speculation(object):
         if current.partial:
             self.turn()
             return
-        current.learn_landings([s[0] for s in self.sites
-                                if len(s) > 2 and s[1]])
-        slot_scales = current.slot_scales
-        current.learn_sums([(slot, slot_scales[slot])
-                            for slot in self.branch_slots])
+        # (by positions: the leaves the GEMM sites' edges and the
+        # branches' sums set, at the scales expected)
+        landings = current.landings()
+        if landings is not None:
+            by_gemm, by_sum = landings
+            found = []
+            for entry in self.sites:
+                if len(entry) > 2 and entry[1]:
+                    scale = entry[2] * entry[4]
+                    for _, i in by_gemm.get(entry[6], ()):
+                        found.append((i, scale))
+            slot_scales = current.slot_scales
+            for slot, (position, k, _) in zip(
+                    self.branch_slots, self._branches[0]):
+                scale = slot_scales[slot]
+                for i in by_sum.get((position, k), ()):
+                    found.append((i, scale))
+            current.learn_leaves(found)
         # (the hooks read their sites' witnesses; a Python GEMM callback
         # reads its own, as it runs)
         current.witness_each()
