@@ -619,14 +619,17 @@ def test_target_blocks_keep_the_steady_steps_and_note_the_cold_ones(
         'GradScaler + native scaling hooks',
         'GradScaler + native refresh reads', 'gs-cached', 'gs@1']
     # Each GS variant's passes by cause: the cached one's callbacks
-    # native (planned); the refresh speculated, its GEMM and cast sites
-    # native, their reads made into records once the pass ends.
+    # native (planned); the refresh speculated, its GEMM and cast sites,
+    # branches and multi-output nodes native, their reads made into
+    # records once the pass ends.
     causes = _table(text, "## GS's passes by cause (PyTorch)")
     calls = {(r[3], r[4]): float(r[6]) for r in causes}
     assert {variant for variant, _ in calls} == {'gs-cached', 'gs@1'}
     gemm = 'GEMM pre-hooks (without their cast sites)'
     assert calls['gs-cached', gemm] == 0
     assert calls['gs@1', gemm] == calls['gs@1', 'cast sites'] == 0
+    assert calls['gs@1', 'branch post-hooks'] == 0
+    assert calls['gs@1', 'multi-output pre-hooks'] == 0
     assert calls['gs@1', "speculated GEMM sites' reads made into "
                  "records"] >= 1
     assert calls['gs@1', 'planned factors set (then applied natively)'] == 0

@@ -355,7 +355,8 @@ class BackwardPass(object):
         if spec is not None:
             spec.registered()
         for node in plan.multi_output:
-            add('unify', node, self._unify_outputs(node))
+            if spec is None or not spec.unifies(node):
+                add('unify', node, self._unify_outputs(node))
         if spec is None or not spec.register_branches():
             for node, edges in self.consumer_edges().items():
                 add('contribute', node, self._contribute(node, edges), True)
@@ -844,10 +845,15 @@ class BackwardPass(object):
             scales = [self.slot_scale(node, k) for k, _ in present]
             if not present:
                 return None
+            spec = self._speculation
+            if spec is not None:  # (the native reads' keys made first)
+                spec.flush()
+                spec.seen_unified.append(
+                    (node, {k: s for (k, _), s in zip(present, scales)}))
             common = self.step.branch(scales, [g for _, g in present])
             self.node_scales[node] = common
-            if self._speculation is not None:
-                self._speculation.confirm_node(node, common)
+            if spec is not None:
+                spec.confirm_node(node, common)
             if all(s == common for s in scales):
                 return None
             out = list(grad_outputs)
@@ -885,6 +891,8 @@ class BackwardPass(object):
     def _sum(self, slot, items):
         if not items:
             return None
+        if self._speculation is not None:  # (the native reads' keys first)
+            self._speculation.flush()
         scales = [s for _, s in items]
         common = self.step.branch(scales, [g for g, _ in items])
         self.slot_scales[slot] = common

@@ -889,10 +889,12 @@ struct Speculated {
 
 class Speculation {
  public:
-  Speculation(py::handle missed, py::handle dispatch)
+  // ``sum_max``: the largest value of the format of a branch's sum.
+  Speculation(py::handle missed, py::handle dispatch, double sum_max)
       : state(std::make_shared<Speculated>()) {
     state->missed = std::make_shared<PyRef>(missed.ptr());
     state->dispatch = std::make_shared<PyRef>(dispatch.ptr());
+    state->sum_max = sum_max;
   }
 
   // The hooks from now on run the Python callbacks (no ``missed``).
@@ -923,15 +925,13 @@ class Speculation {
   }
 
   // The branches the hooks hold (``expected`` arrivals each, the last to
-  // find ``common``), and the largest value of their sums' format.
-  void hold(std::vector<std::pair<int64_t, double>> branches,
-            double sum_max) {
+  // find ``common``).
+  void hold(std::vector<std::pair<int64_t, double>> branches) {
     state->branches.assign(branches.size(), Held());
     for (size_t b = 0; b < branches.size(); ++b) {
       state->branches[b].expected = branches[b].first;
       state->branches[b].common = branches[b].second;
     }
-    state->sum_max = sum_max;
   }
 
   // What the branches not yet summed hold, handed over (then forgotten):
@@ -1245,6 +1245,88 @@ struct SpeculativeBranchHook : torch::autograd::FunctionPostHook {
   }
 };
 
+// A speculated refresh's multi-output node (backward_rules.py's
+// _unify_outputs): its incoming gradients, each at the ``scales``
+// expected for its output (NaN: not known, a miss where one comes),
+// brought to one scale, checked against the ``common`` expected (from
+// the maxima, through unified_scale, where their scales differ: that read
+// kept, as a branch's); one that misses hands them to the Python
+// callback, after ``missed``.
+struct SpeculativeUnifyHook : torch::autograd::FunctionPreHook {
+  std::shared_ptr<Speculated> state;
+  int64_t seq;
+  std::vector<double> scales;
+  double common;
+  SpeculativeUnifyHook(std::shared_ptr<Speculated> s, int64_t q,
+                       std::vector<double> e, double c)
+      : state(std::move(s)), seq(q), scales(std::move(e)), common(c) {}
+
+  variable_list operator()(const variable_list& grads) override {
+    if (state->mode == 1) {
+      std::vector<size_t> present;
+      std::vector<double> given;
+      bool missed = false;
+      for (size_t k = 0; k < grads.size(); ++k) {
+        if (!grads[k].defined()) continue;
+        const double s = k < scales.size()
+            ? scales[k] : std::numeric_limits<double>::quiet_NaN();
+        if (!(s > 0)) {
+          missed = true;
+          break;
+        }
+        present.push_back(k);
+        given.push_back(s);
+      }
+      if (!missed && present.empty()) return grads;
+      bool same = !missed;
+      for (double s : given) same &= s == given[0];
+      if (!missed && !same) {
+        std::vector<double> maxima;
+        for (size_t k : present) {
+          const double m = max_abs(grads[k]);
+          if (!std::isfinite(m)) {
+            missed = true;
+            break;
+          }
+          maxima.push_back(m);
+        }
+        if (!missed) {
+          missed = unified_scale(maxima, given, state->sum_max) != common;
+        }
+      } else if (!missed) {
+        missed = given[0] != common;
+      }
+      if (!missed) {
+        if (same) return grads;
+        state->scales.push_back(given);
+        state->kept.emplace_back(
+            seq, 2, common, 0.0, 0.0, 0.0,
+            static_cast<int64_t>(state->scales.size()) - 1, at::Tensor());
+        variable_list out(grads);
+        for (size_t j = 0; j < present.size(); ++j) {
+          if (given[j] != common) {
+            out[present[j]] = times_power_of_two(grads[present[j]],
+                                                 common / given[j]);
+          }
+        }
+        return out;
+      }
+      state->mode = 2;
+      py::gil_scoped_acquire gil;
+      PyObject* told = PyObject_CallFunction(
+          state->missed->obj, "Li", static_cast<long long>(seq), 1);
+      if (told == nullptr) throw python_error();
+      Py_DECREF(told);
+    }
+    py::gil_scoped_acquire gil;
+    py::object a = py::reinterpret_steal<py::object>(wrap(grads));
+    PyObject* result = PyObject_CallFunctionObjArgs(
+        state->dispatch->obj, py::int_(seq).ptr(), a.ptr(), nullptr);
+    if (result == nullptr) throw python_error();
+    return taken(result, grads, "backward pre-hook");
+  }
+};
+
 // The callbacks of one backward pass, taken off all at once.
 class HookSet {
  public:
@@ -1299,6 +1381,16 @@ class HookSet {
     speculate_on(node_of(node.ptr()), speculation, seq, cast, weight, axis,
                  n, coefficient, fmt_max, limit, expected, factor,
                  std::move(field));
+  }
+
+  // A speculated refresh's multi-output node on ``node``
+  // (SpeculativeUnifyHook): ``scales``, its outputs' expected, ``common``
+  // the scale it is to bring them to.
+  void add_speculative_unify(py::handle node, const Speculation& speculation,
+                             int64_t seq, std::vector<double> scales,
+                             double common) {
+    add<SpeculativeUnifyHook>(node, speculation.state, seq,
+                              std::move(scales), common);
   }
 
   // A speculated refresh's branch consumers (SpeculativeBranchHook), each
@@ -2856,6 +2948,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_speculative_at", &HookSet::add_speculative_at)
       .def("add_speculative_branches_at",
            &HookSet::add_speculative_branches_at)
+      .def("add_speculative_unify", &HookSet::add_speculative_unify)
       .def("add_planned", &HookSet::add_planned)
       .def("add_planned_events", &HookSet::add_planned_events)
       .def("clear", &HookSet::clear)
@@ -2869,7 +2962,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("mode", &PlannedTable::mode)
       .def_property_readonly("deviated", &PlannedTable::deviated);
   py::class_<Speculation>(m, "Speculation")
-      .def(py::init<py::handle, py::handle>())
+      .def(py::init<py::handle, py::handle, double>())
       .def("use_python", &Speculation::use_python)
       .def("take_kept", &Speculation::take_kept)
       .def("hold", &Speculation::hold)

@@ -97,17 +97,19 @@ class Expected(object):
             sum's among them).
         contributions (dict): ``(position, input)`` -> the scale of a
             branch consumer's contribution.
+        unified (dict): Position -> ``{output: scale}`` of the gradients
+            a multi-output node was given.
 
     """
 
     __slots__ = ('setting', 'gemms', 'casts', 'nodes', 'edges', 'slots',
-                 'contributions')
+                 'contributions', 'unified')
 
     def __init__(self, setting, gemms, casts, nodes, edges, slots,
-                 contributions):
+                 contributions, unified):
         self.setting, self.gemms, self.casts = setting, gemms, casts
         self.nodes, self.edges, self.slots = nodes, edges, slots
-        self.contributions = contributions
+        self.contributions, self.unified = contributions, unified
 
 
 def _setting(current):
@@ -212,8 +214,9 @@ class Speculation(object):
         #: of each cast site.
         self.seen, self.seen_casts = [], []
         #: ``(node, input, scale)`` of each contribution a Python branch
-        #: consumer held.
-        self.seen_contributions = []
+        #: consumer held; ``(node, {output: scale})`` of the gradients
+        #: each Python multi-output callback was given.
+        self.seen_contributions, self.seen_unified = [], []
         #: The branch slots whose sums the native hooks make, by their
         #: index there.
         self.branch_slots = []
@@ -223,7 +226,8 @@ class Speculation(object):
         self.native = None
         if self.live:
             self.native = current.hook.planned_native.Speculation(
-                _weakly(self, 'missed'), _weakly(self, 'dispatch'))
+                _weakly(self, 'missed'), _weakly(self, 'dispatch'),
+                float(current.step.controller.fmt.max))
             self._positions = current.plan.index
             estimator = current.step.controller.estimator
             fmt, coefficient = estimator.gemm_target()
@@ -358,8 +362,7 @@ class Speculation(object):
             return False
         contributions = expected.contributions
         self.native.hold([(n, common) for (_, _, n), common in
-                          zip(slots, commons)],
-                         float(current.step.controller.fmt.max))
+                          zip(slots, commons)])
         first = len(self.sites)
         current.hooks.add_speculative_branches_at(
             plan.order, self.native, [
@@ -367,13 +370,32 @@ class Speculation(object):
                     (i, b, contributions.get((position, i), _NAN))
                     for i, b in edges])
                 for k, (position, edges) in enumerate(consumers)])
-        self.sites.extend(consumers)
+        self.sites.extend(('contribute', position, edges)
+                          for position, edges in consumers)
         order, slot_scales = plan.order, current.slot_scales
         nodes = order.take([position for position, _, _ in slots])
         self.branch_slots = [(node, k) for node, (_, k, _) in
                              zip(nodes, slots)]
         for slot, common in zip(self.branch_slots, commons):
             slot_scales[slot] = common
+        return True
+
+    def unifies(self, node):
+        """Puts the native hook on multi-output ``node`` where its scales
+        are expected (its node's scale set in the pass's state, as its
+        Python callback would set it): whether it did."""
+        if not self.live:
+            return False
+        position = self._positions[node]
+        given = self.expected.unified.get(position)
+        common = self.expected.nodes.get(position)
+        if not given or common is None:
+            return False
+        self.current.hooks.add_speculative_unify(
+            node, self.native, len(self.sites),
+            [given.get(k, _NAN) for k in range(max(given) + 1)], common)
+        self.sites.append(('unify', position))
+        self.current.node_scales[node] = common
         return True
 
     def registered(self):
@@ -433,7 +455,7 @@ class Speculation(object):
             by_gemm, by_sum = landings
             found = []
             for entry in self.sites:
-                if len(entry) > 2 and entry[1]:
+                if len(entry) == 8 and entry[1]:
                     scale = entry[2] * entry[4]
                     for _, i in by_gemm.get(entry[6], ()):
                         found.append((i, scale))
@@ -504,12 +526,14 @@ class Speculation(object):
         its node was given too)."""
         fn = self._callbacks.get(seq)
         if fn is None:
-            entry = self.sites[seq]
-            if len(entry) == 2:  # (a branch consumer's, by positions)
-                position, edges = entry
+            entry, order = self.sites[seq], self.current.plan.order
+            if entry[0] == 'contribute':  # (by positions)
+                _, position, edges = entry
                 fn = self.current.callback(
-                    'contribute', self.current.plan.order[position],
+                    'contribute', order[position],
                     [(i, self.branch_slots[b]) for i, b in edges])
+            elif entry[0] == 'unify':
+                fn = self.current.callback('unify', order[entry[1]])
             else:
                 fn = self.current.callback(
                     'gemm' if entry[1] else 'cast', entry[0])
@@ -586,12 +610,16 @@ class Speculation(object):
             self.expected.contributions)
         for node, i, scale in self.seen_contributions:
             contributions[index[node], i] = scale
+        unified = {} if self.expected is None else dict(
+            self.expected.unified)
+        for node, given in self.seen_unified:
+            unified[index[node]] = given
         plan.structure_memo[_MEMO] = Expected(
             _setting(current), gemms, casts,
             {index[n]: s for n, s in current.node_scales.items()},
             {(index[n], i): s for (n, i), s in current.edge_scales.items()},
             {(index[n], k): s for (n, k), s in current.slot_scales.items()},
-            contributions)
+            contributions, unified)
 
 
 def _branches_of(plan):
