@@ -306,6 +306,22 @@ def test_measured_and_hybrid_estimators_run_on_torch(every_construct):
                     r.local_scale < 2 ** 10, r
 
 
+def traces_recorded(monkeypatch):
+    """A list that each GEMM trace of the steps after is appended to
+    (``StepScales.trace_gemm`` patched): its names, whether its incoming
+    gradient was finite, its input's finiteness (compared as values)."""
+    traced = []
+    trace_gemm = StepScales.trace_gemm
+
+    def tracing(self, names, incoming_finite, operands, grads=None):
+        traced.append((dict(names), incoming_finite, None if operands is
+                       None else [None if w is None else bool(w)
+                                  for w in operands[:1]]))
+        return trace_gemm(self, names, incoming_finite, operands, grads)
+    monkeypatch.setattr(StepScales, 'trace_gemm', tracing)
+    return traced
+
+
 def _refresh_steps(case, monkeypatch, general):
     """Three GS@1 steps (the first on a walked plan, then reused ones) of
     ``case`` with ``GradientScaler`` (underflow not measured); a
@@ -337,15 +353,7 @@ def _refresh_steps(case, monkeypatch, general):
                             lambda self, node, site: (
                                 plain.append(node), lean(self, node,
                                                          site))[1])
-    traced = []
-    trace_gemm = StepScales.trace_gemm
-
-    def tracing(self, names, incoming_finite, operands, grads=None):
-        traced.append((dict(names), incoming_finite, None if operands is
-                       None else [None if w is None else bool(w)
-                                  for w in operands[:1]]))
-        return trace_gemm(self, names, incoming_finite, operands, grads)
-    monkeypatch.setattr(StepScales, 'trace_gemm', tracing)
+    traced = traces_recorded(monkeypatch)
     steps = []
     for _ in range(3):
         optimizer.zero_grad(set_to_none=True)

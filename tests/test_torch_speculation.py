@@ -11,7 +11,6 @@ import pytest
 
 torch = pytest.importorskip('torch')
 
-from gradient_scaling.core.step_scales import StepScales  # NOQA
 from gradient_scaling.torch import GradientScaler  # NOQA: after torch
 from gradient_scaling.torch import native  # NOQA
 from gradient_scaling.torch import speculation  # NOQA
@@ -19,6 +18,7 @@ from gradient_scaling.torch import speculation  # NOQA
 from torch_nets import EveryConstructNet  # NOQA
 from torch_nets import every_construct_batch  # NOQA
 from test_torch_hook import _Attention  # NOQA
+from test_torch_hook import traces_recorded  # NOQA
 
 sys.path.insert(0, 'scripts')
 from benchmarking import torch_cases  # NOQA: scripts/ on the path
@@ -85,15 +85,7 @@ def _steps(case, monkeypatch, mode, steps=4, lr=0.01, how='plain'):
                 passes.append(found)
             return found
         monkeypatch.setattr(speculation, 'prepare', wrong)
-    traced = []
-    trace_gemm = StepScales.trace_gemm
-
-    def tracing(self, names, incoming_finite, operands, grads=None):
-        traced.append((dict(names), incoming_finite, None if operands is
-                       None else [None if w is None else bool(w)
-                                  for w in operands[:1]]))
-        return trace_gemm(self, names, incoming_finite, operands, grads)
-    monkeypatch.setattr(StepScales, 'trace_gemm', tracing)
+    traced = traces_recorded(monkeypatch)
     out = []
     for k in range(steps):
         optimizer.zero_grad(set_to_none=True)

@@ -237,6 +237,23 @@ PyObject* call(PyObject* fn, PyObject* a, PyObject* b = nullptr) {
   return result;
 }
 
+// ``fn(seq, values)`` (``fn(seq, values, second)``: a post-hook's), a
+// hook's Python callback, its result for ``values``.
+variable_list dispatch_to(PyObject* fn, int64_t seq,
+                          const variable_list& values, const char* what,
+                          const variable_list* second = nullptr) {
+  py::gil_scoped_acquire gil;
+  py::object a = py::reinterpret_steal<py::object>(wrap(values));
+  py::object b = second == nullptr
+      ? py::object()
+      : py::reinterpret_steal<py::object>(wrap(*second));
+  PyObject* result = PyObject_CallFunctionObjArgs(
+      fn, py::int_(seq).ptr(), a.ptr(),
+      second == nullptr ? nullptr : b.ptr(), nullptr);
+  if (result == nullptr) throw python_error();
+  return taken(result, values, what);
+}
+
 // fn(grad_outputs) -> None or new grad_outputs (Node.register_prehook's).
 struct PreHook : torch::autograd::FunctionPreHook {
   std::shared_ptr<PyRef> fn;
@@ -739,16 +756,7 @@ struct PlannedHook {
       Py_DECREF(told);
     }
     if (table->mode != 2) return planned_times(*table, seq, slots, values);
-    py::gil_scoped_acquire gil;
-    py::object a = py::reinterpret_steal<py::object>(wrap(values));
-    py::object b = second == nullptr
-        ? py::object()
-        : py::reinterpret_steal<py::object>(wrap(*second));
-    PyObject* result = PyObject_CallFunctionObjArgs(
-        table->dispatch->obj, py::int_(seq).ptr(), a.ptr(),
-        second == nullptr ? nullptr : b.ptr(), nullptr);
-    if (result == nullptr) throw python_error();
-    return taken(result, values, what);
+    return dispatch_to(table->dispatch->obj, seq, values, what, second);
   }
 };
 
@@ -885,6 +893,25 @@ struct Speculated {
   std::vector<Held> branches;
   double sum_max = 0;  // lambda_max of a branch's sum (its format's)
   std::shared_ptr<PyRef> missed, dispatch;
+
+  // A hook of ``seq`` missed (what its call did undone): the pass is
+  // Python's from here, ``missed`` told.
+  void miss(int64_t seq, bool readable) {
+    mode = 2;
+    py::gil_scoped_acquire gil;
+    PyObject* told = PyObject_CallFunction(
+        missed->obj, "Li", static_cast<long long>(seq), readable ? 1 : 0);
+    if (told == nullptr) throw python_error();
+    Py_DECREF(told);
+  }
+
+  // The Python callback of the hook of ``seq`` on ``values`` (and, a
+  // post-hook's, ``second``).
+  variable_list dispatched(int64_t seq, const variable_list& values,
+                           const char* what,
+                           const variable_list* second = nullptr) {
+    return dispatch_to(dispatch->obj, seq, values, what, second);
+  }
 };
 
 class Speculation {
@@ -1082,20 +1109,9 @@ struct SpeculativeSiteHook : torch::autograd::FunctionPreHook {
         return out;
       }
       state->kept.resize(before);
-      state->mode = 2;
-      py::gil_scoped_acquire gil;
-      PyObject* told = PyObject_CallFunction(
-          state->missed->obj, "Li", static_cast<long long>(seq),
-          readable ? 1 : 0);
-      if (told == nullptr) throw python_error();
-      Py_DECREF(told);
+      state->miss(seq, readable);
     }
-    py::gil_scoped_acquire gil;
-    py::object a = py::reinterpret_steal<py::object>(wrap(grads));
-    PyObject* result = PyObject_CallFunctionObjArgs(
-        state->dispatch->obj, py::int_(seq).ptr(), a.ptr(), nullptr);
-    if (result == nullptr) throw python_error();
-    return taken(result, grads, "backward pre-hook");
+    return state->dispatched(seq, grads, "backward pre-hook");
   }
 };
 
@@ -1227,21 +1243,9 @@ struct SpeculativeBranchHook : torch::autograd::FunctionPostHook {
       }
       state->kept.resize(kept);
       state->scales.resize(scales);
-      state->mode = 2;
-      py::gil_scoped_acquire gil;
-      PyObject* told = PyObject_CallFunction(
-          state->missed->obj, "Li", static_cast<long long>(seq), 1);
-      if (told == nullptr) throw python_error();
-      Py_DECREF(told);
+      state->miss(seq, true);
     }
-    py::gil_scoped_acquire gil;
-    py::object a = py::reinterpret_steal<py::object>(wrap(outputs));
-    py::object b = py::reinterpret_steal<py::object>(wrap(inputs));
-    PyObject* result = PyObject_CallFunctionObjArgs(
-        state->dispatch->obj, py::int_(seq).ptr(), a.ptr(), b.ptr(),
-        nullptr);
-    if (result == nullptr) throw python_error();
-    return taken(result, outputs, "backward hook");
+    return state->dispatched(seq, outputs, "backward hook", &inputs);
   }
 };
 
@@ -1311,21 +1315,21 @@ struct SpeculativeUnifyHook : torch::autograd::FunctionPreHook {
         }
         return out;
       }
-      state->mode = 2;
-      py::gil_scoped_acquire gil;
-      PyObject* told = PyObject_CallFunction(
-          state->missed->obj, "Li", static_cast<long long>(seq), 1);
-      if (told == nullptr) throw python_error();
-      Py_DECREF(told);
+      state->miss(seq, true);
     }
-    py::gil_scoped_acquire gil;
-    py::object a = py::reinterpret_steal<py::object>(wrap(grads));
-    PyObject* result = PyObject_CallFunctionObjArgs(
-        state->dispatch->obj, py::int_(seq).ptr(), a.ptr(), nullptr);
-    if (result == nullptr) throw python_error();
-    return taken(result, grads, "backward pre-hook");
+    return state->dispatched(seq, grads, "backward pre-hook");
   }
 };
+
+// A hook's weight: ``weight`` detached, undefined where it is None.
+at::Tensor weight_of(py::handle weight) {
+  if (weight.is_none()) return at::Tensor();
+  if (!THPVariable_Check(weight.ptr())) {
+    throw py::type_error("gradient_scaling native: a weight that is not "
+                         "a tensor");
+  }
+  return THPVariable_Unpack(weight.ptr()).detach();
+}
 
 // The callbacks of one backward pass, taken off all at once.
 class HookSet {
@@ -1356,16 +1360,9 @@ class HookSet {
   void add_refresh_read(py::handle node, py::handle weight, int64_t n,
                         double coefficient, double fmt_max, int64_t limit,
                         py::handle fallback) {
-    at::Tensor w;
-    if (!weight.is_none()) {
-      if (!THPVariable_Check(weight.ptr())) {
-        throw py::type_error("gradient_scaling native: a weight that is "
-                             "not a tensor");
-      }
-      w = THPVariable_Unpack(weight.ptr()).detach();
-    }
-    add<RefreshReadHook>(node, std::move(w), n, coefficient, fmt_max, limit,
-                         std::make_shared<PyRef>(fallback.ptr()), reads_);
+    add<RefreshReadHook>(node, weight_of(weight), n, coefficient, fmt_max,
+                         limit, std::make_shared<PyRef>(fallback.ptr()),
+                         reads_);
   }
 
   // A speculated refresh's site on ``node`` (SpeculativeSiteHook), ``seq``
@@ -1456,18 +1453,10 @@ class HookSet {
                               "scale that is not positive");
       }
     }
-    at::Tensor w;
-    if (!weight.is_none()) {
-      if (!THPVariable_Check(weight.ptr())) {
-        throw py::type_error("gradient_scaling native: a weight that is "
-                             "not a tensor");
-      }
-      w = THPVariable_Unpack(weight.ptr()).detach();
-    }
     add_on<SpeculativeSiteHook>(node, speculation.state, seq, node,
                                 std::move(field), cast_expected,
-                                cast_factor, model, std::move(w), axis, n,
-                                coefficient, fmt_max, limit, expected,
+                                cast_factor, model, weight_of(weight), axis,
+                                n, coefficient, fmt_max, limit, expected,
                                 factor);
   }
 

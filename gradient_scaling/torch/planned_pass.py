@@ -50,7 +50,7 @@ import weakref
 from gradient_scaling.core import rules
 from gradient_scaling.torch import _internals as internals
 
-__all__ = ['Layout', 'PlannedRun', 'Recorder', 'Symbolic', 'prepare',
+__all__ = ['Layout', 'PlannedRun', 'Recorder', 'Symbolic', 'prepare', 'weakly',
            'planned_entry']
 
 #: Planned entries kept per structure (the least recently made dropped).
@@ -452,9 +452,10 @@ def _callback(current, event):
                             [(i, (order[n], k)) for i, (n, k) in edges])
 
 
-def _weakly(method):
-    """``method``, a :class:`PlannedRun`'s, through a weak reference: its
-    native table keeps the callable, and the run keeps the table (a cycle
+def weakly(method, what='planned pass'):
+    """``method``, a :class:`PlannedRun`'s (or another object's that a
+    pass holds: ``what`` it is), through a weak reference: its native
+    table keeps the callable, and the run keeps the table (a cycle
     through C++, which the collector cannot see: the pass, its plan and
     its graph's nodes would never be freed)."""
     ref = weakref.WeakMethod(method)
@@ -462,8 +463,8 @@ def _weakly(method):
     def call(*args):
         bound = ref()
         if bound is None:
-            raise RuntimeError('GradientScaling: a planned pass\'s hook ran '
-                               'after the pass was freed')
+            raise RuntimeError('GradientScaling: a {}\'s hook ran after '
+                               'the pass was freed'.format(what))
         return bound(*args)
     return call
 
@@ -498,7 +499,7 @@ class PlannedRun(object):
             native = entry.native = layout.native_events(current.hook,
                                                          entry.hooked)
         if layout.prefix:
-            self.table.checked_by(_weakly(self.bound),
+            self.table.checked_by(weakly(self.bound),
                                   current.step.controller.fmt.max)
         current.hooks.add_planned_events(current.plan.order, self.table,
                                          native)
@@ -526,7 +527,7 @@ class PlannedRun(object):
                 runs(node) for node in current.plan.order.take(
                     self.layout.prefix_positions)):
             self._hook(range(len(self.layout.events)))
-            self.table.use_python(_weakly(self.dispatch))
+            self.table.use_python(weakly(self.dispatch))
         else:
             self.start()
 
@@ -585,7 +586,7 @@ class PlannedRun(object):
         finally:
             current.step = step
         self._hook(range(ran, len(self.layout.events)))
-        self.table.use_python(_weakly(self.dispatch))
+        self.table.use_python(weakly(self.dispatch))
 
     def dispatch(self, seq, *args):
         """A native hook's gradients, to its Python callback (a pass that

@@ -56,14 +56,13 @@ measured, no weight-path backoff, no GEMM that scales itself, on one
 device, and not inside a compiled region, a capture or a nested pass.
 """
 
-import weakref
-
 import torch
 
 from gradient_scaling.core import estimators
 from gradient_scaling.core import statistics
 from gradient_scaling.core import underflow
 from gradient_scaling.torch import graph
+from gradient_scaling.torch import planned_pass
 
 __all__ = ['Expected', 'Speculation', 'prepare']
 
@@ -226,7 +225,8 @@ class Speculation(object):
         self.native = None
         if self.live:
             self.native = current.hook.planned_native.Speculation(
-                _weakly(self, 'missed'), _weakly(self, 'dispatch'),
+                planned_pass.weakly(self.missed, 'speculated pass'),
+                planned_pass.weakly(self.dispatch, 'speculated pass'),
                 float(current.step.controller.fmt.max))
             self._positions = current.plan.index
             estimator = current.step.controller.estimator
@@ -636,18 +636,3 @@ def _branches_of(plan):
             consumers.setdefault(index[node], []).append((i, at[slot]))
     return slots, [(position, tuple(edges)) for position, edges in
                    consumers.items()]
-
-
-def _weakly(owner, name):
-    """``owner.name``, called through a weak reference: the native
-    speculation keeps the callable, and the pass keeps it (a cycle through
-    C++, which the collector cannot see)."""
-    ref = weakref.ref(owner)
-
-    def call(*args):
-        found = ref()
-        if found is None:
-            raise RuntimeError('GradientScaling: a speculated pass\'s hook '
-                               'ran after the pass was freed')
-        return getattr(found, name)(*args)
-    return call
