@@ -55,7 +55,8 @@ def _model(case):
     return net, (x, t)
 
 
-def _steps(case, monkeypatch, mode, steps=4, lr=0.01, how='plain'):
+def _steps(case, monkeypatch, mode, steps=4, lr=0.01, how='plain',
+           max_abs=None):
     """``steps`` GS@1 steps of ``case`` (underflow not measured): what
     each decided, recorded and landed, and each speculated pass's
     ``(expected, still speculating at its end, GEMM reads kept)``.
@@ -66,9 +67,12 @@ def _steps(case, monkeypatch, mode, steps=4, lr=0.01, how='plain'):
     step's one backward (``'plain'``); two, their gradients accumulated
     (``'accumulated'``); one of the parameters' paths only, with
     ``inputs`` (``'partial'``); at the third step, a loss so large that
-    gradients overflow (``'overflow'``: the step is skipped)."""
+    gradients overflow (``'overflow'``: the step is skipped).
+    ``max_abs``: the controller's ``max|g|``, where not the adapter's."""
     net, inputs = _model(case)
     scaler = GradientScaler(update_interval=1, measure_underflow=False)
+    if max_abs is not None:
+        scaler.hook.controller.max_abs = max_abs
     optimizer = torch.optim.SGD(net.parameters(), lr=lr)
     prepare, passes = speculation.prepare, []
     if mode == 'off':
@@ -245,6 +249,22 @@ def test_a_pass_that_runs_a_nested_backward_is_not_speculated(
     _assert_same(actual, expected)
     assert passes and not any(live for _, live, _ in passes)
     assert len([p for p in passes if p[0]]) <= 1
+
+
+def test_a_controller_with_its_own_maxima_is_not_speculated(monkeypatch):
+    """A controller whose ``max|g|`` is another function than the
+    adapter's (the native hooks read the adapter's maxima): its refreshes
+    run the Python callbacks, which ask it."""
+    asked = []
+
+    def max_abs(grad):
+        asked.append(1)
+        return float(grad.detach().abs().max())
+    actual, passes = _steps('every_construct', monkeypatch, 'on',
+                            max_abs=max_abs)
+    assert passes == [] and asked  # (its branches' maxima)
+    expected, _ = _steps('every_construct', monkeypatch, 'off')
+    _assert_same(actual, expected)
 
 
 def test_a_refresh_whose_scales_change_speculates_again_from_them(

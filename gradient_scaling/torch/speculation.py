@@ -1,17 +1,18 @@
-"""Speculated refreshes: a refresh's GEMM sites checked natively against
-the last refresh's scales.
+"""Speculated refreshes: a refresh's sites checked natively against the
+last refresh's scales.
 
 A refresh estimates every site's scale from the gradient reaching it, so
 every site runs its Python callback, and most of a refresh's time is that
 Python, not its reads. Yet a refresh mostly finds the last refresh's
 scales again. A speculated refresh (where the native module is built,
-:mod:`~gradient_scaling.torch.native`) expects that at its GEMM sites:
+:mod:`~gradient_scaling.torch.native`) expects them:
 
 1. *Expected*: a refresh of the Python callbacks on a graph's structure
    leaves what it chose, by position in the structure (:class:`Expected`,
-   kept in the structure's memo): at each GEMM site the scale its incoming
-   gradient carried, the scale estimated and the factor applied; at every
-   other callback's node the scales it set.
+   kept in the structure's memo): at each GEMM and cast site the scale
+   its incoming gradient carried, the scale estimated and the factor
+   applied; the scales every other callback set, and those its branch
+   consumers and multi-output nodes were given.
 2. *Checked*: the next refresh on the structure puts a native hook on
    each GEMM site that a refresh scales plainly (``_plainly_refreshed``)
    and on each cast site: it makes the refresh's read of its incoming
@@ -22,38 +23,45 @@ scales again. A speculated refresh (where the native module is built,
    checks that the scale estimated is the one expected; where it is, it
    multiplies the gradient by the factor expected and keeps the read,
    without a Python call (a logits GEMM that is the cast site: the
-   cast's stage, then the GEMM's). Every other callback (a GEMM site
-   with more to choose, a multi-output node, a branch's consumer) runs
-   in Python as on any refresh, and confirms that it set the scales
-   expected at its node. Where every scale above a site is the expected
-   one, so is the scale its gradient carries; a check that passes then
-   gives the site the scale, factor and edge scales its Python callback
-   would give it. The pass's Python state starts with the GEMM sites'
-   edge scales expected (what their callbacks would set), the native
-   landing told the scales of the leaves they set, and the saved inputs'
-   finiteness (their traces') read for every GEMM site while all are
-   alive.
+   cast's stage, then the GEMM's). A branch's consumers hold their
+   contributions natively (the engine sums none) and the last returns
+   their sum, in arrival order, its common scale checked (from the
+   maxima where their scales differ, the read kept); a multi-output node
+   unifies its gradients natively, checked the same way. Any other
+   callback runs in Python as on any refresh, and confirms that it set
+   the scales expected at its node. Where every scale above a site is
+   the expected one, so is the scale its gradient carries; a check that
+   passes then gives the site what its Python callback would give it.
+   The pass's Python state starts with the expected scales of the nodes
+   whose hooks are native (what their callbacks would set), and the
+   native landing is told the scales of the leaves they set.
 3. *Made good*: the reads kept are made into the step's keys, staged
    scales, records and traces by the step's own code answering from them
    (:meth:`~gradient_scaling.core.step_scales.StepScales.gemm_read`,
-   :meth:`~gradient_scaling.core.step_scales.StepScales.cast_read`), in
-   the order the sites ran: before a Python GEMM or cast callback runs
-   (its key counts the uses of its weight, or the casts, so far), where
-   the pass turns to Python, and at the pass's end. A check that fails
-   (another scale, a read that is not finite or not native) or a
-   confirmation that fails turns the pass over to Python from there:
-   every native hook after it hands its gradient to its Python callback,
-   as on any refresh (which sets the site's scales again before any
-   callback reads them); a hook whose cast stage passed and whose GEMM
-   stage failed takes its cast's read back, and its callback makes both.
+   :meth:`~gradient_scaling.core.step_scales.StepScales.cast_read`,
+   :meth:`~gradient_scaling.core.step_scales.StepScales.branch_read`), in
+   the order the sites ran: before a Python callback asks the step for a
+   key, where the pass turns to Python, and at the pass's end. A check
+   that fails (another scale, a read that is not finite or not native)
+   or a confirmation that fails turns the pass over to Python from
+   there: the hook that missed undoes what its call did, the reads kept
+   are made good, the contributions held are given to the Python
+   callbacks' stashes (at the scales expected, which every check so far
+   confirmed), and every native hook after hands its gradients to its
+   Python callback, as on any refresh. What that pass chose is the next
+   expectation.
 
 Gradients, landed scales, the step's staged scales, records and traces
 are those of the Python callbacks, bit for bit
-(``tests/test_torch_speculation.py``). A refresh speculates only as the
+(``tests/test_torch_speculation.py``; under DDP,
+``tests/test_torch_distributed.py``). A refresh speculates only as the
 first pass of its step, on a reused plan of a structure whose last
-refresh left what it chose, with the model estimator, no underflow
-measured, no weight-path backoff, no GEMM that scales itself, on one
-device, and not inside a compiled region, a capture or a nested pass.
+refresh left what it chose, with the model estimator and the adapter's
+own ``max_abs``, no underflow measured, no weight-path backoff, no GEMM
+that scales itself, on one device, and not inside a compiled region, a
+capture or a nested pass; a backward of part of the graph is Python's
+from its start, and a backward run from inside the pass turns it to
+Python there (its structure not speculated again).
 """
 
 import torch
@@ -61,6 +69,7 @@ import torch
 from gradient_scaling.core import estimators
 from gradient_scaling.core import statistics
 from gradient_scaling.core import underflow
+from gradient_scaling.torch import arrays as torch_arrays
 from gradient_scaling.torch import graph
 from gradient_scaling.torch import planned_pass
 
@@ -70,9 +79,9 @@ _MEMO = 'speculation'
 _SITES = 'speculated sites'
 _NAMES = 'speculated names'
 _BRANCHES = 'speculated branches'
-_NAN = float('nan')
+_NAN = float('nan')  # (a contribution's scale not known: its hook misses)
 #: (rate, format) -> lognormal_model_constants of them (made once).
-_CAST_CONSTANTS = {}  # (a contribution's scale not known: its hook misses)
+_CAST_CONSTANTS = {}
 #: The dtypes of the tensors the native hooks read (``gemm_model_scale``).
 _READ = frozenset([torch.float32, torch.float16, torch.bfloat16])
 
@@ -131,8 +140,9 @@ def prepare(current):
             or type(step.controller.estimator) is not \
             estimators.ModelEstimator or step.staged is not None or \
             step.records or step.occurrences or step.cast_count or \
-            step.branch_count or hook.controller.backoff.scales:
-        return None
+            step.branch_count or hook.controller.backoff.scales or \
+            step.controller.max_abs not in (None, torch_arrays.max_abs):
+        return None  # (the native maxima are torch_arrays.max_abs's)
     sites = memo.get(_SITES)
     if sites is None:
         sites = memo[_SITES] = _Sites.of(plan)
