@@ -66,8 +66,10 @@ def _steps(case, monkeypatch, mode, steps=4, lr=0.01, how='plain',
     node's scale (``'node'``), every one (``'all'``). ``how``: each
     step's one backward (``'plain'``); two, their gradients accumulated
     (``'accumulated'``); one of the parameters' paths only, with
-    ``inputs`` (``'partial'``); at the third step, a loss so large that
-    gradients overflow (``'overflow'``: the step is skipped).
+    ``inputs`` (``'partial'``); by ``torch.autograd.grad``, the
+    gradients set in ``.grad`` (``'grad'``); at the third step, a loss
+    so large that gradients overflow (``'overflow'``: the step is
+    skipped).
     ``max_abs``: the controller's ``max|g|``, where not the adapter's."""
     net, inputs = _model(case)
     scaler = GradientScaler(update_interval=1, measure_underflow=False)
@@ -99,7 +101,12 @@ def _steps(case, monkeypatch, mode, steps=4, lr=0.01, how='plain',
                 loss = net(*inputs)
             if how == 'overflow' and k == 2:
                 loss = loss * 2.0 ** 120
-            if how == 'partial':  # (the blocks' parameters, not the
+            if how == 'grad':  # (returned, not accumulated: set)
+                params, scaled = list(net.parameters()), scaler.scale(loss)
+                found = torch.autograd.grad(scaled, params)  # (routed)
+                for p, g in zip(params, found):
+                    p.grad = g
+            elif how == 'partial':  # (the blocks' parameters, not the
                 # embeddings' or the head's)
                 scaler.scale(loss).backward(
                     inputs=[p for n, p in net.named_parameters()
@@ -215,14 +222,16 @@ def test_a_speculation_that_fails_turns_to_python_exactly(
         assert all(ran == 0 for _, _, ran in speculated)
 
 
-@pytest.mark.parametrize('how', ['accumulated', 'partial', 'overflow'])
+@pytest.mark.parametrize('how', ['accumulated', 'partial', 'grad',
+                                 'overflow'])
 def test_a_speculated_refresh_in_other_steps_steps_as_the_python_callbacks(
         how, monkeypatch):
     """Gradients accumulated over two backward passes (the first of a
-    step speculates), a backward of part of the graph (``inputs``: the
-    pass is Python's from its start), a step whose gradients overflow
-    (its native reads are not finite: the pass turns to Python there, the
-    step is skipped): bit for bit the Python callbacks' steps."""
+    step speculates), a backward of part of the graph (``inputs``, or
+    ``torch.autograd.grad``: the pass is Python's from its start), a step
+    whose gradients overflow (its native reads are not finite: the pass
+    turns to Python there, the step is skipped): bit for bit the Python
+    callbacks' steps."""
     actual, passes = _steps('gpt', monkeypatch, 'on', steps=5, how=how)
     expected, _ = _steps('gpt', monkeypatch, 'off', steps=5, how=how)
     _assert_same(actual, expected)
@@ -231,7 +240,7 @@ def test_a_speculated_refresh_in_other_steps_steps_as_the_python_callbacks(
     if how == 'accumulated':  # (the first pass of each step's)
         assert len(passes) == 4
         assert all(live and kept == 10 for _, live, kept in speculated)
-    elif how == 'partial':
+    elif how in ('partial', 'grad'):
         assert not any(live or kept for _, live, kept in speculated)
     else:  # (the step that overflowed turned to Python)
         assert [live for _, live, _ in speculated].count(False) == 1

@@ -59,9 +59,10 @@ first pass of its step, on a reused plan of a structure whose last
 refresh left what it chose, with the model estimator and the adapter's
 own ``max_abs``, no underflow measured, no weight-path backoff, no GEMM
 that scales itself, on one device, and not inside a compiled region, a
-capture or a nested pass; a backward of part of the graph is Python's
-from its start, and a backward run from inside the pass turns it to
-Python there (its structure not speculated again).
+capture or a nested pass; a backward of part of the graph (``inputs=``,
+``torch.autograd.grad``) is Python's from its start, and a backward run
+from inside the pass turns it to Python there (its structure not
+speculated again).
 """
 
 import torch
@@ -455,7 +456,8 @@ class Speculation(object):
         if not self.live:
             return
         current = self.current
-        if current.partial:
+        if current.partial or current.hook._capturing:
+            # (as a planned pass: ``inputs=``, ``torch.autograd.grad``)
             self.turn()
             return
         # (by positions: the leaves the GEMM sites' edges and the
